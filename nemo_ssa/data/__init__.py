@@ -1,0 +1,21 @@
+"""Data utilities: a deterministic, cached, offline corpus builder (tokenizer + Megatron indexed dataset)."""
+
+from nemo_ssa.data.corpus import (
+    BUILDER_VERSION,
+    EOD_TOKEN,
+    PAD_TOKEN,
+    CorpusError,
+    CorpusInfo,
+    build_corpus,
+    default_corpus_dir,
+)
+
+__all__ = [
+    "BUILDER_VERSION",
+    "EOD_TOKEN",
+    "PAD_TOKEN",
+    "CorpusError",
+    "CorpusInfo",
+    "build_corpus",
+    "default_corpus_dir",
+]

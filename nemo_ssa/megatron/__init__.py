@@ -1,0 +1,1 @@
+"""Megatron-aware code: core attentions, layer norms and the layer spec."""

@@ -1,0 +1,274 @@
+"""Core attentions for megatron-core's transformer layer spec.
+
+This is the only place that knows Megatron's attention layout. Each class follows the
+megatron-core 0.15 core-attention contract exactly (the one ``DotProductAttention``
+implements):
+
+    __init__(config, layer_number, attn_mask_type, attention_type,
+             attention_dropout=None, softmax_scale=None, cp_comm_type=None,
+             pg_collection=None, **options)
+    forward(query [sq, b, np, hn], key/value [sk, b, ng, hn] (NOT expanded for GQA),
+            attention_mask, attn_mask_type=None, attention_bias=None,
+            packed_seq_params=None) -> [sq, b, np * hn]
+
+RoPE is already applied to q/k by ``SelfAttention``. Inside, tensors are viewed as
+[b, h, s, d] (no copy) and handed to ``nemo_ssa.ops`` — the op layer never sees
+Megatron layouts.
+
+Supported: self attention, mask types ``causal`` and ``no_mask`` (plus ``padding`` /
+``arbitrary`` / ``padding_causal`` with an explicit mask), GQA, attention dropout under
+Megatron's RNG tracker, tensor parallel 1 (SSA) or any (softmax). Unsupported inputs
+raise ``NotImplementedError`` naming the option — at construction where the config
+already tells (context parallel > 1, tensor parallel > 1 for SSA, cross attention,
+unknown mask types), at the first forward otherwise (packed THD sequences, attention
+bias), since those only arrive with a batch.
+
+For causal mask types the ``attention_mask`` tensor is not read: causality is applied
+inside the op (bottom-right aligned), exactly like megatron's fused upper-triangular
+softmax. Document-level masks therefore need ``padding_causal``/``arbitrary``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from megatron.core import tensor_parallel
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+from nemo_ssa.ops.registry import get_attention_fn
+
+_CAUSAL_TYPES = (AttnMaskType.causal,)
+_MASKED_TYPES = (AttnMaskType.padding, AttnMaskType.arbitrary, AttnMaskType.padding_causal)
+_SUPPORTED_MASK_TYPES = _CAUSAL_TYPES + (AttnMaskType.no_mask,) + _MASKED_TYPES
+
+
+def _tp_size(pg_collection) -> int:
+    if pg_collection is not None and getattr(pg_collection, "tp", None) is not None:
+        return pg_collection.tp.size()
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_tensor_model_parallel_world_size()
+    return 1
+
+
+class _TransformedSoftmaxAttention(MegatronModule):
+    """Shared contract handling; subclasses choose the op (transform x implementation)."""
+
+    #: name used in configs (``attention=<name>``)
+    attention_name: str = ""
+    #: (variant, impl) key into nemo_ssa.ops.registry
+    op_key: tuple = ()
+    supports_tensor_parallel: bool = True
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+        force_contiguous_qkv: bool = True,
+    ):
+        super().__init__(config=config)
+        name = self.attention_name
+        if config.context_parallel_size != 1:
+            raise NotImplementedError(
+                f"attention={name}: context_parallel_size={config.context_parallel_size} is not "
+                "supported (supported: 1). Set context_parallel_size=1."
+            )
+        if attention_type != "self":
+            raise NotImplementedError(
+                f"attention={name}: attention_type={attention_type!r} is not supported "
+                "(supported: 'self')."
+            )
+        if attn_mask_type not in _SUPPORTED_MASK_TYPES:
+            raise NotImplementedError(
+                f"attention={name}: attn_mask_type={attn_mask_type} is not supported "
+                f"(supported: {', '.join(t.name for t in _SUPPORTED_MASK_TYPES)})."
+            )
+        tp = _tp_size(pg_collection)
+        if tp != 1 and not self.supports_tensor_parallel:
+            raise NotImplementedError(
+                f"attention={name}: tensor_model_parallel_size={tp} is not supported yet "
+                "(supported: 1). Each rank holds different heads, so the gradient of the "
+                "per-layer SSA parameters would silently diverge across ranks."
+            )
+        if config.num_attention_heads % config.num_query_groups:
+            raise ValueError(
+                f"attention={name}: num_attention_heads={config.num_attention_heads} must be "
+                f"a multiple of num_query_groups={config.num_query_groups}."
+            )
+
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.force_contiguous_qkv = bool(force_contiguous_qkv)
+        self.num_heads_per_partition = config.num_attention_heads // tp
+        self.num_groups_per_partition = config.num_query_groups // tp
+        self.head_dim = config.kv_channels
+
+        # Megatron's scaling rules (DotProductAttention): default 1/sqrt(hn); with
+        # apply_query_key_layer_scaling the scale is divided by the layer number.
+        self.softmax_scale = (
+            1.0 / math.sqrt(self.head_dim) if softmax_scale is None else float(softmax_scale)
+        )
+        if config.apply_query_key_layer_scaling:
+            self.softmax_scale /= self.layer_number
+        self.dropout_p = float(
+            config.attention_dropout if attention_dropout is None else attention_dropout
+        )
+        self._attend = get_attention_fn(*self.op_key)
+
+    # -- op call ------------------------------------------------------------------------
+    def _call_op(self, q, k, v, *, causal, keep_mask, dropout_p):  # pragma: no cover
+        raise NotImplementedError
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Optional[Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[Tensor] = None,
+        packed_seq_params=None,
+    ) -> Tensor:
+        name = self.attention_name
+        if packed_seq_params is not None:
+            raise NotImplementedError(
+                f"attention={name}: packed (THD) sequences are not supported yet "
+                "(supported: the [s, b, h, d] layout). Disable sequence packing."
+            )
+        if attention_bias is not None:
+            raise NotImplementedError(f"attention={name}: attention_bias is not supported.")
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+        keep_mask = None
+        if mask_type in _MASKED_TYPES:
+            if attention_mask is None:
+                raise ValueError(f"attention={name}: attn_mask_type={mask_type.name} needs an attention_mask")
+            keep_mask = ~attention_mask.bool()  # megatron: True = masked out
+
+        sq, b = query.shape[0], query.shape[1]
+        # [s, b, h, d] -> [b, h, s, d]: views, no copy
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if self.force_contiguous_qkv:
+            # Seed 000: materialising q/k/v removed the strided-layout instabilities of
+            # the fused kernels; the reference does the same so both see identical inputs.
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+
+        dropout_p = self.dropout_p if self.training else 0.0
+        if dropout_p > 0.0 and not self.config.sequence_parallel:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                out = self._call_op(q, k, v, causal=causal, keep_mask=keep_mask, dropout_p=dropout_p)
+        else:
+            out = self._call_op(q, k, v, causal=causal, keep_mask=keep_mask, dropout_p=dropout_p)
+        # [b, h, sq, d] -> [sq, b, h*d]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+
+class SoftmaxCoreAttention(_TransformedSoftmaxAttention):
+    """``attention=softmax``: the baseline, torch SDPA (flash / cuDNN on GPU)."""
+
+    attention_name = "softmax"
+    op_key = ("softmax", "sdpa")
+
+    def _call_op(self, q, k, v, *, causal, keep_mask, dropout_p):
+        return self._attend(
+            q, k, v, causal=causal, softmax_scale=self.softmax_scale,
+            keep_mask=keep_mask, dropout_p=dropout_p,
+        )
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        return {}
+
+
+class SSACoreAttention(_TransformedSoftmaxAttention):
+    """SSA (scaled signed averaging) attention, base class of every SSA implementation.
+
+    z = n·sgn(s)·log1p(b·|s|) replaces the scores s before the row softmax. ``n`` is a
+    per-layer learnable parameter of shape [1] (a 0-d parameter would fall into
+    Megatron's weight-decay rule, which exempts only 1-d tensors, and breaks
+    FlexAttention's compiler); ``b`` is a persistent buffer, or a [1] parameter with
+    ``learnable_b``. Both are named ``n`` / ``b`` in every SSA implementation so a
+    checkpoint written by one resumes under another.
+
+    n and b stay fp32 even when Megatron casts the model to bf16/fp16 (``_apply`` below):
+    bf16 would turn b=0.8 into 0.80078125 and quantise n's updates to 2^-7.
+    """
+
+    supports_tensor_parallel = False
+    _ssa_fp32_names = ("n", "b")
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+        force_contiguous_qkv: bool = True,
+        n_init: float = 1.5,
+        b_init: float = 0.8,
+        learnable_n: bool = True,
+        learnable_b: bool = False,
+    ):
+        super().__init__(
+            config, layer_number, attn_mask_type, attention_type, attention_dropout,
+            softmax_scale, cp_comm_type, pg_collection, force_contiguous_qkv,
+        )
+        if not b_init > 0:
+            raise ValueError(f"attention={self.attention_name}: b must be > 0, got {b_init}")
+        n = torch.full((1,), float(n_init), dtype=torch.float32)
+        b = torch.full((1,), float(b_init), dtype=torch.float32)
+        if learnable_n:
+            self.n = torch.nn.Parameter(n)
+        else:
+            self.register_buffer("n", n, persistent=True)
+        if learnable_b:
+            self.b = torch.nn.Parameter(b)
+        else:
+            self.register_buffer("b", b, persistent=True)
+        # Megatron's TP metadata: replicated, not sharded.
+        for p in (self.n, self.b):
+            if isinstance(p, torch.nn.Parameter):
+                setattr(p, "sequence_parallel", False)
+                tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for name in self._ssa_fp32_names:
+            t = getattr(self, name)
+            if t.dtype != torch.float32:
+                t.data = t.data.float()
+        return self
+
+    def _call_op(self, q, k, v, *, causal, keep_mask, dropout_p):
+        return self._attend(
+            q, k, v, self.n, self.b, causal=causal, softmax_scale=self.softmax_scale,
+            keep_mask=keep_mask, dropout_p=dropout_p,
+        )
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        state_dict = self.state_dict(prefix="", keep_vars=True)
+        return make_sharded_tensors_for_checkpoint(state_dict, prefix, {}, sharded_offsets)
+
+
+class SSAReferenceCoreAttention(SSACoreAttention):
+    """``attention=ssa_reference``: unfused torch SSA, fp32 scores/softmax — the anchor."""
+
+    attention_name = "ssa_reference"
+    op_key = ("ssa", "reference")

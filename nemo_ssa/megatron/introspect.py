@@ -1,0 +1,44 @@
+"""Find our core attentions and SSA parameters inside a built (possibly wrapped) model."""
+
+from __future__ import annotations
+
+import re
+from typing import Dict, List, Tuple
+
+import torch
+
+from nemo_ssa.megatron.core_attention import SSACoreAttention, _TransformedSoftmaxAttention
+
+_LAYER_RE = re.compile(r"layers\.(\d+)\.")
+
+
+def core_attentions(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
+    """(qualified name, module) of every core attention in the model, in layer order."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, _TransformedSoftmaxAttention)]
+
+
+def ssa_values(model: torch.nn.Module) -> Dict[str, Dict[int, float]]:
+    """Current SSA scalars per layer: ``{"n": {1: 1.5, ...}, "b": {...}}`` (layers 1-based)."""
+    out: Dict[str, Dict[int, float]] = {"n": {}, "b": {}}
+    for name, mod in model.named_modules():
+        if isinstance(mod, SSACoreAttention):
+            layer = getattr(mod, "layer_number", None)
+            match = _LAYER_RE.search(name + ".")
+            if match is not None:
+                layer = int(match.group(1)) + 1
+            out["n"][layer] = float(mod.n.detach().float().cpu()[0])
+            out["b"][layer] = float(mod.b.detach().float().cpu()[0])
+    return out
+
+
+def is_ssa_parameter(name: str) -> bool:
+    return name.endswith("core_attention.n") or name.endswith("core_attention.b")
+
+
+def no_weight_decay_cond(name: str, param: torch.nn.Parameter) -> bool:
+    """Megatron's default rule (biases and 1-d tensors are exempt) plus SSA's n and b by name.
+
+    The name check keeps n exempt even if a future implementation stores it with another
+    shape (a 0-d tensor would otherwise be decayed by the default rule).
+    """
+    return name.endswith(".bias") or len(param.shape) == 1 or is_ssa_parameter(name)

@@ -1,0 +1,93 @@
+"""The GPT layer spec with our core attentions, for NeMo's ``transformer_layer_spec``.
+
+``layer_spec(config, attention=...)`` returns megatron's local (non-TE) GPT layer with
+ - the core attention chosen by name (``nemo_ssa.policy.ATTENTIONS``),
+ - LayerNorm1P (zero-centred gamma) for the layer norms and the final norm, so the
+   model keeps nemotron3_4b's architecture without Transformer Engine,
+ - megatron's MLP (squared ReLU comes from the config's ``activation_func``).
+
+It returns ``TransformerBlockSubmodules`` rather than a layer ``ModuleSpec`` so the final
+layer norm is ours too (megatron would otherwise pick its torch fallback, which refuses
+zero-centred gamma). Never combine with ``attention_backend=local``: NeMo then replaces
+``core_attention`` with megatron's DotProductAttention.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, Optional
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+
+from nemo_ssa.megatron.core_attention import (
+    SoftmaxCoreAttention,
+    SSAReferenceCoreAttention,
+)
+from nemo_ssa.megatron.layernorm import LayerNorm1P
+from nemo_ssa.policy import resolve_attention
+
+#: implementation name -> core attention class
+CORE_ATTENTIONS = {
+    "softmax": SoftmaxCoreAttention,
+    "ssa_reference": SSAReferenceCoreAttention,
+}
+
+
+def core_attention_spec(attention: str, options: Optional[Dict[str, Any]] = None) -> ModuleSpec:
+    """ModuleSpec for an implementation name (already resolved by the policy)."""
+    if attention not in CORE_ATTENTIONS:
+        raise ValueError(
+            f"no core attention module for {attention!r}; available: {sorted(CORE_ATTENTIONS)}"
+        )
+    options = dict(options or {})
+    params: Dict[str, Any] = {}
+    if "force_contiguous_qkv" in options:
+        params["force_contiguous_qkv"] = options["force_contiguous_qkv"]
+    if attention.startswith("ssa"):
+        params.update(
+            n_init=options.get("n", 1.5),
+            b_init=options.get("b", 0.8),
+            learnable_n=options.get("learnable_n", True),
+            learnable_b=options.get("learnable_b", False),
+        )
+    return ModuleSpec(module=CORE_ATTENTIONS[attention], params=params)
+
+
+def layer_spec(
+    config,
+    attention: str = "softmax",
+    attention_options: Optional[Dict[str, Any]] = None,
+    policy: str = "pinned",
+) -> TransformerBlockSubmodules:
+    """Build the block spec for ``config`` with the named attention.
+
+    Args:
+        config: the megatron/NeMo TransformerConfig (``GPTConfig``) being built.
+        attention: ``attention=<name>`` as users write it (``ssa`` is resolved by the policy).
+        attention_options: SSA options (n, b, learnable_n, learnable_b,
+            force_contiguous_qkv); the pinned policy resets overrides with a warning.
+        policy: ``pinned`` or ``free``.
+    """
+    if getattr(config, "normalization", "LayerNorm") != "LayerNorm":
+        raise NotImplementedError(
+            f"nemo_ssa layer spec: normalization={config.normalization!r} is not supported "
+            "(supported: 'LayerNorm', with or without zero-centred gamma)."
+        )
+    if getattr(config, "qk_layernorm", False):
+        raise NotImplementedError("nemo_ssa layer spec: qk_layernorm is not supported yet.")
+    if getattr(config, "num_moe_experts", None):
+        raise NotImplementedError("nemo_ssa layer spec: MoE is not supported (num_moe_experts).")
+    resolved = resolve_attention(attention, attention_options, policy=policy)
+    layer = copy.deepcopy(get_gpt_layer_local_spec(normalization="LayerNorm"))
+    layer.submodules.input_layernorm = LayerNorm1P
+    layer.submodules.pre_mlp_layernorm = LayerNorm1P
+    layer.submodules.self_attention.submodules.core_attention = core_attention_spec(
+        resolved.name, resolved.options
+    )
+    num_layers = get_num_layers_to_build(config)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=LayerNorm1P)

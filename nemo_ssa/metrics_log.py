@@ -1,0 +1,66 @@
+"""One metrics format for every training path: ``metrics.csv`` plus TensorBoard.
+
+Columns: ``step, loss, lr, tokens_per_s, grad_norm, n_layer_01 .. n_layer_NN`` (the n
+columns only for SSA models). TensorBoard tags follow NeMo: ``reduced_train_loss``,
+``lr``, ``tokens_per_s``, ``ssa/n/layer_XX``. The NeMo callback and the CPU loop both
+write through this class, so the compare tool reads one format.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+from typing import Dict, Optional
+
+TB_LOSS_TAG = "reduced_train_loss"
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: str, append: bool = False, tensorboard: bool = True,
+                 csv_name: str = "metrics.csv", tb_subdir: str = "tb"):
+        os.makedirs(run_dir, exist_ok=True)
+        self.csv_path = os.path.join(run_dir, csv_name)
+        self._append = append and os.path.exists(self.csv_path)
+        self._file = None
+        self._writer = None
+        self._columns = None
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=os.path.join(run_dir, tb_subdir))
+
+    def write(self, step: int, loss: float, lr: float, tokens_per_s: float,
+              grad_norm: float = math.nan, ssa_n: Optional[Dict[int, float]] = None) -> None:
+        row = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "grad_norm": grad_norm}
+        for layer, value in sorted((ssa_n or {}).items()):
+            row[f"n_layer_{layer:02d}"] = value
+        if self._writer is None:
+            self._columns = list(row)
+            if self._append:
+                with open(self.csv_path) as f:
+                    header = next(csv.reader(f), None)
+                if header:
+                    self._columns = header
+            self._file = open(self.csv_path, "a" if self._append else "w", newline="")
+            self._writer = csv.DictWriter(self._file, fieldnames=self._columns, extrasaction="ignore")
+            if not self._append:
+                self._writer.writeheader()
+        self._writer.writerow({k: (f"{v:.8g}" if isinstance(v, float) else v) for k, v in row.items()})
+        self._file.flush()
+        if self._tb is not None:
+            self._tb.add_scalar(TB_LOSS_TAG, loss, step)
+            self._tb.add_scalar("lr", lr, step)
+            self._tb.add_scalar("tokens_per_s", tokens_per_s, step)
+            for layer, value in sorted((ssa_n or {}).items()):
+                self._tb.add_scalar(f"ssa/n/layer_{layer:02d}", value, step)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.flush()
+            self._tb.close()
+            self._tb = None

@@ -1,0 +1,1 @@
+"""NeMo-aware code: data/forward steps, callbacks and the CPU training path."""

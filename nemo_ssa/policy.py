@@ -1,0 +1,169 @@
+"""The pinned SSA training policy (seed 000), in one place.
+
+Every SSA variant trains with n = 1.5 learnable, b = 0.8 fixed and contiguous q/k/v;
+``attention=ssa`` resolves to the policy's pinned kernel; kernels marked experimental
+are refused. Any override of those parameters is warned about and reset.
+``ssa_reference`` is always allowed (it is the baseline every comparison needs).
+``policy=free`` opts out: the requested options are used as given.
+
+This module is pure Python (no torch/megatron import) so launchers and tests can use it
+cheaply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+logger = logging.getLogger("nemo_ssa.policy")
+
+
+@dataclass(frozen=True)
+class AttentionInfo:
+    name: str
+    family: str  # "softmax" | "ssa" | "nsa" | "elsa"
+    status: str  # "stable" | "experimental" | "planned"
+    description: str
+
+
+#: Every attention name users can pass as ``attention=<name>``. Names say the
+#: implementation; ``ssa`` is an alias resolved by the policy.
+ATTENTIONS: Dict[str, AttentionInfo] = {
+    a.name: a
+    for a in [
+        AttentionInfo("softmax", "softmax", "stable", "torch SDPA (flash/cuDNN on GPU): the baseline"),
+        AttentionInfo("ssa_reference", "ssa", "stable", "unfused torch SSA, fp32 scores: the anchor"),
+        AttentionInfo("softmax_triton", "softmax", "planned", "fused Triton softmax (issue: SSA fused kernel)"),
+        AttentionInfo("ssa_triton", "ssa", "planned", "fused Triton SSA, stable design (issue: SSA fused kernel)"),
+        AttentionInfo("ssa_flex", "ssa", "planned", "SSA through FlexAttention (issue: FlexAttention path)"),
+        AttentionInfo("nsa", "nsa", "planned", "native sparse attention (issue: NSA)"),
+        AttentionInfo("elsa", "elsa", "planned", "two-pass scan attention, softmax (issue: ELSA)"),
+        AttentionInfo("elsa_ssa", "elsa", "planned", "two-pass scan attention, SSA transform (issue: ELSA)"),
+    ]
+}
+ALIASES = {"ssa": None}  # resolved by the policy's pinned kernel
+
+
+@dataclass(frozen=True)
+class SSAPolicy:
+    n: float = 1.5
+    learnable_n: bool = True
+    b: float = 0.8
+    learnable_b: bool = False
+    force_contiguous_qkv: bool = True
+    #: the kernel ``attention=ssa`` means. The fused stable kernel replaces the
+    #: reference here once it exists.
+    pinned_kernel: str = "ssa_reference"
+
+
+PINNED = SSAPolicy()
+
+SSA_OPTION_KEYS = ("n", "learnable_n", "b", "learnable_b", "force_contiguous_qkv")
+
+
+@dataclass
+class ResolvedAttention:
+    requested: str
+    name: str
+    family: str
+    policy: str
+    options: Dict[str, Any]
+    warnings: List[str] = field(default_factory=list)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def write(self, run_dir: str, filename: str = "attention_policy.json") -> str:
+        os.makedirs(run_dir, exist_ok=True)
+        path = os.path.join(run_dir, filename)
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
+        return path
+
+
+def known_names() -> List[str]:
+    return sorted(list(ATTENTIONS) + list(ALIASES))
+
+
+def resolve_attention(
+    attention: str,
+    options: Optional[Dict[str, Any]] = None,
+    policy: str = "pinned",
+    pinned: SSAPolicy = PINNED,
+) -> ResolvedAttention:
+    """Resolve ``attention=<name>`` plus user options under a policy.
+
+    Args:
+        attention: a name from :data:`ATTENTIONS` or the alias ``ssa``.
+        options: SSA options the user asked for (keys in ``SSA_OPTION_KEYS``; ignored with
+            a warning for non-SSA attentions).
+        policy: ``"pinned"`` (default: seed 000's policy enforced) or ``"free"``.
+        pinned: the policy values (tests may pass another).
+
+    Returns:
+        ResolvedAttention with the implementation name, the effective options and the
+        warnings that were logged.
+
+    Raises:
+        ValueError: unknown name, unknown option or unknown policy.
+        NotImplementedError: a planned attention that does not exist yet, or an
+            experimental kernel under the pinned policy.
+    """
+    if policy not in ("pinned", "free"):
+        raise ValueError(f"policy={policy!r} is not supported (supported: 'pinned', 'free').")
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(SSA_OPTION_KEYS))
+    if unknown:
+        raise ValueError(f"unknown attention option(s) {unknown}; supported: {list(SSA_OPTION_KEYS)}")
+    warnings: List[str] = []
+
+    def warn(msg: str) -> None:
+        warnings.append(msg)
+        logger.warning(msg)
+
+    name = attention
+    if attention == "ssa":
+        name = pinned.pinned_kernel
+    if name not in ATTENTIONS:
+        raise ValueError(f"attention={attention!r} is unknown; known: {', '.join(known_names())}")
+    info = ATTENTIONS[name]
+    if info.status == "planned":
+        raise NotImplementedError(
+            f"attention={name!r} is not implemented yet ({info.description}); "
+            f"available now: {', '.join(n for n, a in ATTENTIONS.items() if a.status != 'planned')}"
+        )
+    if info.status == "experimental" and policy == "pinned" and name != "ssa_reference":
+        raise NotImplementedError(
+            f"attention={name!r} is marked experimental and the pinned SSA policy refuses it; "
+            f"use attention=ssa ({pinned.pinned_kernel}) or opt out with policy=free."
+        )
+
+    if info.family != "ssa":
+        if options:
+            warn(f"attention={name}: SSA options {sorted(options)} do not apply and are ignored")
+        return ResolvedAttention(attention, name, info.family, policy, {}, warnings)
+
+    effective = {
+        "n": pinned.n,
+        "learnable_n": pinned.learnable_n,
+        "b": pinned.b,
+        "learnable_b": pinned.learnable_b,
+        "force_contiguous_qkv": pinned.force_contiguous_qkv,
+    }
+    if policy == "free":
+        effective.update(options)
+    else:
+        for key, value in options.items():
+            if value is None or value == effective[key]:
+                continue
+            if key == "learnable_b":
+                warn(f"Ignoring learnable_b={value}: b is fixed at {pinned.b} by the pinned SSA policy "
+                     "(policy=free to experiment).")
+            else:
+                warn(f"Overriding {key}={value} to the pinned SSA policy's {effective[key]} "
+                     "(policy=free to experiment).")
+    return ResolvedAttention(attention, name, info.family, policy, effective, warnings)

@@ -1,0 +1,253 @@
+"""NeMo recipe: nemotron3_4b shrunk to ~114M parameters, with a selectable core attention.
+
+Starts from ``nemo.collections.llm.recipes.nemotron3_4b.pretrain_recipe`` and changes only
+what the SSA study pinned (seed 000): 12 layers, 24 heads, 8 query groups, hidden 768,
+ffn 3072, ``kv_channels=None`` (-> 32), tied embeddings, TP=1, CP=1. With the local
+tokenizer's ~50k vocabulary (padded to 50,304) the softmax model has 114,169,344
+parameters; SSA adds one ``n`` per layer (12).
+
+Runs that compare attentions differ only in ``attention=``.
+
+Usage (the launcher, ``scripts/pretrain.py``, does this for you)::
+
+    from recipes import nemotron_114m
+    recipe = nemotron_114m.pretrain_recipe(dir="runs/x", attention="ssa",
+                                           data_prefix=..., tokenizer_dir=...)
+    run.run(recipe, direct=True)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import nemo_run as run
+
+NAME = "nemotron_114m"
+
+#: the architecture this recipe pins (also used by tests and the CPU path)
+ARCH = dict(
+    num_layers=12,
+    num_attention_heads=24,
+    num_query_groups=8,
+    hidden_size=768,
+    ffn_hidden_size=3072,
+    kv_channels=None,
+    share_embeddings_and_output_weights=True,
+)
+
+
+def _layer_spec_partial(attention: str, attention_options: Optional[Dict[str, Any]], policy: str):
+    from nemo_ssa.megatron.spec import layer_spec
+
+    return run.Partial(
+        layer_spec,
+        attention=attention,
+        attention_options=dict(attention_options or {}),
+        policy=policy,
+    )
+
+
+def _apply_arch(config, attention, attention_options, policy, seq_length, vocab_size) -> None:
+    for key, value in ARCH.items():
+        setattr(config, key, value)
+    config.seq_length = seq_length
+    if vocab_size is not None:
+        config.vocab_size = vocab_size
+    # Without Transformer Engine (the GPU image has none): no fused RoPE; layernorm1p
+    # comes from our spec (LayerNorm1P), so keep zero-centred gamma and drop the
+    # Apex-only persistent kernel flag.
+    config.apply_rope_fusion = False
+    config.persist_layer_norm = False
+    config.transformer_layer_spec = _layer_spec_partial(attention, attention_options, policy)
+    # Our core attention applies causality itself: no mask needed from the data.
+    from nemo_ssa.nemo.steps import data_step, forward_step
+
+    config.data_step_fn = data_step
+    config.forward_step_fn = forward_step
+
+
+def model(
+    attention: str = "softmax",
+    attention_options: Optional[Dict[str, Any]] = None,
+    policy: str = "pinned",
+    seq_length: int = 1024,
+    vocab_size: Optional[int] = None,
+) -> run.Config:
+    """The 114M Nemotron model config with the named core attention.
+
+    Args:
+        attention: ``softmax``, ``ssa`` (the policy's pinned SSA kernel) or an
+            implementation name such as ``ssa_reference``.
+        attention_options: SSA options (n, b, learnable_n, learnable_b,
+            force_contiguous_qkv); under ``policy=pinned`` overrides are reset with a warning.
+        policy: ``pinned`` (seed 000's SSA policy) or ``free``.
+        seq_length: training sequence length.
+        vocab_size: padded vocabulary size; None derives it from the tokenizer
+            (padded to a multiple of 128).
+
+    Returns:
+        ``run.Config[NemotronModel]``.
+    """
+    from nemo.collections.llm.recipes import nemotron3_4b
+
+    cfg = nemotron3_4b.model()
+    _apply_arch(cfg.config, attention, attention_options, policy, seq_length, vocab_size)
+    return cfg
+
+
+def pretrain_recipe(
+    dir: Optional[str] = None,
+    name: str = "default",
+    num_nodes: int = 1,
+    num_gpus_per_node: int = 1,
+    attention: str = "ssa",
+    attention_options: Optional[Dict[str, Any]] = None,
+    policy: str = "pinned",
+    data_prefix: Optional[str] = None,
+    tokenizer_dir: Optional[str] = None,
+    seq_length: int = 1024,
+    micro_batch_size: int = 8,
+    global_batch_size: int = 8,
+    max_steps: int = 1000,
+    warmup_steps: int = 50,
+    lr: float = 3e-4,
+    min_lr: float = 3e-5,
+    weight_decay: float = 0.1,
+    clip_grad: float = 1.0,
+    seed: int = 1234,
+    log_every_n_steps: int = 10,
+    val_check_interval: int = 1000,
+    limit_val_batches: int = 4,
+    ckpt_every_n_steps: Optional[int] = None,
+    vocab_size: Optional[int] = None,
+    num_workers: int = 2,
+    precision: str = "bf16-mixed",
+    fn=None,
+) -> run.Partial:
+    """Pre-training recipe for the 114M Nemotron with a selectable core attention.
+
+    Args:
+        dir: run directory (NeMo logs, TensorBoard, checkpoints).
+        name: experiment name.
+        num_nodes: nodes (1 for this model).
+        num_gpus_per_node: GPUs per node (data parallel; TP and CP are pinned to 1).
+        attention: ``attention=<name>``; see :func:`model`.
+        attention_options: SSA options; see :func:`model`.
+        policy: ``pinned`` or ``free``.
+        data_prefix: Megatron indexed dataset prefix (``.bin``/``.idx`` without extension);
+            ``None`` keeps NeMo's mock data (no tokenizer needed).
+        tokenizer_dir: HF tokenizer directory matching ``data_prefix``.
+        seq_length: sequence length.
+        micro_batch_size: per-GPU micro batch.
+        global_batch_size: global batch (gradient accumulation fills the gap).
+        max_steps: optimizer steps.
+        warmup_steps: linear LR warm-up steps.
+        lr: peak learning rate (cosine decay to ``min_lr`` at ``max_steps``).
+        min_lr: final learning rate.
+        weight_decay: AdamW weight decay (1-d tensors, biases, norms and SSA's ``n`` are
+            exempt).
+        clip_grad: gradient-norm clipping.
+        seed: data order and initialisation seed.
+        log_every_n_steps: Lightning logging interval.
+        val_check_interval: validation interval in steps.
+        limit_val_batches: validation batches per check.
+        ckpt_every_n_steps: checkpoint interval (None: at the end only).
+        vocab_size: padded vocabulary; None derives it from the tokenizer.
+        num_workers: data-loader workers.
+        precision: ``bf16-mixed`` (default), ``16-mixed`` or ``32``.
+        fn: the NeMo entry (default ``llm.pretrain``).
+
+    Returns:
+        ``run.Partial`` for ``run.run(recipe, direct=True)``.
+    """
+    from nemo.collections.llm.recipes import nemotron3_4b
+
+    kwargs = dict(dir=dir, name=name, num_nodes=num_nodes, num_gpus_per_node=num_gpus_per_node)
+    if fn is not None:
+        kwargs["fn"] = fn
+    recipe = nemotron3_4b.pretrain_recipe(**kwargs)
+
+    _apply_arch(recipe.model.config, attention, attention_options, policy, seq_length, vocab_size)
+
+    # Parallelism (pinned)
+    strategy = recipe.trainer.strategy
+    strategy.tensor_model_parallel_size = 1
+    strategy.pipeline_model_parallel_size = 1
+    strategy.context_parallel_size = 1
+    strategy.sequence_parallel = False
+    strategy.ckpt_async_save = False
+    strategy.ddp.overlap_param_gather = False
+    strategy.ddp.overlap_grad_reduce = False
+
+    # Schedule
+    recipe.trainer.max_steps = max_steps
+    recipe.trainer.log_every_n_steps = log_every_n_steps
+    recipe.trainer.val_check_interval = val_check_interval
+    recipe.trainer.limit_val_batches = limit_val_batches
+    recipe.trainer.limit_test_batches = limit_val_batches
+    recipe.optim.config.lr = lr
+    recipe.optim.config.weight_decay = weight_decay
+    recipe.optim.config.clip_grad = clip_grad
+    recipe.optim.lr_scheduler.warmup_steps = warmup_steps
+    recipe.optim.lr_scheduler.min_lr = min_lr
+    recipe.optim.lr_scheduler.max_steps = max_steps
+    if precision != "bf16-mixed":
+        from nemo.collections.llm.recipes.precision.mixed_precision import fp16_mixed
+
+        if precision == "16-mixed":
+            recipe.trainer.plugins = fp16_mixed()
+            recipe.optim.config.bf16, recipe.optim.config.fp16 = False, True
+        elif precision == "32":
+            recipe.trainer.plugins = None
+            recipe.optim.config.bf16 = recipe.optim.config.fp16 = False
+        else:
+            raise ValueError(f"precision={precision!r} (supported: bf16-mixed, 16-mixed, 32)")
+
+    # Data: the local indexed dataset, or NeMo's mock data when none is given.
+    if data_prefix is not None:
+        if tokenizer_dir is None:
+            raise ValueError("data_prefix needs tokenizer_dir (the tokenizer the corpus was built with)")
+        recipe.data = local_data(data_prefix, tokenizer_dir, seq_length, micro_batch_size,
+                                 global_batch_size, seed, num_workers)
+    else:
+        recipe.data.seq_length = seq_length
+        recipe.data.micro_batch_size = micro_batch_size
+        recipe.data.global_batch_size = global_batch_size
+
+    # Checkpoints: keep the last, save on an interval if asked.
+    from nemo_ssa.megatron.introspect import no_weight_decay_cond
+
+    recipe.optim.no_weight_decay_cond = no_weight_decay_cond
+
+    ckpt = recipe.log.ckpt
+    ckpt.save_top_k = 1
+    ckpt.save_last = True
+    ckpt.monitor = "reduced_train_loss"
+    ckpt.train_time_interval = None
+    ckpt.every_n_train_steps = ckpt_every_n_steps or max_steps
+    ckpt.filename = "{model_name}--{step}-{consumed_samples}"
+    recipe.log.tensorboard.name = name
+    return recipe
+
+
+def local_data(data_prefix, tokenizer_dir, seq_length, micro_batch_size, global_batch_size,
+               seed, num_workers=2) -> run.Config:
+    """PreTrainingDataModule over a local Megatron indexed dataset and HF tokenizer dir."""
+    from nemo.collections.common.tokenizers.huggingface.auto_tokenizer import AutoTokenizer
+    from nemo.collections.llm.gpt.data.pre_training import PreTrainingDataModule
+
+    return run.Config(
+        PreTrainingDataModule,
+        paths=[str(data_prefix)],
+        seq_length=seq_length,
+        tokenizer=run.Config(AutoTokenizer, pretrained_model_name=str(tokenizer_dir), use_fast=True),
+        micro_batch_size=micro_batch_size,
+        global_batch_size=global_batch_size,
+        seed=seed,
+        split="990,8,2",
+        num_workers=num_workers,
+        pin_memory=True,
+        create_attention_mask=False,
+        reset_attention_mask=False,
+        reset_position_ids=False,
+    )
