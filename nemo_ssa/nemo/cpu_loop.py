@@ -104,14 +104,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init_distributed(seed: int) -> None:
+def _init_distributed(seed: int) -> bool:
+    """Gloo world of 1 + megatron parallel state; seeds every RNG. True if it created them."""
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
+    created = False
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(_free_port())
         dist.init_process_group("gloo", rank=0, world_size=1)
+        created = True
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
     # CPU: no CUDA generators to seed; megatron's inference tracker forks nothing, so
@@ -120,6 +123,7 @@ def _init_distributed(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+    return created
 
 
 def teardown_distributed() -> None:
@@ -241,7 +245,7 @@ def train_on_cpu(
     say = (lambda *a: None) if quiet else (lambda *a: print("[cpu]", *a, flush=True))
     say(f"path: megatron-core CPU loop (no CUDA here: NeMo's trainer needs a GPU); run dir {run_dir}")
 
-    _init_distributed(seed)
+    created = _init_distributed(seed)
     try:
         with cpu_device_shims():
             cfg = fdl.build(recipe.model.config)
@@ -286,8 +290,10 @@ def train_on_cpu(
             writer = MetricsWriter(run_dir, append=resume and step > 0)
 
             if warmup and step == 0:
-                peek = _batches(dataset, mbs, gbs, consumed_samples=0)
+                # inside the block: creating a DataLoader iterator draws its base seed
+                # from torch's generator, so even the peek at the batch shape counts
                 with preserved_rng(warmup_restores_rng):
+                    peek = _batches(dataset, mbs, gbs, consumed_samples=0)
                     warmed = warmup_attention(ddp, next(peek))
                 say(f"warm-up: {warmed} core attention type(s), RNG "
                     f"{'restored' if warmup_restores_rng else 'NOT restored (negative control)'}")
@@ -337,7 +343,8 @@ def train_on_cpu(
                 json.dump({k: v for k, v in result.__dict__.items()}, f, indent=2, default=str)
             return result
     finally:
-        teardown_distributed()
+        if created:
+            teardown_distributed()
 
 
 def _latest_checkpoint(root: str) -> Optional[str]:

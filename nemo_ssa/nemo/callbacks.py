@@ -1,0 +1,103 @@
+"""Lightning callbacks for NeMo runs: our metrics log and the RNG-safe attention warm-up."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from nemo_ssa.metrics_log import MetricsWriter, TB_LOSS_TAG
+from nemo_ssa.rng import preserved_rng
+
+
+def _unwrap(pl_module):
+    # NeMo's GPTModel holds the megatron model as ``module`` (possibly DDP/Float16 wrapped)
+    return getattr(pl_module, "module", pl_module)
+
+
+class MetricsCallback(Callback):
+    """Writes ``metrics.csv`` (+ TensorBoard under ``run_dir/tb``) every step.
+
+    Columns: step, loss (``reduced_train_loss``), lr, tokens/s, grad_norm, n per layer
+    (SSA models). n per layer is also logged through Lightning (``ssa/n/layer_XX``) so
+    NeMo's own TensorBoard has it. At the end, ``summary.json`` records steady-state
+    tokens/s (median over steps after the first 10), peak GPU memory and the losses.
+    """
+
+    def __init__(self, run_dir: str, seq_length: int, global_batch_size: int, attention: str):
+        self.run_dir = run_dir
+        self.tokens_per_step = seq_length * global_batch_size
+        self.attention = attention
+        self._writer: Optional[MetricsWriter] = None
+        self._t_last: Optional[float] = None
+        self._rates = []
+        self._losses = {}
+
+    def on_train_start(self, trainer, pl_module):
+        self._writer = MetricsWriter(self.run_dir, append=trainer.global_step > 0)
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        self._t_last = time.time()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        from nemo_ssa.megatron.introspect import ssa_values
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        now = time.time()
+        dt = now - self._t_last if self._t_last else float("nan")
+        self._t_last = now
+        step = trainer.global_step
+        loss = trainer.callback_metrics.get(TB_LOSS_TAG)
+        loss = float(loss) if loss is not None else float("nan")
+        lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else float("nan")
+        n_vals = ssa_values(_unwrap(pl_module))["n"]
+        rate = self.tokens_per_step / dt if dt and dt > 0 else float("nan")
+        self._rates.append(rate)
+        self._losses[step] = loss
+        for layer, value in n_vals.items():
+            pl_module.log(f"ssa/n/layer_{layer:02d}", value, batch_size=1)
+        if self._writer is not None:
+            self._writer.write(step=step, loss=loss, lr=lr, tokens_per_s=rate, ssa_n=n_vals)
+
+    def on_train_end(self, trainer, pl_module):
+        if self._writer is not None:
+            self._writer.close()
+        steady = sorted(r for r in self._rates[10:] if r == r) or sorted(r for r in self._rates if r == r)
+        summary = {
+            "attention": self.attention,
+            "steps": trainer.global_step,
+            "tokens_per_s_median": steady[len(steady) // 2] if steady else None,
+            "peak_memory_gib": (torch.cuda.max_memory_allocated() / 2**30) if torch.cuda.is_available() else None,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "loss": {str(k): v for k, v in sorted(self._losses.items())},
+        }
+        with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+
+
+class AttentionWarmupCallback(Callback):
+    """Warm the core attentions up before step 0 without changing the run.
+
+    Compiles/autotunes fused kernels on random inputs of the training shape, then
+    restores every RNG state (python, numpy, torch CPU/CUDA, megatron's tracker).
+    """
+
+    def __init__(self, micro_batch_size: int, seq_length: int, restore_rng: bool = True):
+        self.micro_batch_size = micro_batch_size
+        self.seq_length = seq_length
+        self.restore_rng = restore_rng
+
+    def on_train_start(self, trainer, pl_module: Any):
+        from nemo_ssa.nemo.cpu_loop import warmup_attention
+
+        if trainer.global_step > 0:
+            return  # resumed: the run's RNG state came from the checkpoint
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        tokens = torch.zeros(self.micro_batch_size, self.seq_length, dtype=torch.long, device=device)
+        with preserved_rng(self.restore_rng):
+            warmup_attention(_unwrap(pl_module), {"tokens": tokens})
