@@ -1,0 +1,126 @@
+"""The pinned SSA policy (nemo_ssa.policy.resolve_attention)."""
+
+import json
+import logging
+
+import pytest
+
+from nemo_ssa.policy import ATTENTIONS, AttentionInfo, ResolvedAttention, SSAPolicy, resolve_attention
+
+PINNED_OPTIONS = {"n": 1.5, "learnable_n": True, "b": 0.8, "learnable_b": False,
+                  "force_contiguous_qkv": True}
+PLANNED = ["softmax_triton", "ssa_triton", "ssa_flex", "nsa", "elsa", "elsa_ssa"]
+
+
+@pytest.fixture
+def policy_log(caplog):
+    caplog.set_level(logging.WARNING, logger="nemo_ssa.policy")
+    return caplog
+
+
+def warnings_logged(caplog):
+    return [r.getMessage() for r in caplog.records
+            if r.name == "nemo_ssa.policy" and r.levelno == logging.WARNING]
+
+
+def test_ssa_resolves_to_pinned_reference(policy_log):
+    r = resolve_attention("ssa")
+    assert (r.requested, r.name, r.family, r.policy) == ("ssa", "ssa_reference", "ssa", "pinned")
+    assert r.options == PINNED_OPTIONS
+    assert r.warnings == [] and warnings_logged(policy_log) == []
+
+
+def test_ssa_reference_gets_the_same_options():
+    assert resolve_attention("ssa_reference").options == PINNED_OPTIONS
+
+
+@pytest.mark.parametrize("key,value", [("n", 2.0), ("b", 0.5), ("force_contiguous_qkv", False),
+                                       ("learnable_n", False)])
+def test_pinned_override_warns_and_resets(policy_log, key, value):
+    r = resolve_attention("ssa", {key: value})
+    assert r.options == PINNED_OPTIONS
+    logged = warnings_logged(policy_log)
+    assert len(logged) == 1 and f"{key}={value}" in logged[0]
+    assert r.warnings == logged
+
+
+def test_learnable_b_is_ignored_with_warning(policy_log):
+    r = resolve_attention("ssa", {"learnable_b": True})
+    assert r.options["learnable_b"] is False
+    logged = warnings_logged(policy_log)
+    assert len(logged) == 1 and "Ignoring learnable_b" in logged[0]
+
+
+def test_values_equal_to_the_policy_or_none_do_not_warn(policy_log):
+    r = resolve_attention("ssa", {"n": 1.5, "b": None, "learnable_b": False})
+    assert r.options == PINNED_OPTIONS
+    assert warnings_logged(policy_log) == [] and r.warnings == []
+
+
+def test_free_policy_keeps_overrides(policy_log):
+    asked = {"n": 2.0, "b": 0.5, "learnable_b": True, "force_contiguous_qkv": False}
+    r = resolve_attention("ssa", asked, policy="free")
+    assert r.name == "ssa_reference" and r.policy == "free"
+    assert r.options == {**PINNED_OPTIONS, **asked}
+    assert warnings_logged(policy_log) == []
+
+
+def test_softmax_ignores_ssa_options_with_warning(policy_log):
+    r = resolve_attention("softmax", {"n": 2.0})
+    assert (r.name, r.family, r.options) == ("softmax", "softmax", {})
+    logged = warnings_logged(policy_log)
+    assert len(logged) == 1 and "ignored" in logged[0] and "'n'" in logged[0]
+    policy_log.clear()
+    assert resolve_attention("softmax").warnings == [] and warnings_logged(policy_log) == []
+
+
+@pytest.mark.parametrize("name", PLANNED)
+def test_planned_names_raise_not_implemented_with_available(name):
+    assert ATTENTIONS[name].status == "planned"
+    with pytest.raises(NotImplementedError) as err:
+        resolve_attention(name)
+    msg = str(err.value)
+    assert repr(name) in msg
+    assert "available now: softmax, ssa_reference" in msg
+
+
+def test_experimental_refused_when_pinned_allowed_when_free(monkeypatch):
+    monkeypatch.setitem(ATTENTIONS, "ssa_exp", AttentionInfo("ssa_exp", "ssa", "experimental", "test"))
+    with pytest.raises(NotImplementedError, match="experimental"):
+        resolve_attention("ssa_exp")
+    assert resolve_attention("ssa_exp", policy="free").name == "ssa_exp"
+
+
+def test_pinned_values_come_from_the_policy_object():
+    r = resolve_attention("ssa", pinned=SSAPolicy(n=2.5, b=0.3))
+    assert r.options["n"] == 2.5 and r.options["b"] == 0.3
+
+
+@pytest.mark.parametrize("call", [
+    lambda: resolve_attention("ssa_nope"),
+    lambda: resolve_attention("ssa", {"temperature": 2.0}),
+    lambda: resolve_attention("ssa", policy="loose"),
+], ids=["unknown_name", "unknown_option", "unknown_policy"])
+def test_unknown_inputs_raise_value_error(call):
+    with pytest.raises(ValueError):
+        call()
+
+
+def test_unknown_messages_name_the_culprit():
+    with pytest.raises(ValueError, match="ssa_nope"):
+        resolve_attention("ssa_nope")
+    with pytest.raises(ValueError, match="temperature"):
+        resolve_attention("ssa", {"temperature": 2.0})
+    with pytest.raises(ValueError, match="loose"):
+        resolve_attention("ssa", policy="loose")
+
+
+def test_write_round_trips(tmp_path, policy_log):
+    r = resolve_attention("ssa", {"n": 3.0})
+    path = r.write(str(tmp_path / "run" / "nested"))
+    with open(path) as f:
+        loaded = json.load(f)
+    assert loaded == {"requested": "ssa", "name": "ssa_reference", "family": "ssa",
+                      "policy": "pinned", "options": PINNED_OPTIONS, "warnings": r.warnings}
+    assert len(loaded["warnings"]) == 1
+    assert ResolvedAttention(**loaded) == r
