@@ -117,13 +117,14 @@ class _TransformedSoftmaxAttention(MegatronModule):
         self.num_groups_per_partition = config.num_query_groups // tp
         self.head_dim = config.kv_channels
 
-        # Megatron's scaling rules (DotProductAttention): default 1/sqrt(hn); with
-        # apply_query_key_layer_scaling the scale is divided by the layer number.
+        # Megatron's scaling rules (DotProductAttention): default 1/sqrt(hn), or the given
+        # softmax_scale. apply_query_key_layer_scaling divides the QK^T scale by the layer
+        # number and multiplies the softmax input back by it (FusedScaleMaskSoftmax's
+        # ``scale``): the math is unchanged, only fp16 overflow in the matmul is avoided.
+        # Our scores are formed in fp32, so the net scale is used directly.
         self.softmax_scale = (
             1.0 / math.sqrt(self.head_dim) if softmax_scale is None else float(softmax_scale)
         )
-        if config.apply_query_key_layer_scaling:
-            self.softmax_scale /= self.layer_number
         self.dropout_p = float(
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
@@ -249,11 +250,13 @@ class SSACoreAttention(_TransformedSoftmaxAttention):
                 tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
 
     def _apply(self, fn, recurse=True):
+        # Keep the fp32 values: casting to bf16 and back would round b=0.8 to 0.80078125.
+        saved = {name: getattr(self, name).data.clone() for name in self._ssa_fp32_names}
         super()._apply(fn, recurse)
-        for name in self._ssa_fp32_names:
+        for name, value in saved.items():
             t = getattr(self, name)
-            if t.dtype != torch.float32:
-                t.data = t.data.float()
+            if t.dtype != torch.float32 or not torch.equal(t.data.float().cpu(), value.float().cpu()):
+                t.data = value.to(device=t.device, dtype=torch.float32)
         return self
 
     def _call_op(self, q, k, v, *, causal, keep_mask, dropout_p):

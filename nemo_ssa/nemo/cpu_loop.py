@@ -263,6 +263,7 @@ def train_on_cpu(
             )
             opt_cfg = fdl.build(recipe.optim.config)
             optimizer = get_megatron_optimizer(opt_cfg, [ddp], no_weight_decay_cond=no_weight_decay_cond)
+            _apply_param_group_multipliers(optimizer)
             torch_opt = McoreDistributedOptimizer(optimizer)
             sched_module = fdl.build(recipe.optim.lr_scheduler)
             sched_module.max_steps = max_steps
@@ -337,7 +338,8 @@ def train_on_cpu(
             result = CPUTrainResult(
                 run_dir=run_dir, steps=step, losses=losses, ssa_n=ssa_values(ddp)["n"],
                 checkpoint=last_ckpt, metrics_csv=writer.csv_path, elapsed_s=time.time() - t_start,
-                extra={"params": n_params, "tokens_per_step": tokens_per_step},
+                extra={"params": n_params, "tokens_per_step": tokens_per_step,
+                       "no_weight_decay": no_decay_parameter_names(ddp, optimizer)},
             )
             with open(os.path.join(run_dir, "cpu_run.json"), "w") as f:
                 json.dump({k: v for k, v in result.__dict__.items()}, f, indent=2, default=str)
@@ -345,6 +347,37 @@ def train_on_cpu(
     finally:
         if created:
             teardown_distributed()
+
+
+def _apply_param_group_multipliers(optimizer) -> None:
+    """Fold megatron's ``wd_mult``/``lr_mult`` into each group's weight decay and lr.
+
+    megatron marks groups (wd_mult=0 for biases, norms and SSA's n) and leaves applying
+    the multipliers to its own scheduler; NeMo uses a torch scheduler instead and applies
+    them once after building the optimizer (``nemo.lightning._strategy_lib.
+    setup_megatron_optimizer``). The CPU loop uses NeMo's scheduler too, so it does the
+    same, with NeMo's key names, so a group is never multiplied twice.
+    """
+    for pg in optimizer.param_groups:
+        if "pre_lr_mult" in pg or "pre_mult_wd" in pg:
+            continue
+        pg["pre_mult_lr"], pg["pre_mult_wd"] = pg["lr"], pg["weight_decay"]
+        pg["lr"] = pg["lr"] * pg.get("lr_mult", 1.0)
+        pg["weight_decay"] = pg["weight_decay"] * pg.get("wd_mult", 1.0)
+        if "lr_mult" in pg:
+            pg["pre_lr_mult"] = pg.pop("lr_mult")
+        if "wd_mult" in pg:
+            pg["pre_wd_mult"] = pg.pop("wd_mult")
+
+
+def no_decay_parameter_names(ddp, optimizer) -> List[str]:
+    """Names of the parameters whose optimizer group has weight_decay == 0."""
+    names = {id(p): n for n, p in ddp.module.named_parameters()}
+    out = []
+    for pg in optimizer.param_groups:
+        if pg["weight_decay"] == 0:
+            out.extend(names.get(id(p), "?") for p in pg["params"])
+    return sorted(out)
 
 
 def _latest_checkpoint(root: str) -> Optional[str]:

@@ -113,3 +113,13 @@ def test_main_job_cli_trains_and_says_where_logs_are(tiny_corpus, tmp_path):
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.1
     assert {"n_layer_01", "n_layer_02"} <= set(rows[0])
     assert os.path.isdir(run_dir / "tb") and os.listdir(run_dir / "tb")
+
+
+def test_cpu_loop_applies_weight_decay_multipliers(tiny_corpus, tmp_path):
+    """megatron marks n/norms/biases with wd_mult=0; the loop must fold it into the groups
+    (as NeMo does), or n would decay at the full rate."""
+    res = _train(tiny_corpus, tmp_path / "wd", max_steps=1)
+    no_wd = res.extra["no_weight_decay"]
+    assert {f"decoder.layers.{i}.self_attention.core_attention.n" for i in (0, 1)} <= set(no_wd)
+    assert not any(name.endswith("linear_qkv.weight") or name.endswith("linear_fc1.weight")
+                   for name in no_wd)
