@@ -67,6 +67,9 @@ class MetricsCallback(Callback):
     def on_train_end(self, trainer, pl_module):
         if self._writer is not None:
             self._writer.close()
+        from nemo_ssa.megatron.introspect import ssa_values
+
+        ssa = ssa_values(_unwrap(pl_module))
         steady = sorted(r for r in self._rates[10:] if r == r) or sorted(r for r in self._rates if r == r)
         summary = {
             "attention": self.attention,
@@ -74,6 +77,8 @@ class MetricsCallback(Callback):
             "tokens_per_s_median": steady[len(steady) // 2] if steady else None,
             "peak_memory_gib": (torch.cuda.max_memory_allocated() / 2**30) if torch.cuda.is_available() else None,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "ssa_n": ssa["n"],
+            "ssa_b": ssa["b"],
             "loss": {str(k): v for k, v in sorted(self._losses.items())},
         }
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
