@@ -122,6 +122,7 @@ def pretrain_recipe(
     vocab_size: Optional[int] = None,
     num_workers: int = 2,
     precision: str = "bf16-mixed",
+    use_distributed_optimizer: bool = False,
     fn=None,
 ) -> run.Partial:
     """Pre-training recipe for the 114M Nemotron with a selectable core attention.
@@ -155,6 +156,12 @@ def pretrain_recipe(
         vocab_size: padded vocabulary; None derives it from the tokenizer.
         num_workers: data-loader workers.
         precision: ``bf16-mixed`` (default), ``16-mixed`` or ``32``.
+        use_distributed_optimizer: shard optimizer state across data-parallel ranks.
+            Off by default: megatron-core 0.15.3's distributed optimizer fails to write a
+            checkpoint of the SSA model (AssertionError in
+            ``sharded_param_state_dp_reshardable``, measured on an H200,
+            docs/results/2026-11-22-gpu-proof.md), and a 114M model gains little from
+            sharding its optimizer state.
         fn: the NeMo entry (default ``llm.pretrain``).
 
     Returns:
@@ -188,6 +195,8 @@ def pretrain_recipe(
     recipe.optim.config.lr = lr
     recipe.optim.config.weight_decay = weight_decay
     recipe.optim.config.clip_grad = clip_grad
+    recipe.optim.config.use_distributed_optimizer = use_distributed_optimizer
+    strategy.ddp.use_distributed_optimizer = use_distributed_optimizer
     recipe.optim.lr_scheduler.warmup_steps = warmup_steps
     recipe.optim.lr_scheduler.min_lr = min_lr
     recipe.optim.lr_scheduler.max_steps = max_steps

@@ -94,6 +94,7 @@ def build_recipe(cfg: DictConfig, train: DictConfig, prefix: str, tokenizer_dir:
         vocab_size=cfg.model.get("vocab_size"),
         num_workers=int(train.get("num_workers", 2)),
         precision=str(train.precision),
+        use_distributed_optimizer=bool(train.get("distributed_optimizer") or False),
     )
     return recipe, resolved
 

@@ -204,8 +204,15 @@ class SSACoreAttention(_TransformedSoftmaxAttention):
     ``learnable_b``. Both are named ``n`` / ``b`` in every SSA implementation so a
     checkpoint written by one resumes under another.
 
-    n and b stay fp32 even when Megatron casts the model to bf16/fp16 (``_apply`` below):
-    bf16 would turn b=0.8 into 0.80078125 and quantise n's updates to 2^-7.
+    Precision: fixed SSA scalars are fp32 buffers and stay fp32 (and exact) when Megatron
+    casts the model to bf16/fp16 (``_apply`` below) — bf16 would turn b=0.8 into
+    0.80078125. Learnable ones (n; b with ``learnable_b``) follow the model's dtype like
+    every other parameter, with their fp32 master copy in Megatron's mixed-precision
+    optimizer: megatron-core 0.15.3's optimizers cannot checkpoint an fp32 parameter inside
+    a bf16 model (``Float16OptimizerWithFloat16Params.sharded_state_dict`` maps only the
+    half-precision groups: "Optimizer shape (1,) does not match model shape (768,)"),
+    measured on an H200 (docs/results/2026-11-22-gpu-proof.md). The transform itself is
+    always evaluated in fp32.
     """
 
     supports_tensor_parallel = False
@@ -250,8 +257,13 @@ class SSACoreAttention(_TransformedSoftmaxAttention):
                 tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
 
     def _apply(self, fn, recurse=True):
-        # Keep the fp32 values: casting to bf16 and back would round b=0.8 to 0.80078125.
-        saved = {name: getattr(self, name).data.clone() for name in self._ssa_fp32_names}
+        # Keep fixed scalars (buffers) fp32 and exact: casting to bf16 and back would round
+        # b=0.8 to 0.80078125. Parameters follow the module (see the class docstring).
+        saved = {
+            name: getattr(self, name).data.clone()
+            for name in self._ssa_fp32_names
+            if not isinstance(getattr(self, name), torch.nn.Parameter)
+        }
         super()._apply(fn, recurse)
         for name, value in saved.items():
             t = getattr(self, name)

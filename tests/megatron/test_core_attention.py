@@ -211,22 +211,30 @@ def test_ssa_n_and_b_defaults():
 
 @pytest.mark.parametrize("cast", ["bfloat16", "half"])
 @pytest.mark.parametrize("learnable_b", [False, True])
-def test_ssa_params_stay_fp32_after_cast(cast, learnable_b):
-    mod = build(SSAReferenceCoreAttention, learnable_b=learnable_b)
+def test_fixed_ssa_scalars_stay_fp32_parameters_follow_the_model(cast, learnable_b):
+    """Buffers (fixed b; n when not learnable) stay fp32 and exact through Megatron's
+    half-precision cast; parameters follow the model dtype (megatron-core 0.15.3's
+    mixed-precision optimizer cannot checkpoint an fp32 parameter in a bf16 model)."""
+    mod = build(SSAReferenceCoreAttention, learnable_b=learnable_b, n_init=1.3)
     wrapper = torch.nn.ModuleDict({"core_attention": mod, "proj": torch.nn.Linear(4, 4)})
     getattr(wrapper, cast)()
     low = torch.bfloat16 if cast == "bfloat16" else torch.float16
     assert wrapper["proj"].weight.dtype == low  # the cast did happen around it
-    assert mod.n.dtype == torch.float32 and mod.b.dtype == torch.float32
-    assert mod.n.item() == 1.5  # exactly representable in bf16/fp16 too
-    assert isinstance(mod.n, torch.nn.Parameter)
+    assert isinstance(mod.n, torch.nn.Parameter) and mod.n.dtype == low
+    assert mod.n.item() == torch.tensor(1.3, dtype=low).item()
     assert isinstance(mod.b, torch.nn.Parameter) == learnable_b
+    if learnable_b:
+        assert mod.b.dtype == low
+    else:
+        assert mod.b.dtype == torch.float32
+        assert mod.b.item() == torch.tensor(0.8, dtype=torch.float32).item()  # not 0.80078125
 
 
 @pytest.mark.parametrize("cast", ["bfloat16", "half"])
-def test_ssa_param_values_survive_cast(cast):
-    mod = build(SSAReferenceCoreAttention, n_init=1.3)
+def test_fixed_n_buffer_survives_cast_exactly(cast):
+    mod = build(SSAReferenceCoreAttention, n_init=1.3, learnable_n=False)
     getattr(mod, cast)()
+    assert not isinstance(mod.n, torch.nn.Parameter) and mod.n.dtype == torch.float32
     assert mod.n.item() == torch.tensor(1.3, dtype=torch.float32).item()
     assert mod.b.item() == torch.tensor(0.8, dtype=torch.float32).item()
 
