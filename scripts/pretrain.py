@@ -40,7 +40,7 @@ def _train_cfg(cfg: DictConfig, cuda: bool) -> DictConfig:
                      if k != "device" and v is not None}
         train = OmegaConf.merge(base, overrides)
     if train.device == "gpu" and not cuda:
-        raise SystemExit(f"train config asks for a GPU (device=gpu) but CUDA is not available; "
+        raise SystemExit("train config asks for a GPU (device=gpu) but CUDA is not available; "
                          "use train=cpu_smoke (or train=auto)")
     return train
 

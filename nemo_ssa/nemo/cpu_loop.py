@@ -229,14 +229,10 @@ def train_on_cpu(
         quiet: print less.
     """
     import fiddle as fdl
-    from megatron.core import dist_checkpointing
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import get_megatron_optimizer
-
     from nemo.core.optim.mcore_optim import McoreDistributedOptimizer
 
     from nemo_ssa.megatron.cpu import cpu_device_shims
-    from nemo_ssa.megatron.introspect import no_weight_decay_cond, ssa_values
+    from nemo_ssa.megatron.introspect import ssa_values
 
     t_start = time.time()
     seed = int(seed if seed is not None else getattr(recipe.data, "seed", 1234))
@@ -255,15 +251,7 @@ def train_on_cpu(
             n_params = sum(p.numel() for p in model.parameters())
             say(f"model: {cfg.num_layers}L h{cfg.hidden_size} heads {cfg.num_attention_heads}/"
                 f"{cfg.num_query_groups} ffn {cfg.ffn_hidden_size} seq {cfg.seq_length}: {n_params:,} params")
-            ddp = DistributedDataParallel(
-                cfg,
-                DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False,
-                                              overlap_grad_reduce=False),
-                model,
-            )
-            opt_cfg = fdl.build(recipe.optim.config)
-            optimizer = get_megatron_optimizer(opt_cfg, [ddp], no_weight_decay_cond=no_weight_decay_cond)
-            _apply_param_group_multipliers(optimizer)
+            ddp, optimizer = wrap_for_training(cfg, model, fdl.build(recipe.optim.config))
             torch_opt = McoreDistributedOptimizer(optimizer)
             sched_module = fdl.build(recipe.optim.lr_scheduler)
             sched_module.max_steps = max_steps
@@ -347,6 +335,25 @@ def train_on_cpu(
     finally:
         if created:
             teardown_distributed()
+
+
+def wrap_for_training(cfg, model, opt_cfg):
+    """megatron DDP around ``model`` and ``get_megatron_optimizer`` with our weight-decay
+    rule, multipliers folded in (call inside :func:`cpu_device_shims` on CPU)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    from nemo_ssa.megatron.introspect import no_weight_decay_cond
+
+    ddp = DistributedDataParallel(
+        cfg,
+        DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False,
+                                      overlap_grad_reduce=False),
+        model,
+    )
+    optimizer = get_megatron_optimizer(opt_cfg, [ddp], no_weight_decay_cond=no_weight_decay_cond)
+    _apply_param_group_multipliers(optimizer)
+    return ddp, optimizer
 
 
 def _apply_param_group_multipliers(optimizer) -> None:

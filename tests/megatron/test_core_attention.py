@@ -165,7 +165,6 @@ def test_strided_inputs_same_result_contiguous_or_not(cls):
     g = torch.Generator().manual_seed(3)
     # like megatron's split of the fused QKV projection: views into one wider tensor
     mixed = torch.randn(SQ, B, NG, (NP // NG + 2) * HN + 5, generator=g)
-    q = mixed[..., : (NP // NG) * HN].reshape(SQ, B, NP, HN)
     k = mixed[..., (NP // NG) * HN: (NP // NG + 1) * HN]
     v = mixed[..., (NP // NG + 1) * HN: (NP // NG + 2) * HN]
     assert not k.is_contiguous() and not v.is_contiguous()

@@ -6,7 +6,6 @@ allocation) and the weight-decay groups that megatron's optimizer forms with our
 ``no_weight_decay_cond``.
 """
 
-import math
 
 import pytest
 import torch
@@ -163,19 +162,12 @@ def test_ssa_adds_exactly_one_n_per_layer(full_models):
 
 # ------------------------------------------------------------------------ weight decay
 def test_optimizer_exempts_ssa_n_from_weight_decay(megatron_cpu, tmp_path_factory):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import get_megatron_optimizer
+    from nemo_ssa.nemo.cpu_loop import wrap_for_training
 
     recipe, cfg, model = build_tiny(tmp_path_factory, "ssa")
     with cpu_device_shims():
-        ddp = DistributedDataParallel(
-            cfg,
-            DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False,
-                                          overlap_grad_reduce=False),
-            model,
-        )
         opt_cfg = fdl.build(recipe.optim.config)
-        optimizer = get_megatron_optimizer(opt_cfg, [ddp], no_weight_decay_cond=no_weight_decay_cond)
+        ddp, optimizer = wrap_for_training(cfg, model, opt_cfg)
     assert opt_cfg.weight_decay == pytest.approx(0.1)
 
     names = {id(p): n for n, p in ddp.module.named_parameters()}

@@ -12,14 +12,6 @@ from nemo_ssa.ops.ssa.naive import softmax_attention_naive
 from nemo_ssa.testing import case_id, make_qkv, rel_err
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    """Tiny shapes: with 2 intra-op threads on a busy 2-core box each op got ~100x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 # (B, Hq, Hkv, Sq, Sk, D)
 SHAPES = [
     (2, 4, 4, 7, 7, 16),

@@ -21,14 +21,6 @@ from nemo_ssa.testing import assert_within_2x_eager, case_id, make_qkv, poison_,
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    """Tiny shapes: with 2 intra-op threads on a busy 2-core box each op got ~100x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def _params(dtype=torch.float32, n=None, b=None, requires_grad=False):
     """SSA parameters as shape-[1] tensors; random (n in [0.5, 2], b in [0.3, 1.5]) by default."""

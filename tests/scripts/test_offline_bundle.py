@@ -11,7 +11,6 @@ stub imports and fails loudly on use; the build script parses.
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
