@@ -1,7 +1,9 @@
 """One metrics format for every training path: ``metrics.csv`` plus TensorBoard.
 
-Columns: ``step, loss, lr, tokens_per_s, grad_norm, n_layer_01 .. n_layer_NN`` (the n
-columns only for SSA models). TensorBoard tags follow NeMo: ``reduced_train_loss``,
+Columns: ``step, loss, lr, tokens_per_s, grad_norm, segment, n_layer_01 .. n_layer_NN``
+(the n columns only for SSA models). ``segment`` counts launches: a resumed run appends
+with the next number, so the compare tool can tell a resume from a continuous run even
+when the resume starts exactly after the last logged step. TensorBoard tags follow NeMo: ``reduced_train_loss``,
 ``lr``, ``tokens_per_s``, ``ssa/n/layer_XX``. The NeMo callback and the CPU loop both
 write through this class, so the compare tool reads one format.
 """
@@ -26,6 +28,16 @@ class MetricsWriter:
         self._writer = None
         self._columns = None
         self._tb = None
+        self.segment = 1
+        if self._append:
+            with open(self.csv_path, newline="") as f:
+                last = None
+                for last in csv.DictReader(f):
+                    pass
+            try:
+                self.segment = int((last or {}).get("segment") or 0) + 1
+            except ValueError:
+                self.segment = 2
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -33,7 +45,8 @@ class MetricsWriter:
 
     def write(self, step: int, loss: float, lr: float, tokens_per_s: float,
               grad_norm: float = math.nan, ssa_n: Optional[Dict[int, float]] = None) -> None:
-        row = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "grad_norm": grad_norm}
+        row = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "grad_norm": grad_norm,
+               "segment": self.segment}
         for layer, value in sorted((ssa_n or {}).items()):
             row[f"n_layer_{layer:02d}"] = value
         if self._writer is None:

@@ -1,8 +1,10 @@
 """Pretrain the 114M Nemotron with a selectable core attention (hydra launcher).
 
-    python scripts/pretrain.py                       # attention=ssa, embedded local corpus
-    python scripts/pretrain.py attention=softmax     # the baseline: one flag differs
-    python scripts/pretrain.py train=gpu_9min train.max_steps=200 run_dir=runs/x
+    python scripts/pretrain.py                       # the story: softmax, then ssa, then the comparison
+    python scripts/pretrain.py compare_to=[]         # attention=ssa only
+    python scripts/pretrain.py attention=softmax compare_to=[]   # one flag differs
+    python scripts/pretrain.py attention=ssa_triton compare_to=[ssa_reference]
+    python scripts/pretrain.py train=gpu_9min train.max_steps=200 run_dir=runs/x compare_to=[]
 
 On a GPU it builds ``recipes.nemotron_114m.pretrain_recipe`` and runs it through NeMo
 (nemo-run's direct executor). Without CUDA, NeMo's trainer cannot run; the same recipe
@@ -10,13 +12,23 @@ On a GPU it builds ``recipes.nemotron_114m.pretrain_recipe`` and runs it through
 megatron-core CPU loop at a tiny size (``model.cpu_arch``). Either way the run directory
 gets ``metrics.csv``, TensorBoard events, the effective attention policy and
 checkpoints, and the last line printed says where.
+
+With ``compare_to=[a, b]`` (default ``[softmax]``) the launcher trains each of those
+attentions and then ``attention``, each in its own process with the same overrides and
+seed (so they differ only in the attention), and ends with the compare tool's plot and
+summary under ``${runs_root}/compare-<names>-s<seed>``. A baseline run already finished
+with the identical configuration is reused (``reuse_baselines=false`` retrains it).
 """
 
 from __future__ import annotations
 
+import datetime
+import hashlib
 import json
 import logging
 import os
+import shutil
+import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -110,6 +122,10 @@ def run_gpu(cfg, train, recipe, resolved, run_dir) -> None:
     if cfg.warmup:
         callbacks.append(run.Config(AttentionWarmupCallback, micro_batch_size=int(train.micro_batch_size),
                                     seq_length=int(train.seq_length)))
+    if cfg.get("stop_after"):
+        from nemo_ssa.nemo.callbacks import StopAfterCallback
+
+        callbacks.append(run.Config(StopAfterCallback, step=int(cfg.stop_after)))
     recipe.trainer.callbacks = callbacks
     recipe.resume.resume_if_exists = bool(cfg.resume)
     print(f"[pretrain] path: NeMo trainer on {os.environ.get('CUDA_VISIBLE_DEVICES', 'all')} GPU(s), "
@@ -129,20 +145,64 @@ def run_cpu(cfg, train, recipe, run_dir) -> None:
         resume=bool(cfg.resume),
         warmup=bool(cfg.warmup),
         seed=int(cfg.seed),
+        stop_after=int(cfg.stop_after) if cfg.get("stop_after") else None,
     )
 
 
-@hydra.main(version_base=None, config_path="../configs", config_name="config")
-def main(cfg: DictConfig) -> None:
+# ---------------------------------------------------------------------------- one run
+
+_NOT_IN_IDENTITY = ("resume", "compare_to", "reuse_baselines", "reuse_if_complete", "stop_after")
+_ARTIFACTS = ("metrics.csv", "summary.json", "complete.json", "tb", "checkpoints")
+
+
+def _identity(resolved_cfg: dict) -> str:
+    """Hash of what determines a run's result (not how it was launched or resumed)."""
+    ident = {k: v for k, v in resolved_cfg.items() if k not in _NOT_IN_IDENTITY}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _finished(run_dir: str, identity: str) -> bool:
+    path = os.path.join(run_dir, "complete.json")
+    if not os.path.isfile(path):
+        return False
+    try:
+        return json.load(open(path)).get("identity") == identity
+    except (OSError, ValueError):
+        return False
+
+
+def _set_aside_previous(run_dir: str, extra: tuple = ()) -> None:
+    """A fresh (not resumed) run into a used directory: move the old logs/checkpoints to
+    ``previous-<time>/`` instead of mixing them into the new curve or deleting them."""
+    old = [n for n in _ARTIFACTS + tuple(extra) if os.path.exists(os.path.join(run_dir, n))]
+    if not old:
+        return
+    dest = os.path.join(run_dir, "previous-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    os.makedirs(dest, exist_ok=True)
+    for name in old:
+        shutil.move(os.path.join(run_dir, name), os.path.join(dest, name))
+    print(f"[pretrain] run_dir held an earlier run (resume=false): moved {', '.join(old)} to {dest}", flush=True)
+
+
+def train_one(cfg: DictConfig) -> None:
     import torch
 
     cuda = torch.cuda.is_available()
     train = _train_cfg(cfg, cuda)
     run_dir = os.path.abspath(cfg.run_dir)
+    resolved_cfg = OmegaConf.to_container(cfg, resolve=True)
+    resolved_cfg["train"] = OmegaConf.to_container(train, resolve=True)
+    resolved_cfg["path"] = "gpu" if cuda else "cpu"
+    identity = _identity(resolved_cfg)
+    if cfg.get("reuse_if_complete") and _finished(run_dir, identity):
+        print(f"[pretrain] reusing the finished run in {run_dir} (same configuration, identity {identity}); "
+              f"reuse_baselines=false retrains it", flush=True)
+        print(f"[pretrain] done. logs: {run_dir} (metrics.csv, tb/, attention_policy.json, checkpoints/)", flush=True)
+        return
     os.makedirs(run_dir, exist_ok=True)
+    if not cfg.resume:
+        _set_aside_previous(run_dir)
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-        resolved_cfg = OmegaConf.to_container(cfg, resolve=True)
-        resolved_cfg["train"] = OmegaConf.to_container(train, resolve=True)
         f.write(OmegaConf.to_yaml(resolved_cfg))
     prefix, tokenizer_dir = _data(cfg)
     recipe, resolved = build_recipe(cfg, train, prefix, tokenizer_dir, run_dir)
@@ -152,7 +212,76 @@ def main(cfg: DictConfig) -> None:
         run_gpu(cfg, train, recipe, resolved, run_dir)
     else:
         run_cpu(cfg, train, recipe, run_dir)
+    stopped_early = bool(cfg.get("stop_after")) and int(cfg.stop_after) < int(train.max_steps)
+    if not stopped_early:
+        with open(os.path.join(run_dir, "complete.json"), "w") as f:
+            json.dump({"identity": identity, "attention": cfg.attention.name, "seed": int(cfg.seed),
+                       "max_steps": int(train.max_steps),
+                       "finished": datetime.datetime.now(datetime.timezone.utc).isoformat()}, f, indent=2)
     print(f"[pretrain] done. logs: {run_dir} (metrics.csv, tb/, attention_policy.json, checkpoints/)", flush=True)
+
+
+# ---------------------------------------------------------------------------- the story
+
+
+def _story_names(cfg: DictConfig) -> list:
+    names = []
+    for name in list(cfg.get("compare_to") or []) + [cfg.attention.name]:
+        if name not in names:
+            names.append(str(name))
+    return names
+
+
+def _attention_group(name: str) -> None:
+    if not os.path.isfile(os.path.join(REPO, "configs", "attention", f"{name}.yaml")):
+        known = sorted(f[:-5] for f in os.listdir(os.path.join(REPO, "configs", "attention")) if f.endswith(".yaml"))
+        raise SystemExit(f"compare_to names attention {name!r}, which has no configs/attention/{name}.yaml; "
+                         f"known: {', '.join(known)}")
+
+
+def train_and_compare(cfg: DictConfig) -> None:
+    """Train every attention in ``compare_to`` + ``attention`` (one process each), then compare."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from nemo_ssa.compare import main as compare_main
+
+    names = _story_names(cfg)
+    for name in names:
+        _attention_group(name)
+    overrides = [o for o in HydraConfig.get().overrides.task
+                 if o.split("=", 1)[0].lstrip("+~") not in ("attention", "compare_to", "reuse_if_complete")]
+    if any(o.split("=", 1)[0].lstrip("+~") == "run_dir" for o in overrides):
+        raise SystemExit(f"run_dir names one directory but compare_to trains {len(names)} runs ({', '.join(names)}); "
+                         f"set runs_root=... instead, or compare_to=[] for a single run")
+    baselines = names[:-1]
+    run_dirs = []
+    for i, name in enumerate(names):
+        reuse = name in baselines and bool(cfg.reuse_baselines)
+        cmd = [sys.executable, os.path.abspath(__file__), *overrides, f"attention={name}", "compare_to=[]",
+               f"reuse_if_complete={str(reuse).lower()}"]
+        print(f"[pretrain] ({i + 1}/{len(names)}) attention={name}: {' '.join(cmd[2:])}", flush=True)
+        proc = subprocess.run(cmd, cwd=os.getcwd())
+        if proc.returncode != 0:
+            raise SystemExit(f"[pretrain] the attention={name} run failed (exit {proc.returncode}); "
+                             f"not comparing")
+        run_dirs.append(os.path.abspath(os.path.join(str(cfg.runs_root), f"{name}-s{cfg.seed}")))
+    out = os.path.abspath(os.path.join(str(cfg.runs_root), f"compare-{'_vs_'.join(names)}-s{cfg.seed}"))
+    print(f"[pretrain] comparing {', '.join(names)} (baseline {names[0]})", flush=True)
+    rc = compare_main([f"{n}={d}" for n, d in zip(names, run_dirs)] +
+                      ["--out", out, "--ema", str(cfg.compare_ema),
+                       "--title", f"{' vs '.join(names)} (seed {cfg.seed})"])
+    if rc != 0:
+        raise SystemExit(f"[pretrain] the comparison failed (exit {rc})")
+    print(f"[pretrain] done. runs: {', '.join(run_dirs)}; comparison: {out} (loss.png, ssa_n.png, summary.md)",
+          flush=True)
+
+
+@hydra.main(version_base=None, config_path="../configs", config_name="config")
+def main(cfg: DictConfig) -> None:
+    if cfg.get("compare_to"):
+        train_and_compare(cfg)
+    else:
+        train_one(cfg)
 
 
 if __name__ == "__main__":

@@ -106,3 +106,19 @@ class AttentionWarmupCallback(Callback):
         tokens = torch.zeros(self.micro_batch_size, self.seq_length, dtype=torch.long, device=device)
         with preserved_rng(self.restore_rng):
             warmup_attention(_unwrap(pl_module), {"tokens": tokens})
+
+
+class StopAfterCallback(Callback):
+    """Stop training after global step ``step`` (a planned interruption for resume checks).
+
+    The LR schedule still spans ``max_steps``; a later ``resume=true`` launch continues it.
+    """
+
+    def __init__(self, step: int):
+        if step < 1:
+            raise ValueError(f"stop_after must be >= 1, got {step}")
+        self.step = int(step)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True

@@ -209,6 +209,7 @@ def train_on_cpu(
     warmup_restores_rng: bool = True,
     seed: Optional[int] = None,
     stop_after: Optional[int] = None,
+    save_at_end: bool = True,
     quiet: bool = False,
 ) -> CPUTrainResult:
     """Train ``recipe`` (already shrunk with :func:`shrink_for_cpu`) on CPU.
@@ -226,6 +227,8 @@ def train_on_cpu(
         seed: overrides the data module's seed for initialisation.
         stop_after: stop after this global step (simulates an interruption); the
             schedule still spans ``max_steps``.
+        save_at_end: checkpoint at the last step run (False with ``stop_after`` simulates a
+            crash: the resume restarts from the previous periodic checkpoint).
         quiet: print less.
     """
     import fiddle as fdl
@@ -320,7 +323,7 @@ def train_on_cpu(
                     n_txt = (" n=" + ",".join(f"{v:.4f}" for _, v in sorted(n_vals.items()))) if n_vals else ""
                     say(f"step {step:5d}/{max_steps} loss {total:.4f} lr {lr:.3e} "
                         f"{tokens_per_step / dt:,.0f} tok/s{n_txt}")
-                if (ckpt_every and step % ckpt_every == 0) or step == end:
+                if (ckpt_every and step % ckpt_every == 0) or (step == end and save_at_end):
                     last_ckpt = _save(ckpt_root, step, ddp, optimizer, scheduler)
             writer.close()
             result = CPUTrainResult(

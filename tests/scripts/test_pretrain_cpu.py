@@ -65,16 +65,30 @@ def test_warmup_restores_every_rng(tiny_corpus, tmp_path):
 
 
 def test_resume_continues_the_same_curve_bitwise(tiny_corpus, tmp_path):
+    """Crashed after step 4 with the checkpoint at 3: the resume re-does step 4, and the
+    compare tool's merged curve equals the uninterrupted run's bit for bit."""
+    from nemo_ssa.compare import load_run
+
     full = _train(tiny_corpus, tmp_path / "full", max_steps=6)
-    first = _train(tiny_corpus, tmp_path / "res", max_steps=6, stop_after=3, ckpt_every=3)
-    assert first.steps == 3 and first.checkpoint.endswith("step_0000003")
+    first = _train(tiny_corpus, tmp_path / "res", max_steps=6, stop_after=4, ckpt_every=3, save_at_end=False)
+    assert first.steps == 4 and first.checkpoint.endswith("step_0000003")
     second = _train(tiny_corpus, tmp_path / "res", max_steps=6, resume=True)
-    assert first.losses + second.losses == full.losses
+    assert first.losses[:3] + second.losses == full.losses
     # n went through dist_checkpointing and kept learning from the restored value
     assert second.ssa_n == full.ssa_n
     assert all(v != 1.5 for v in full.ssa_n.values())
     rows = list(csv.DictReader(open(tmp_path / "res" / "metrics.csv")))
-    assert [int(r["step"]) for r in rows] == list(range(1, 7))
+    assert [(int(r["step"]), r["segment"]) for r in rows] == [(s, "1") for s in range(1, 5)] + \
+        [(s, "2") for s in range(4, 7)]
+    merged, ref = load_run("res", [str(tmp_path / "res")]), load_run("full", [str(tmp_path / "full")])
+    assert merged.steps == ref.steps == list(range(1, 7))
+    assert merged.loss == ref.loss  # bitwise: floats compared exactly
+    assert merged.n == ref.n
+    assert len(merged.segments) == 2 and merged.overlaps == [(4, 4)]
+    # the TensorBoard events tell the same story (one event file per launch)
+    merged_tb = load_run("res", [str(tmp_path / "res")], source="tb")
+    assert merged_tb.steps == ref.steps and len(merged_tb.segments) == 2
+    assert merged_tb.loss == pytest.approx(ref.loss, rel=1e-6)  # TB stores float32
 
 
 def test_softmax_and_ssa_differ_only_in_attention(tiny_corpus, tmp_path):
@@ -91,7 +105,7 @@ def test_main_job_cli_trains_and_says_where_logs_are(tiny_corpus, tmp_path):
     """The README's main job command, shrunk: hydra launcher -> CPU path; loss goes down."""
     run_dir = tmp_path / "run"
     corpus_dir = os.path.dirname(tiny_corpus.prefix)
-    cmd = [sys.executable, os.path.join(REPO, "scripts", "pretrain.py"), "attention=ssa",
+    cmd = [sys.executable, os.path.join(REPO, "scripts", "pretrain.py"), "attention=ssa", "compare_to=[]",
            f"run_dir={run_dir}", f"data.dir={corpus_dir}", "data.vocab_size=512",
            "data.max_bytes=400000", "train.max_steps=12", "train.log_every_n_steps=4",
            "train.seq_length=32", "train.lr=3e-3", "train.ckpt_every_n_steps=null",
@@ -123,3 +137,43 @@ def test_cpu_loop_applies_weight_decay_multipliers(tiny_corpus, tmp_path):
     assert {f"decoder.layers.{i}.self_attention.core_attention.n" for i in (0, 1)} <= set(no_wd)
     assert not any(name.endswith("linear_qkv.weight") or name.endswith("linear_fc1.weight")
                    for name in no_wd)
+
+
+def _pretrain_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pretrain_script", os.path.join(REPO, "scripts", "pretrain.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_baseline_reuse_and_fresh_runs_set_the_old_one_aside(tmp_path):
+    mod = _pretrain_module()
+    cfg = {"attention": {"name": "softmax"}, "seed": 1, "train": {"max_steps": 5}, "resume": False,
+           "compare_to": [], "reuse_if_complete": True}
+    ident = mod._identity(cfg)
+    # how a run was launched does not change what it computes; what it trains does
+    assert mod._identity(dict(cfg, resume=True, compare_to=["x"], reuse_if_complete=False)) == ident
+    assert mod._identity(dict(cfg, seed=2)) != ident
+    run = tmp_path / "softmax-s1"
+    run.mkdir()
+    assert not mod._finished(str(run), ident)
+    (run / "complete.json").write_text(json.dumps({"identity": ident}))
+    assert mod._finished(str(run), ident) and not mod._finished(str(run), mod._identity(dict(cfg, seed=2)))
+    (run / "metrics.csv").write_text("step,loss\n1,2\n")
+    (run / "checkpoints").mkdir()
+    mod._set_aside_previous(str(run))
+    prev = [p for p in os.listdir(run) if p.startswith("previous-")]
+    assert len(prev) == 1 and sorted(os.listdir(run / prev[0])) == ["checkpoints", "complete.json", "metrics.csv"]
+    assert not (run / "metrics.csv").exists()
+
+
+def test_story_refuses_one_run_dir_for_several_runs(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "pretrain.py"), f"run_dir={tmp_path}/x"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "compare_to trains 2 runs (softmax, ssa); set runs_root" in proc.stderr + proc.stdout
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "pretrain.py"), "compare_to=[nope]"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "compare_to names attention 'nope'" in proc.stderr + proc.stdout
