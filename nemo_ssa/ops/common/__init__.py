@@ -1,0 +1,1 @@
+"""Pieces shared by every attention schedule (flash, ELSA scan, NSA branches)."""

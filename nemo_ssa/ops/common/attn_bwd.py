@@ -1,0 +1,808 @@
+"""Fused attention backward shared by every single-softmax schedule (flash, ELSA scan).
+
+Given the forward's output ``o`` and its per-row statistic ``M`` (the log2-domain
+log-sum-exp of the transformed scores, see *M contract* below), this backward is
+independent of how the forward was scheduled: a single-pass online softmax (flash), a
+two-pass scan over key partitions (ELSA), or split-K all produce the same ``(o, M)`` and
+can call ``attention_bwd``. It recomputes ``p = exp2(z2 - M)`` tile by tile, never
+materialising ``[Sq, Sk]``.
+
+Kernels (Triton tutorial 06 structure, FA2 split):
+
+* ``_attn_bwd_preprocess``: ``delta_i = sum_d o_id * do_id`` (fp32).
+* ``_attn_bwd_kernel_dq``: one program per (query block, batch, query head); loops over
+  key blocks (unmasked blocks first, then the causal diagonal band / ragged tail with
+  masks) and accumulates ``dq`` in fp32 registers.
+* ``_attn_bwd_kernel_dkv``: one program per (key block, batch, kv head); loops over the
+  GQA group's query heads and their query blocks, accumulating ``dk``, ``dv`` in
+  registers (no atomics: the group sum is a plain loop), plus per-key-row compensated
+  (Kahan) partial sums of ``dn``/``db`` written to a buffer ``[B, Hkv, Sk]`` (``[Hkv, Tk]``
+  when packed) that the host reduces in float64 -- bit-identical run to run.
+
+Per element (``s = scale*qk``, ``t = 1 + b|s|``; ``dp = do . v`` times the dropout
+mask / (1 - p_drop)):
+
+    p  = exp2(z2 - M)                      z2 from transforms.score_bwd_parts
+    dz = p * (dp - delta)
+    dq = scale * sum_j dz * dz/ds * k_j,   dz/ds = n*b/t   (softmax: 1)
+    dk = scale * sum_i dz * dz/ds * q_i,   dv = sum_i dropout(p) * do_i
+    dn = sum dz * sgn(s) * ln t,           db = sum dz * n * s / t
+
+Layouts: dense ``[B, H, S, D]`` with arbitrary strides on all four dims (views such as
+Megatron's ``[s, b, h, d]`` permuted to ``[b, h, s, d]`` work without copies), or packed
+THD ``[T, H, D]`` with ``cu_seqlens``. All addressing of rows uses int64.
+
+This file also defines the dropout mask (``dropout_keep`` and ``dropout_rng_layout``):
+the backward regenerates it, so every forward feeding this backward must build its mask
+with exactly these helpers.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, NamedTuple, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from nemo_ssa.ops.common.transforms import (
+    TRANSFORM_SSA,
+    grad_consts,
+    score_bwd_parts,
+    transform_consts,
+    transform_id,
+)
+
+__all__ = [
+    "attention_bwd",
+    "BwdConfig",
+    "bwd_config",
+    "BWD_CONFIGS",
+    "dropout_keep",
+    "dropout_rng_layout",
+    "make_rng_state",
+    "seq_info",
+    "is_interpreter",
+    "use_fast_math",
+    "default_input_precision",
+    "SUPPORTED_DTYPES",
+    "MIN_HEAD_DIM",
+    "MAX_HEAD_DIM",
+]
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+
+# Tests set this (or NEMO_SSA_POISON=1) to allocate every kernel output NaN-filled, so an
+# element a kernel forgets to write shows up as NaN instead of stale memory.
+POISON_OUTPUTS = os.environ.get("NEMO_SSA_POISON", "0") not in ("", "0")
+
+
+def new_output_like(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``torch.empty_like`` (same memory order for dense views), NaN-filled if poisoning."""
+    out = torch.empty_like(t, dtype=dtype)
+    return out.fill_(float("nan")) if POISON_OUTPUTS else out
+
+
+def new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    out = torch.empty(shape, dtype=dtype, device=device)
+    return out.fill_(float("nan")) if POISON_OUTPUTS else out
+
+
+# ----------------------------------------------------------------------------------------
+# Device helpers shared with the forward kernels
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def seq_info(CU_Q, CU_K, off_z, SEQ_Q, SEQ_K, VARLEN: tl.constexpr):
+    """``(q_start, q_len, k_start, k_len)`` of sequence ``off_z``; starts are int64 rows.
+
+    Dense: starts are 0 and lengths ``SEQ_Q``/``SEQ_K``. Packed (``VARLEN``): read from
+    ``cu_seqlens`` (int32).
+    """
+    if VARLEN:
+        q_start = tl.load(CU_Q + off_z)
+        q_len = tl.load(CU_Q + off_z + 1) - q_start
+        k_start = tl.load(CU_K + off_z)
+        k_len = tl.load(CU_K + off_z + 1) - k_start
+        q_start = q_start.to(tl.int64)
+        k_start = k_start.to(tl.int64)
+    else:
+        zero = (off_z * 0).to(tl.int64)
+        q_start = zero
+        k_start = zero
+        q_len = off_z * 0 + SEQ_Q
+        k_len = off_z * 0 + SEQ_K
+    return q_start, q_len, k_start, k_len
+
+
+@triton.jit
+def dropout_keep(seed, rbase, offs_q, offs_k, RSTRIDE, dropout_p, TRANSPOSED: tl.constexpr):
+    """Keep-mask of dropout on ``p`` for rows ``offs_q`` x keys ``offs_k`` (Philox).
+
+    Counter of entry (i, j) = ``rbase + i * RSTRIDE + j`` (int64; ``rbase`` from
+    ``dropout_rng_layout``). Returns ``[len(q), len(k)]`` (``TRANSPOSED``: ``[len(k),
+    len(q)]``) booleans, True = kept (probability ``1 - dropout_p``).
+    """
+    if TRANSPOSED:
+        idx = rbase + offs_q[None, :].to(tl.int64) * RSTRIDE + offs_k[:, None]
+    else:
+        idx = rbase + offs_q[:, None].to(tl.int64) * RSTRIDE + offs_k[None, :]
+    return tl.rand(seed, idx) >= dropout_p
+
+
+@triton.jit
+def kv_range_for_q_block(start_m, q_len, k_len, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         CAUSAL: tl.constexpr):
+    """Key range of a query block: ``[0, full)`` needs no mask, ``[full, hi)`` does.
+
+    Causal is bottom-right aligned: row i sees key j iff ``j <= i + (k_len - q_len)``.
+    ``full`` is a multiple of ``BLOCK_N`` and ``<= k_len``, so unmasked blocks are in
+    bounds; the masked stage covers the diagonal band and the ragged tail.
+    """
+    if CAUSAL:
+        off_c = k_len - q_len
+        hi = tl.maximum(tl.minimum(k_len, start_m + BLOCK_M + off_c), 0)
+        full = tl.maximum(tl.minimum(start_m + off_c + 1, k_len), 0)
+        full = (full // BLOCK_N) * BLOCK_N
+    else:
+        hi = k_len
+        full = (k_len // BLOCK_N) * BLOCK_N
+    return full, hi
+
+
+@triton.jit
+def q_range_for_kv_block(start_n, q_len, k_len, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         CAUSAL: tl.constexpr):
+    """Query range of a key block: ``[lo, mid)`` masked, ``[mid, q_len)`` unmasked."""
+    q_end = ((q_len + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+    if CAUSAL:
+        off_c = k_len - q_len
+        first = tl.maximum(start_n - off_c, 0)  # first row that sees key start_n
+        lo = (first // BLOCK_M) * BLOCK_M
+        full = tl.maximum(start_n + BLOCK_N - 1 - off_c, 0)  # rows >= full see the block
+        mid = ((full + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+    else:
+        lo = q_len * 0
+        mid = q_len * 0
+    # a ragged last key block always takes the masked path (keys >= k_len must weigh 0)
+    mid = tl.where(start_n + BLOCK_N > k_len, q_end, mid)
+    mid = tl.minimum(mid, q_end)
+    lo = tl.minimum(lo, mid)
+    return lo, mid
+
+
+# ----------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attn_bwd_preprocess(
+    O, DO, Delta, CU_Q,
+    s_oz, s_oh, s_os, s_od,
+    s_doz, s_doh, s_dos, s_dod,
+    s_mz, s_mh, s_ms,
+    HQ, SEQ_Q,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, VARLEN: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_zh = tl.program_id(1)
+    off_z = pid_zh // HQ
+    off_h = pid_zh % HQ
+    q_start, q_len, _, _ = seq_info(CU_Q, CU_Q, off_z, SEQ_Q, SEQ_Q, VARLEN)
+    start_m = pid_m * BLOCK_M
+    if start_m >= q_len:
+        return
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row = (q_start + offs_m).to(tl.int64)
+    mask = (offs_m < q_len)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    o = tl.load(O + off_z.to(tl.int64) * s_oz + off_h.to(tl.int64) * s_oh
+                + row[:, None] * s_os + offs_d[None, :] * s_od, mask=mask, other=0.0)
+    do = tl.load(DO + off_z.to(tl.int64) * s_doz + off_h.to(tl.int64) * s_doh
+                 + row[:, None] * s_dos + offs_d[None, :] * s_dod, mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)  # [BLOCK_M]
+    tl.store(Delta + off_z.to(tl.int64) * s_mz + off_h.to(tl.int64) * s_mh + row * s_ms,
+             delta, mask=offs_m < q_len)
+
+
+@triton.jit
+def _bwd_dq_inner(
+    dq, q, do, m_row, delta_row,
+    k_base, v_base, s_ks, s_kd, s_vs, s_vd, s_ks64, s_vs64,
+    offs_m, lo, hi, k_len, off_c,
+    c0, c1, seed, rbase, RSTRIDE, dropout_p, inv_keep,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, TRANSFORM: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FAST_LOG2: tl.constexpr,
+):
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    kT_off = offs_n[None, :] * s_ks + offs_d[:, None] * s_kd  # [BLOCK_D, BLOCK_N]
+    vT_off = offs_n[None, :] * s_vs + offs_d[:, None] * s_vd
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        k_ptrs = k_base + start_n * s_ks64 + kT_off  # int64 block base, int32 in-tile offsets
+        v_ptrs = v_base + start_n * s_vs64 + vT_off
+        if MASKED:
+            ld = (cols < k_len)[None, :] & (offs_d < HEAD_DIM)[:, None]
+            kT = tl.load(k_ptrs, mask=ld, other=0.0)
+            vT = tl.load(v_ptrs, mask=ld, other=0.0)
+        elif BLOCK_D == HEAD_DIM:
+            kT = tl.load(k_ptrs)
+            vT = tl.load(v_ptrs)
+        else:
+            kT = tl.load(k_ptrs, mask=(offs_d < HEAD_DIM)[:, None], other=0.0)
+            vT = tl.load(v_ptrs, mask=(offs_d < HEAD_DIM)[:, None], other=0.0)
+        qk = tl.dot(q, kT, input_precision=INPUT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
+        z2, smag, rinv = score_bwd_parts(qk, c0, c1, TRANSFORM, FAST_LOG2)
+        if MASKED:
+            valid = (cols < k_len)[None, :]
+            if CAUSAL:
+                valid = valid & (cols[None, :] <= offs_m[:, None] + off_c)
+            z2 = tl.where(valid, z2, float("-inf"))
+        p = tl.math.exp2(z2 - m_row[:, None])  # masked or M = +inf rows -> exactly 0
+        dp = tl.dot(do, vT, input_precision=INPUT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        if HAS_DROPOUT:
+            keep = dropout_keep(seed, rbase, offs_m, cols, RSTRIDE, dropout_p, False)
+            dp = tl.where(keep, dp * inv_keep, 0.0)
+        dz = p * (dp - delta_row[:, None])
+        if TRANSFORM == 1:
+            ds = dz * rinv
+        else:
+            ds = dz
+        dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq, input_precision=INPUT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_kernel_dq(
+    Q, K, V, DO, DQ, M, Delta, NP, BP, RNG, CU_Q, CU_K,
+    s_qz, s_qh, s_qs, s_qd,
+    s_kz, s_kh, s_ks, s_kd,
+    s_vz, s_vh, s_vs, s_vd,
+    s_doz, s_doh, s_dos, s_dod,
+    s_dqz, s_dqh, s_dqs, s_dqd,
+    s_mz, s_mh, s_ms,
+    HQ, GROUP, SEQ_Q, SEQ_K,
+    scale, dropout_p, RNG_SZ, RNG_SH, RNG_SS,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TRANSFORM: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FAST_LOG2: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_zh = tl.program_id(1)
+    off_z = pid_zh // HQ
+    off_hq = pid_zh % HQ
+    off_hkv = off_hq // GROUP
+    q_start, q_len, k_start, k_len = seq_info(CU_Q, CU_K, off_z, SEQ_Q, SEQ_K, VARLEN)
+    start_m = pid_m * BLOCK_M
+    if start_m >= q_len:
+        return
+    z64 = off_z.to(tl.int64)
+    hq64 = off_hq.to(tl.int64)
+    hkv64 = off_hkv.to(tl.int64)
+    zero64 = z64 * 0  # promotes strides to int64 for block-base offsets
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row = q_start + start_m  # int64 first row of the block
+    row_ok = offs_m < q_len
+    ld = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+
+    q = tl.load(Q + z64 * s_qz + hq64 * s_qh + row * s_qs
+                + tl.arange(0, BLOCK_M)[:, None] * s_qs + offs_d[None, :] * s_qd, mask=ld, other=0.0)
+    do = tl.load(DO + z64 * s_doz + hq64 * s_doh + row * s_dos
+                 + tl.arange(0, BLOCK_M)[:, None] * s_dos + offs_d[None, :] * s_dod, mask=ld, other=0.0)
+    m_off = z64 * s_mz + hq64 * s_mh + (q_start + offs_m) * s_ms
+    m_row = tl.load(M + m_off, mask=row_ok, other=float("inf"))
+    delta_row = tl.load(Delta + m_off, mask=row_ok, other=0.0)
+
+    if TRANSFORM == 1:
+        n = tl.load(NP).to(tl.float32)  # 1-element tensors, any float dtype
+        b = tl.load(BP).to(tl.float32)
+    else:
+        n = 0.0
+        b = 0.0
+    c0, c1 = transform_consts(scale, n, b, TRANSFORM)
+    g_s, _, _ = grad_consts(scale, n, b, TRANSFORM)
+    if HAS_DROPOUT:
+        seed = tl.load(RNG)
+        rbase = tl.load(RNG + 1) + z64 * RNG_SZ + hq64 * RNG_SH + q_start * RNG_SS
+        inv_keep = 1.0 / (1.0 - dropout_p)
+    else:
+        seed = 0
+        rbase = 0
+        inv_keep = 1.0
+
+    k_base = K + z64 * s_kz + hkv64 * s_kh + k_start * s_ks
+    v_base = V + z64 * s_vz + hkv64 * s_vh + k_start * s_vs
+    full, hi = kv_range_for_q_block(start_m, q_len, k_len, BLOCK_M, BLOCK_N, CAUSAL)
+    off_c = k_len - q_len
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dq = _bwd_dq_inner(dq, q, do, m_row, delta_row, k_base, v_base, s_ks, s_kd, s_vs, s_vd,
+                       s_ks + zero64, s_vs + zero64, offs_m, 0, full, k_len, off_c, c0, c1, seed, rbase, RNG_SS, dropout_p,
+                       inv_keep, HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, TRANSFORM,
+                       HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2)
+    dq = _bwd_dq_inner(dq, q, do, m_row, delta_row, k_base, v_base, s_ks, s_kd, s_vs, s_vd,
+                       s_ks + zero64, s_vs + zero64, offs_m, full, hi, k_len, off_c, c0, c1, seed, rbase, RNG_SS, dropout_p,
+                       inv_keep, HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, TRANSFORM,
+                       HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2)
+    dq = dq * g_s
+    tl.store(DQ + z64 * s_dqz + hq64 * s_dqh + row * s_dqs
+             + tl.arange(0, BLOCK_M)[:, None] * s_dqs + offs_d[None, :] * s_dqd,
+             dq.to(DQ.dtype.element_ty), mask=ld)
+
+
+@triton.jit
+def _bwd_dkv_inner(
+    dk, dv, dn_acc, dn_c, db_acc, db_c, k, v,
+    q_base, do_base, m_base, d_base, s_qs, s_qd, s_dos, s_dod, s_ms,
+    s_qh64, s_doh64, s_mh64, s_qs64, s_dos64,
+    offs_n, lo, n_blk, q_len, k_len, off_c,
+    c0, c1, seed, rbase, RNG_SH, RSTRIDE, dropout_p, inv_keep, GROUP,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, TRANSFORM: tl.constexpr, DPARAMS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FAST_LOG2: tl.constexpr,
+):
+    """Query blocks ``lo + i*BLOCK_M`` (``i < n_blk``) of each of the GROUP query heads.
+
+    One flat loop over (head, block) pairs, head-major: a nested runtime loop around the
+    software-pipelined block loop made ptxas spill heavily (sm_90), a flat one does not.
+    Base pointers are those of the group's first query head.
+    """
+    offs_mb = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    qT_off = offs_mb[None, :] * s_qs + offs_d[:, None] * s_qd  # [BLOCK_D, BLOCK_M]
+    do_off = offs_mb[:, None] * s_dos + offs_d[None, :] * s_dod  # [BLOCK_M, BLOCK_D]
+    d_ok = offs_d < HEAD_DIM
+    for it in range(0, GROUP * n_blk):
+        g = it // n_blk
+        start_m = lo + (it - g * n_blk) * BLOCK_M
+        row0 = start_m * s_qs64 + g * s_qh64  # int64
+        offs_m = start_m + offs_mb
+        row_ok = offs_m < q_len
+        qT = tl.load(q_base + row0 + qT_off, mask=row_ok[None, :] & d_ok[:, None], other=0.0)
+        do = tl.load(do_base + (start_m * s_dos64 + g * s_doh64) + do_off,
+                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        m_off = g * s_mh64 + offs_m.to(tl.int64) * s_ms
+        m_row = tl.load(m_base + m_off, mask=row_ok, other=float("inf"))
+        delta_row = tl.load(d_base + m_off, mask=row_ok, other=0.0)
+        qkT = tl.dot(k, qT, input_precision=INPUT_PRECISION)  # [BLOCK_N, BLOCK_M] fp32
+        z2T, smagT, rinvT = score_bwd_parts(qkT, c0, c1, TRANSFORM, FAST_LOG2)
+        if MASKED:
+            valid = (offs_n < k_len)[:, None]
+            if CAUSAL:
+                valid = valid & (offs_n[:, None] <= offs_m[None, :] + off_c)
+            z2T = tl.where(valid, z2T, float("-inf"))
+        pT = tl.math.exp2(z2T - m_row[None, :])  # masked, padding, empty rows (M = +inf) -> 0
+        dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)  # [BLOCK_N, BLOCK_M]
+        if HAS_DROPOUT:
+            keepT = dropout_keep(seed, rbase + g * RNG_SH, offs_m, offs_n, RSTRIDE, dropout_p, True)
+            pdT = tl.where(keepT, pT * inv_keep, 0.0)
+            dpT = tl.where(keepT, dpT * inv_keep, 0.0)
+        else:
+            pdT = pT
+        dv = tl.dot(pdT.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
+        dzT = pT * (dpT - delta_row[None, :])  # [BLOCK_N, BLOCK_M]
+        if TRANSFORM == 1:
+            dsT = dzT * rinvT
+            if DPARAMS:
+                # Kahan-compensated per-key-row sums (dn in log2 units, db without n*scale)
+                y = tl.sum(dzT * smagT, axis=1) - dn_c
+                t = dn_acc + y
+                dn_c = (t - dn_acc) - y
+                dn_acc = t
+                y = tl.sum(dsT * qkT, axis=1) - db_c
+                t = db_acc + y
+                db_c = (t - db_acc) - y
+                db_acc = t
+        else:
+            dsT = dzT
+        dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=INPUT_PRECISION)
+    return dk, dv, dn_acc, dn_c, db_acc, db_c
+
+
+@triton.jit
+def _attn_bwd_kernel_dkv(
+    Q, K, V, DO, DK, DV, M, Delta, NP, BP, RNG, CU_Q, CU_K, DN, DB,
+    s_qz, s_qh, s_qs, s_qd,
+    s_kz, s_kh, s_ks, s_kd,
+    s_vz, s_vh, s_vs, s_vd,
+    s_doz, s_doh, s_dos, s_dod,
+    s_dkz, s_dkh, s_dks, s_dkd,
+    s_dvz, s_dvh, s_dvs, s_dvd,
+    s_mz, s_mh, s_ms,
+    s_pz, s_ph,
+    HKV, GROUP, SEQ_Q, SEQ_K,
+    scale, dropout_p, RNG_SZ, RNG_SH, RNG_SS,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TRANSFORM: tl.constexpr, DPARAMS: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FAST_LOG2: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_zh = tl.program_id(1)
+    off_z = pid_zh // HKV
+    off_hkv = pid_zh % HKV
+    q_start, q_len, k_start, k_len = seq_info(CU_Q, CU_K, off_z, SEQ_Q, SEQ_K, VARLEN)
+    start_n = pid_n * BLOCK_N
+    if start_n >= k_len:
+        return
+    z64 = off_z.to(tl.int64)
+    hkv64 = off_hkv.to(tl.int64)
+    zero64 = z64 * 0  # promotes strides to int64 for block-base offsets
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_nb = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    col = k_start + start_n  # int64 first key row of the block
+    ld = (offs_n < k_len)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    k = tl.load(K + z64 * s_kz + hkv64 * s_kh + col * s_ks
+                + offs_nb[:, None] * s_ks + offs_d[None, :] * s_kd, mask=ld, other=0.0)
+    v = tl.load(V + z64 * s_vz + hkv64 * s_vh + col * s_vs
+                + offs_nb[:, None] * s_vs + offs_d[None, :] * s_vd, mask=ld, other=0.0)
+
+    if TRANSFORM == 1:
+        n = tl.load(NP).to(tl.float32)  # 1-element tensors, any float dtype
+        b = tl.load(BP).to(tl.float32)
+    else:
+        n = 0.0
+        b = 0.0
+    c0, c1 = transform_consts(scale, n, b, TRANSFORM)
+    g_s, g_n, g_b = grad_consts(scale, n, b, TRANSFORM)
+    if HAS_DROPOUT:
+        seed = tl.load(RNG)
+        rng_off = tl.load(RNG + 1)
+        inv_keep = 1.0 / (1.0 - dropout_p)
+    else:
+        seed = 0
+        rng_off = 0
+        inv_keep = 1.0
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dn_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    dn_c = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db_c = tl.zeros([BLOCK_N], dtype=tl.float32)
+    lo, mid = q_range_for_kv_block(start_n, q_len, k_len, BLOCK_M, BLOCK_N, CAUSAL)
+    off_c = k_len - q_len
+    # the GQA group's query heads, in a fixed order (deterministic, no atomics)
+    hq0 = (off_hkv * GROUP).to(tl.int64)
+    q_base = Q + z64 * s_qz + hq0 * s_qh + q_start * s_qs
+    do_base = DO + z64 * s_doz + hq0 * s_doh + q_start * s_dos
+    m_base = M + z64 * s_mz + hq0 * s_mh + q_start * s_ms
+    d_base = Delta + z64 * s_mz + hq0 * s_mh + q_start * s_ms
+    rbase = rng_off + z64 * RNG_SZ + hq0 * RNG_SH + q_start * RNG_SS
+    n_masked = (mid - lo) // BLOCK_M
+    n_full = (q_len - mid + BLOCK_M - 1) // BLOCK_M
+    dk, dv, dn_acc, dn_c, db_acc, db_c = _bwd_dkv_inner(
+        dk, dv, dn_acc, dn_c, db_acc, db_c, k, v,
+        q_base, do_base, m_base, d_base, s_qs, s_qd, s_dos, s_dod, s_ms,
+        s_qh + zero64, s_doh + zero64, s_mh + zero64, s_qs + zero64, s_dos + zero64,
+        offs_n, lo, n_masked, q_len, k_len, off_c, c0, c1, seed, rbase, RNG_SH + zero64, RNG_SS, dropout_p,
+        inv_keep, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, TRANSFORM, DPARAMS,
+        HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2)
+    dk, dv, dn_acc, dn_c, db_acc, db_c = _bwd_dkv_inner(
+        dk, dv, dn_acc, dn_c, db_acc, db_c, k, v,
+        q_base, do_base, m_base, d_base, s_qs, s_qd, s_dos, s_dod, s_ms,
+        s_qh + zero64, s_doh + zero64, s_mh + zero64, s_qs + zero64, s_dos + zero64,
+        offs_n, mid, n_full, q_len, k_len, off_c, c0, c1, seed, rbase, RNG_SH + zero64, RNG_SS, dropout_p,
+        inv_keep, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, False, CAUSAL, TRANSFORM, DPARAMS,
+        HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2)
+
+    dk = dk * g_s
+    tl.store(DK + z64 * s_dkz + hkv64 * s_dkh + col * s_dks
+             + offs_nb[:, None] * s_dks + offs_d[None, :] * s_dkd, dk.to(DK.dtype.element_ty), mask=ld)
+    tl.store(DV + z64 * s_dvz + hkv64 * s_dvh + col * s_dvs
+             + offs_nb[:, None] * s_dvs + offs_d[None, :] * s_dvd, dv.to(DV.dtype.element_ty), mask=ld)
+    if DPARAMS:
+        p_off = z64 * s_pz + hkv64 * s_ph + col + offs_nb
+        tl.store(DN + p_off, (dn_acc - dn_c) * g_n, mask=offs_n < k_len)
+        tl.store(DB + p_off, (db_acc - db_c) * g_b, mask=offs_n < k_len)
+
+
+# ----------------------------------------------------------------------------------------
+# Host side: configs, layout helpers, launcher
+# ----------------------------------------------------------------------------------------
+
+
+def is_interpreter() -> bool:
+    """True when the kernels in this process were built for ``TRITON_INTERPRET=1``.
+
+    Triton reads ``TRITON_INTERPRET`` when ``@triton.jit`` decorates a function, i.e. when
+    this module is first imported; the env var must be set before that.
+    """
+    return type(_attn_bwd_kernel_dq).__name__ == "InterpretedFunction"
+
+
+def use_fast_math(device: torch.device) -> bool:
+    """Default for ``fast_math`` (PTX ``lg2.approx``): CUDA (not ROCm), not interpreted."""
+    return (not is_interpreter()) and device.type == "cuda" and torch.version.hip is None
+
+
+def default_input_precision(dtype: torch.dtype) -> str:
+    """IEEE fp32 dots for fp32 inputs (exactness gates); irrelevant for 16-bit inputs."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+class BwdConfig(NamedTuple):
+    """Block sizes / launch params of the two backward kernels."""
+
+    block_m_dq: int
+    block_n_dq: int
+    warps_dq: int
+    stages_dq: int
+    block_m_kv: int
+    block_n_kv: int
+    warps_kv: int
+    stages_kv: int
+
+
+def _d_bucket(head_dim: int) -> int:
+    """Config bucket = the padded ``BLOCK_D`` (16 shares 32's row)."""
+    return max(32, triton.next_power_of_2(head_dim))
+
+
+# (BLOCK_D bucket, causal, "16bit" | "fp32") -> BwdConfig(dq: BM, BN, warps, stages,
+# dkv: BM, BN, warps, stages). Chosen without a GPU from sm_90 compiles (ptxas -v, SSA,
+# the heavier transform): the largest tiles that neither spill registers nor exceed
+# shared memory -- a starting point, not a measurement. fp32 uses IEEE dots (FMA
+# units, exactness tests only), hence the small tiles. NEMO_SSA_AUTOTUNE=1 tunes instead.
+_BWD_16 = {32: BwdConfig(128, 64, 8, 3, 32, 128, 8, 3),   # regs dq 178 / dkv 211
+           64: BwdConfig(64, 64, 8, 2, 32, 64, 8, 2),     # 186 / 210
+           128: BwdConfig(64, 64, 8, 2, 32, 64, 8, 2),    # 255 / 255, no spills
+           256: BwdConfig(32, 32, 4, 2, 32, 32, 8, 2)}    # 235 / 247
+_BWD_32 = {32: BwdConfig(32, 32, 4, 2, 32, 32, 8, 2),
+           64: BwdConfig(32, 32, 4, 2, 16, 16, 4, 2),
+           128: BwdConfig(32, 32, 8, 2, 16, 16, 4, 2),
+           256: BwdConfig(16, 16, 8, 2, 16, 16, 8, 2)}
+BWD_CONFIGS: Dict[Tuple[int, bool, str], BwdConfig] = {}
+for _causal in (False, True):
+    for _bd in (32, 64, 128, 256):
+        BWD_CONFIGS[(_bd, _causal, "16bit")] = _BWD_16[_bd]
+        BWD_CONFIGS[(_bd, _causal, "fp32")] = _BWD_32[_bd]
+INTERPRETER_BWD_CONFIG = BwdConfig(16, 16, 1, 1, 16, 16, 1, 1)
+
+# candidates when autotuning (GPU only; NEMO_SSA_AUTOTUNE=1)
+_BWD_TUNE_DQ = [(bm, bn, w, s) for bm in (64, 128) for bn in (32, 64) for w in (4, 8) for s in (2, 3)]
+_BWD_TUNE_KV = [(bm, bn, w, s) for bm in (16, 32, 64) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
+
+
+def bwd_config(head_dim: int, causal: bool, dtype: torch.dtype, interpret: Optional[bool] = None) -> BwdConfig:
+    """Look up the backward block sizes (small 16x16 blocks under the interpreter)."""
+    if interpret is None:
+        interpret = is_interpreter()
+    if interpret:
+        return INTERPRETER_BWD_CONFIG
+    kind = "fp32" if dtype == torch.float32 else "16bit"
+    return BWD_CONFIGS[(_d_bucket(head_dim), bool(causal), kind)]
+
+
+def autotune_enabled() -> bool:
+    """``NEMO_SSA_AUTOTUNE=1`` switches the GPU kernels to ``triton.autotune`` over the
+    candidate lists (the static tables are then ignored); never under the interpreter."""
+    return os.environ.get("NEMO_SSA_AUTOTUNE", "0") not in ("", "0") and not is_interpreter()
+
+
+_AUTOTUNED: Dict[str, object] = {}
+
+
+def _autotuned(name: str, kernel, cands, block_names, key):
+    """Build (once) an autotuned wrapper of ``kernel`` over ``cands`` = (bm, bn, w, s)."""
+    if name not in _AUTOTUNED:
+        cfgs = [triton.Config({block_names[0]: bm, block_names[1]: bn}, num_warps=w, num_stages=s)
+                for bm, bn, w, s in cands]
+        _AUTOTUNED[name] = triton.autotune(configs=cfgs, key=key)(kernel)
+    return _AUTOTUNED[name]
+
+
+def dropout_rng_layout(num_heads_q: int, seqlen_q: int, seqlen_k: int, varlen: bool,
+                       total_q: Optional[int] = None) -> Tuple[int, int, int]:
+    """Philox counter layout ``(RNG_SZ, RNG_SH, RNG_SS)`` of the dropout mask.
+
+    Entry (batch z, query head h, row i, key j) uses counter
+    ``offset + z*RNG_SZ + h*RNG_SH + (q_start + i)*RNG_SS + j`` (``q_start`` = 0 dense;
+    packed: the sequence's first token). Dense: ``(Hq*Sq*Sk, Sq*Sk, Sk)``; packed
+    (``seqlen_k`` = max_seqlen_k, ``total_q`` = T_q): ``(0, T_q*max_k, max_k)``.
+    """
+    if varlen:
+        return 0, int(total_q) * int(seqlen_k), int(seqlen_k)
+    return int(num_heads_q) * int(seqlen_q) * int(seqlen_k), int(seqlen_q) * int(seqlen_k), int(seqlen_k)
+
+
+def make_rng_state(device, seed: Optional[int] = None, offset: int = 0) -> torch.Tensor:
+    """int64 ``[2]`` tensor ``(seed, offset)`` on ``device`` read by the dropout kernels.
+
+    ``seed=None`` draws both from the device's default generator (``torch.randint``): no
+    host sync, follows ``torch.manual_seed`` / Megatron's RNG-tracker forks, and is
+    traceable by ``torch.compile``. An int seed gives a reproducible mask.
+    """
+    if seed is None:
+        return torch.randint(0, 2 ** 62, (2,), device=device, dtype=torch.int64)
+    return torch.tensor([int(seed), int(offset)], dtype=torch.int64, device=device)
+
+
+def _zhsd(t: torch.Tensor, varlen: bool) -> Tuple[int, int, int, int]:
+    """(batch, head, seq, dim) strides of ``[B, H, S, D]`` or packed ``[T, H, D]``."""
+    if varlen:
+        return 0, t.stride(1), t.stride(0), t.stride(2)
+    return t.stride(0), t.stride(1), t.stride(2), t.stride(3)
+
+
+def _stat_strides(M: torch.Tensor, varlen: bool) -> Tuple[int, int, int]:
+    """(batch, head, row) strides of ``M`` ``[B, Hq, Sq]`` or packed ``[Hq, T_q]``."""
+    if varlen:
+        return 0, M.stride(0), M.stride(1)
+    return M.stride(0), M.stride(1), M.stride(2)
+
+
+def _param_ptrs(n: Optional[torch.Tensor], b: Optional[torch.Tensor], dummy: torch.Tensor):
+    """Kernel pointers for ``n``, ``b`` (read in-kernel as fp32, no host op); ``dummy``
+    (never dereferenced) for softmax."""
+    if n is None or b is None:
+        return dummy, dummy
+    return n.detach(), b.detach()
+
+
+def attention_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    M: torch.Tensor,
+    *,
+    transform: str = "ssa",
+    n: Optional[torch.Tensor] = None,
+    b: Optional[torch.Tensor] = None,
+    causal: bool = False,
+    scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+    rng_state: Optional[torch.Tensor] = None,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+    input_precision: Optional[str] = None,
+    fast_math: Optional[bool] = None,
+    need_dparams: bool = True,
+    config: Optional[BwdConfig] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Backward of ``o = dropout(softmax(transform(scale * q k^T) + mask)) @ v``.
+
+    Schedule-independent: any forward that returns ``o`` and ``M`` under the contract
+    below (flash single pass, ELSA two-pass scan, split-K) can use it.
+
+    **M contract.** ``M[z, h, i] = m2 + log2(l)`` (fp32), where ``z2_ij`` is the score in
+    the log2 domain exactly as ``transforms.score_fwd(qk, scale, n, b, TRANSFORM,
+    FAST_LOG2=fast_math)`` computes it (``qk`` = fp32 ``q_i . k_j`` from ``tl.dot``),
+    ``m2 = max_j z2_ij`` over visible keys and ``l = sum_j exp2(z2_ij - m2)`` -- i.e.
+    ``M = log2 sum_j exp2(z2_ij)``, so ``p_ij = exp2(z2_ij - M_i)``. Rows with no visible
+    key store ``M = +inf`` (and ``o = 0``): the recomputed ``p`` is then exactly 0, never
+    NaN. ``l`` is the *undropped* normaliser; dropout multiplies ``p`` afterwards.
+
+    **Masking.** Causal is bottom-right aligned (row i sees key j iff
+    ``j <= i + Sk - Sq``, per sequence when packed); masked entries weigh exactly 0.
+
+    **Dropout.** If ``dropout_p > 0`` the keep-mask is regenerated from ``rng_state``
+    (int64 ``[2]`` = seed, offset; see ``make_rng_state``) with ``dropout_keep`` and the
+    counter layout ``dropout_rng_layout``; the forward must have used the same.
+
+    Args:
+        do, q, o: ``[B, Hq, Sq, D]`` (or packed ``[T_q, Hq, D]``); any strides.
+        k, v: ``[B, Hkv, Sk, D]`` (or ``[T_k, Hkv, D]``), ``Hq % Hkv == 0``; any strides.
+        M: fp32 ``[B, Hq, Sq]`` (packed: ``[Hq, T_q]``).
+        transform: ``"ssa"`` or ``"softmax"``.
+        n, b: SSA parameters (1-element tensors); ignored for softmax.
+        causal, scale: as in the forward (``scale`` defaults to ``1/sqrt(D)``).
+        dropout_p, rng_state: dropout on ``p`` (see above).
+        cu_seqlens_q/k, max_seqlen_q/k: packed (THD) layout; int32 cumulative lengths.
+        input_precision: ``tl.dot`` precision; default ``"ieee"`` for fp32 inputs.
+        fast_math: PTX ``lg2.approx`` for the SSA log; must match the forward. Default:
+            on for CUDA, off under the interpreter.
+        need_dparams: compute ``dn``/``db`` (SSA only).
+        config: override the block-size table (``BwdConfig``).
+
+    Returns:
+        ``(dq, dk, dv, dn, db)``: ``dq/dk/dv`` with the dtype and (dense) layout of
+        ``q/k/v`` (``empty_like``); ``dn``, ``db`` fp32 ``[1]`` (summed in float64 over a
+        fixed-size buffer of per-key-row compensated partials, bit-identical run to
+        run), or ``None`` for softmax / ``need_dparams=False``.
+    """
+    varlen = cu_seqlens_q is not None
+    tid = transform_id(transform)
+    is_ssa = tid == TRANSFORM_SSA
+    dparams = bool(need_dparams and is_ssa)
+    if varlen:
+        _, hq, d = q.shape
+        hkv = k.shape[1]
+        bz = cu_seqlens_q.numel() - 1
+        sq, sk = int(max_seqlen_q), int(max_seqlen_k)
+        total_q = q.shape[0]
+    else:
+        bz, hq, sq, d = q.shape
+        hkv, sk = k.shape[1], k.shape[2]
+        total_q = None
+    group = hq // hkv
+    m_shape = (hq, q.shape[0]) if varlen else (bz, hq, sq)
+    if do.shape != q.shape or o.shape != q.shape:
+        raise ValueError(f"do {tuple(do.shape)} and o {tuple(o.shape)} must have q's shape {tuple(q.shape)}")
+    if M.dtype != torch.float32 or tuple(M.shape) != m_shape:
+        raise ValueError(f"M must be fp32 of shape {m_shape}, got {M.dtype} {tuple(M.shape)}")
+    if k.shape != v.shape or k.shape[-1] != d or hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"bad k/v shapes {tuple(k.shape)}, {tuple(v.shape)} for q {tuple(q.shape)}")
+    if scale is None:
+        scale = d ** -0.5
+    dev = q.device
+    if input_precision is None:
+        input_precision = default_input_precision(q.dtype)
+    if fast_math is None:
+        fast_math = use_fast_math(dev)
+    has_dropout = dropout_p > 0.0
+    if has_dropout and rng_state is None:
+        raise ValueError("dropout_p > 0 needs the forward's rng_state (int64 [2] seed, offset)")
+    # pointers a constexpr branch never dereferences get M as a placeholder (no allocation)
+    rng = rng_state if has_dropout else M
+    rz, rh, rs = dropout_rng_layout(hq, sq, sk, varlen, total_q)
+    n_ptr, b_ptr = _param_ptrs(n, b, M) if is_ssa else (M, M)
+    cu_q = cu_seqlens_q if varlen else M
+    cu_k = cu_seqlens_k if varlen else M
+    block_d = max(16, triton.next_power_of_2(d))
+    cfg = config or bwd_config(d, causal, q.dtype)
+    tune = config is None and autotune_enabled()
+
+    dq = new_output_like(q)
+    dk = new_output_like(k)
+    dv = new_output_like(v)
+    delta = new_output_like(M)
+    if dparams:
+        part_shape = (hkv, k.shape[0]) if varlen else (bz, hkv, sk)
+        dn_part = new_output(part_shape, torch.float32, dev)
+        db_part = new_output(part_shape, torch.float32, dev)
+        ps = (0, dn_part.stride(0)) if varlen else (dn_part.stride(0), dn_part.stride(1))
+    else:
+        dn_part = db_part = M  # never written (DPARAMS is off)
+        ps = (0, 0)
+    ms = _stat_strides(M, varlen)
+
+    pre_bm = 16 if is_interpreter() else max(16, min(128, 8192 // block_d))
+    _attn_bwd_preprocess[(triton.cdiv(sq, pre_bm), bz * hq)](
+        o, do, delta, cu_q, *_zhsd(o, varlen), *_zhsd(do, varlen), *ms, hq, sq,
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_bm, VARLEN=varlen,
+    )
+    common = dict(HEAD_DIM=d, BLOCK_D=block_d, TRANSFORM=tid, CAUSAL=bool(causal), VARLEN=varlen,
+                  HAS_DROPOUT=has_dropout, INPUT_PRECISION=input_precision, FAST_LOG2=bool(fast_math))
+    dq_args = (q, k, v, do, dq, M, delta, n_ptr, b_ptr, rng, cu_q, cu_k,
+               *_zhsd(q, varlen), *_zhsd(k, varlen), *_zhsd(v, varlen), *_zhsd(do, varlen),
+               *_zhsd(dq, varlen), *ms, hq, group, sq, sk, float(scale), float(dropout_p), rz, rh, rs)
+    if tune:
+        kern = _autotuned("dq", _attn_bwd_kernel_dq, _BWD_TUNE_DQ, ("BLOCK_M", "BLOCK_N"),
+                          ["HQ", "GROUP", "SEQ_Q", "SEQ_K", "HEAD_DIM", "TRANSFORM", "CAUSAL", "VARLEN", "HAS_DROPOUT"])
+        kern[lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), bz * hq)](*dq_args, **common)
+    else:
+        _attn_bwd_kernel_dq[(triton.cdiv(sq, cfg.block_m_dq), bz * hq)](
+            *dq_args, BLOCK_M=cfg.block_m_dq, BLOCK_N=cfg.block_n_dq,
+            num_warps=cfg.warps_dq, num_stages=cfg.stages_dq, **common)
+    kv_args = (q, k, v, do, dk, dv, M, delta, n_ptr, b_ptr, rng, cu_q, cu_k, dn_part, db_part,
+               *_zhsd(q, varlen), *_zhsd(k, varlen), *_zhsd(v, varlen), *_zhsd(do, varlen),
+               *_zhsd(dk, varlen), *_zhsd(dv, varlen), *ms, *ps, hkv, group, sq, sk,
+               float(scale), float(dropout_p), rz, rh, rs)
+    if tune:
+        kern = _autotuned("dkv", _attn_bwd_kernel_dkv, _BWD_TUNE_KV, ("BLOCK_M", "BLOCK_N"),
+                          ["HKV", "GROUP", "SEQ_Q", "SEQ_K", "HEAD_DIM", "TRANSFORM", "DPARAMS", "CAUSAL", "VARLEN", "HAS_DROPOUT"])
+        kern[lambda meta: (triton.cdiv(sk, meta["BLOCK_N"]), bz * hkv)](*kv_args, DPARAMS=dparams, **common)
+    else:
+        _attn_bwd_kernel_dkv[(triton.cdiv(sk, cfg.block_n_kv), bz * hkv)](
+            *kv_args, BLOCK_M=cfg.block_m_kv, BLOCK_N=cfg.block_n_kv, DPARAMS=dparams,
+            num_warps=cfg.warps_kv, num_stages=cfg.stages_kv, **common)
+    if dparams:
+        # fixed-size buffer, fixed order, float64: bit-identical run to run
+        dn = dn_part.to(torch.float64).sum().to(torch.float32).reshape(1)
+        db = db_part.to(torch.float64).sum().to(torch.float32).reshape(1)
+    else:
+        dn = db = None
+    return dq, dk, dv, dn, db

@@ -1,0 +1,196 @@
+"""Score transforms as Triton device functions: one transform inside every schedule.
+
+Every kernel in ``nemo_ssa.ops`` computes a softmax over *transformed* scores. The
+transform is a compile-time choice (``TRANSFORM: tl.constexpr``), so the flash, ELSA and
+NSA schedules share this file instead of copying per-transform variants.
+
+Conventions (all math in fp32 registers):
+
+* ``qk`` is the raw dot product ``q . k`` (no scale applied).
+* Forward returns ``z2 = z * log2(e)`` -- the transformed score in the log2 domain, ready
+  for ``exp2``. For softmax ``z = scale * qk`` so ``z2 = qk * (scale * log2 e)`` (one
+  multiply). For SSA ``s = scale * qk`` and
+  ``z = n * sgn(s) * ln(1 + b|s|)``  =>  ``z2 = n * sgn(s) * log2(1 + b|s|)``
+  (``ln(x) * log2(e) == log2(x)``), so no ``pow``/``exp`` is needed, only one ``log2``.
+  ``sgn(0) := +1`` (the value is 0 either way). ``scale > 0`` is assumed, so
+  ``sgn(s) == sgn(qk)``.
+* Backward helpers return the pieces of the chain rule given ``dz`` (the gradient with
+  respect to the natural-log-domain ``z``, i.e. ``p * (dp - delta)``):
+  ``ds/dqk = scale``; ``dz/ds = n*b / (1 + b|s|)`` (true derivative, also at 0);
+  ``dz/dn = sgn(s) * ln(1 + b|s|)``; ``dz/db = n * sgn(s) * |s| / (1 + b|s|) = n*s/(1+b|s|)``.
+
+Two API levels:
+
+* ``score_fwd`` / ``score_bwd`` / ``score_bwd_params``: self-contained elementwise maps
+  taking ``scale, n, b`` (simple to call, used by readable kernels).
+* The *hoisted* form used by the hot loops: ``transform_consts`` folds ``scale``, ``n``,
+  ``b`` into two per-program constants once, ``score_fwd_hoisted`` maps a tile with one
+  FMA + one ``log2`` + one select/multiply, and ``score_bwd_parts`` additionally returns
+  ``sgn(s)*log2(1+b|s|)`` and ``1/(1+b|s|)`` so a backward kernel computes the ``log2``
+  only once per element and folds the constant factors (``n*b*scale``, ``ln 2``,
+  ``n*scale``) in after its loops (``grad_consts``).
+
+``score_fwd`` and ``score_fwd_hoisted`` perform *the same* floating-point operations, so
+a forward written with either and a backward written with ``score_bwd_parts`` recompute
+bit-identical ``z2`` (a backward recomputes ``p = exp2(z2 - M)``; a different rounding of
+``z2`` would leave rows that no longer sum to exactly 1). ``FAST_LOG2`` must be the same
+in the forward and the backward for the same reason.
+
+Masking is the schedule's job (``-inf`` on ``z2``, never on ``s``); these functions are
+pure elementwise maps.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = [
+    "TRANSFORM_SOFTMAX",
+    "TRANSFORM_SSA",
+    "TRANSFORM_IDS",
+    "transform_id",
+    "log2_fast",
+    "transform_consts",
+    "grad_consts",
+    "score_fwd",
+    "score_fwd_hoisted",
+    "score_bwd",
+    "score_bwd_parts",
+    "score_bwd_params",
+]
+
+TRANSFORM_SOFTMAX = 0
+TRANSFORM_SSA = 1
+TRANSFORM_IDS = {"softmax": TRANSFORM_SOFTMAX, "ssa": TRANSFORM_SSA}
+
+LN2 = 0.6931471805599453
+LOG2E = 1.4426950408889634
+
+
+def transform_id(name: str) -> int:
+    """Map a transform name to the ``TRANSFORM`` constexpr; unknown names raise."""
+    try:
+        return TRANSFORM_IDS[name]
+    except KeyError:
+        raise ValueError(f"unknown score transform {name!r}; supported: {sorted(TRANSFORM_IDS)}") from None
+
+
+@triton.jit
+def log2_fast(x, FAST: tl.constexpr):
+    """``log2(x)`` for fp32 tiles; ``FAST`` uses the PTX ``lg2.approx.f32`` MUFU op.
+
+    ``lg2.approx`` has ~2^-22 relative error, ample for attention logits, and is one MUFU
+    instruction. ``FAST`` must be False under ``TRITON_INTERPRET=1`` and on non-NVIDIA
+    backends (inline PTX); launchers decide.
+    """
+    if FAST:
+        y = tl.inline_asm_elementwise(
+            "lg2.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        y = tl.log2(x)
+    return y
+
+
+@triton.jit
+def transform_consts(scale, n, b, TRANSFORM: tl.constexpr):
+    """Per-program constants ``(c0, c1)`` for ``score_fwd_hoisted``/``score_bwd_parts``.
+
+    softmax: ``c0 = scale * log2(e)`` (``c1`` unused); SSA: ``c0 = scale * b``, ``c1 = n``.
+    """
+    if TRANSFORM == 1:
+        c0 = scale * b
+        c1 = n
+    else:
+        c0 = scale * 1.4426950408889634
+        c1 = n
+    return c0, c1
+
+
+@triton.jit
+def grad_consts(scale, n, b, TRANSFORM: tl.constexpr):
+    """Factors a backward applies once, after its loops: ``(g_s, g_n, g_b)``.
+
+    With ``ds_raw = dz * rinv`` (SSA) or ``dz`` (softmax) accumulated inside the loop,
+    ``dL/dqk = g_s * ds_raw``: ``g_s = n*b*scale`` (SSA) / ``scale`` (softmax).
+    ``dn = g_n * sum(dz * smag)`` with ``g_n = ln 2`` (``smag`` is in log2 units);
+    ``db = g_b * sum(dz * qk * rinv)`` with ``g_b = n * scale``.
+    """
+    if TRANSFORM == 1:
+        g_s = n * b * scale
+    else:
+        g_s = scale
+    g_n = 0.6931471805599453
+    g_b = n * scale
+    return g_s, g_n, g_b
+
+
+@triton.jit
+def score_fwd_hoisted(qk, c0, c1, TRANSFORM: tl.constexpr, FAST_LOG2: tl.constexpr = False):
+    """``qk`` (fp32 tile) -> ``z2`` with constants from ``transform_consts``."""
+    if TRANSFORM == 1:
+        mag = log2_fast(tl.abs(qk) * c0 + 1.0, FAST_LOG2)  # log2(1 + b|s|) >= 0
+        z2 = tl.where(qk >= 0.0, c1, -c1) * mag
+    else:
+        z2 = qk * c0
+    return z2
+
+
+@triton.jit
+def score_bwd_parts(qk, c0, c1, TRANSFORM: tl.constexpr, FAST_LOG2: tl.constexpr = False):
+    """``(z2, smag, rinv)`` for a backward tile (one ``log2``, one reciprocal).
+
+    SSA: ``z2`` exactly as ``score_fwd_hoisted``; ``smag = sgn(s) * log2(1 + b|s|)``
+    (``dz/dn = ln2 * smag``); ``rinv = 1 / (1 + b|s|)`` (``dz/ds = n*b*rinv``,
+    ``dz/db = n*scale*qk*rinv``). softmax: ``smag``/``rinv`` are placeholders (``z2``);
+    callers guard their use with the same constexpr.
+    """
+    if TRANSFORM == 1:
+        t = tl.abs(qk) * c0 + 1.0
+        mag = log2_fast(t, FAST_LOG2)
+        sgn_n = tl.where(qk >= 0.0, c1, -c1)
+        z2 = sgn_n * mag
+        smag = tl.where(qk >= 0.0, mag, -mag)
+        rinv = 1.0 / t
+    else:
+        z2 = qk * c0
+        smag = z2
+        rinv = z2
+    return z2, smag, rinv
+
+
+@triton.jit
+def score_fwd(qk, scale, n, b, TRANSFORM: tl.constexpr, FAST_LOG2: tl.constexpr = False):
+    """``qk`` (fp32 tile) -> ``z2 = z * log2(e)``.  n, b: fp32 scalars (ignored for softmax).
+
+    Same arithmetic as ``score_fwd_hoisted(qk, *transform_consts(scale, n, b))``.
+    """
+    c0, c1 = transform_consts(scale, n, b, TRANSFORM)
+    return score_fwd_hoisted(qk, c0, c1, TRANSFORM, FAST_LOG2)
+
+
+@triton.jit
+def score_bwd(qk, dz, scale, n, b, TRANSFORM: tl.constexpr):
+    """``dz`` = dL/dz (natural domain) -> dL/dqk (multiply by k for dq, by q for dk)."""
+    if TRANSFORM == 1:
+        s = qk * scale
+        dqk = dz * (n * b * scale / (1.0 + b * tl.abs(s)))
+    else:
+        dqk = dz * scale
+    return dqk
+
+
+@triton.jit
+def score_bwd_params(qk, dz, scale, n, b):
+    """SSA only: elementwise contributions ``(dL/dn, dL/db)`` of one tile (sum them).
+
+    ``dn = dz * sgn(s) * ln(1 + b|s|)``; ``db = dz * n * s / (1 + b|s|)`` -- the sign
+    belongs in db (seed 000: dropping it trained silently wrong).
+    """
+    s = qk * scale
+    a = tl.abs(s)
+    mag = tl.log2(1.0 + b * a) * 0.6931471805599453  # ln(1 + b|s|)
+    dn = dz * tl.where(s >= 0.0, mag, -mag)
+    db = dz * (n * s / (1.0 + b * a))
+    return dn, db

@@ -1,0 +1,642 @@
+"""Fused flash attention with a compile-time score transform (SSA or softmax), in Triton.
+
+Computes, without materialising ``[Sq, Sk]``::
+
+    s = scale * q k^T;  z = n sgn(s) log1p(b|s|) (SSA) | s (softmax);  z[masked] = -inf
+    o = dropout(softmax_rows(z)) @ v
+
+Forward (this file): one program per (query block, batch, query head); online softmax in
+the log2 domain (``z2 = z * log2 e`` from ``ops.common.transforms``, ``exp2`` only, no
+``pow``); key blocks that every row of the query block may see run unmasked, only the
+causal diagonal band and the ragged tail of ``Sk`` run with masks; masked entries weigh
+exactly 0. It stores ``M = m2 + log2(l)`` per row (fp32) -- ``+inf`` for rows that see no
+key, whose output is 0 -- and the backward (``ops.common.attn_bwd.attention_bwd``,
+shared with the ELSA scan) recomputes ``p = exp2(z2 - M)``.
+
+Layouts: dense ``q [B, Hq, Sq, D]``, ``k, v [B, Hkv, Sk, D]`` with **arbitrary strides on
+all four dims** (Megatron's ``[s, b, h, d]`` tensors ``.permute(1, 2, 0, 3)``-ed are used
+in place; ``force_contiguous_qkv=True`` copies first), or packed THD ``[T, H, D]`` with
+``cu_seqlens`` (``flash_attention_varlen``). GQA natively: query head ``h`` reads kv head
+``h // (Hq // Hkv)``; no K/V expansion. Any ``Sq``, ``Sk`` (no divisibility), ``Sq != Sk``
+with bottom-right causal alignment, head dims 16..256 (padded to a power of two inside
+with masked loads), fp16 / bf16 / fp32 (fp32 uses IEEE dots by default).
+
+Dropout on ``p`` (before ``@ v``) is generated in-kernel by Philox (``tl.rand``) from an
+int64 ``[2]`` ``(seed, offset)`` tensor; the backward regenerates the identical mask.
+
+Autograd goes through ``torch.library.custom_op`` (``nemo_ssa::flash_attn_fwd`` /
+``nemo_ssa::flash_attn_bwd``, with fake impls) so ``torch.compile`` traces models using
+it without graph breaks; ``n`` and ``b`` are tensors (never Python floats) and get
+gradients.
+
+Differences from ``naive.attention_naive``: no ``keep_mask`` (raises); dropout masks come
+from Philox, not torch's RNG stream (same distribution, different draws); ``n``, ``b``
+are read as fp32; fp64 inputs are rejected.
+
+Under ``TRITON_INTERPRET=1`` (set before this module is imported) the kernels run on CPU
+tensors with 16x16 blocks -- that is how CI tests them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, NamedTuple, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from nemo_ssa.ops.common.attn_bwd import (
+    MAX_HEAD_DIM,
+    MIN_HEAD_DIM,
+    SUPPORTED_DTYPES,
+    _autotuned,
+    _d_bucket,
+    _param_ptrs,
+    _stat_strides,
+    _zhsd,
+    attention_bwd,
+    autotune_enabled,
+    default_input_precision,
+    dropout_keep,
+    dropout_rng_layout,
+    is_interpreter,
+    kv_range_for_q_block,
+    make_rng_state,
+    new_output,
+    new_output_like,
+    seq_info,
+    use_fast_math,
+)
+from nemo_ssa.ops.common.transforms import score_fwd_hoisted, transform_consts, transform_id
+from nemo_ssa.ops.ssa.naive import TRANSFORMS, _check_scalar_param
+
+__all__ = [
+    "flash_attention",
+    "flash_attention_varlen",
+    "flash_attention_fwd",
+    "ssa_attention_triton",
+    "softmax_attention_triton",
+    "ssa_attention_triton_varlen",
+    "softmax_attention_triton_varlen",
+    "FwdConfig",
+    "FWD_CONFIGS",
+    "fwd_config",
+]
+
+
+# ----------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attn_fwd_inner(
+    acc, l_i, m_i, q,
+    k_base, v_base, s_ks, s_kd, s_vs, s_vd, s_ks64, s_vs64,
+    offs_m, lo, hi, k_len, off_c,
+    c0, c1, seed, rbase, RSTRIDE, dropout_p,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, TRANSFORM: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FAST_LOG2: tl.constexpr,
+):
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    kT_off = offs_n[None, :] * s_ks + offs_d[:, None] * s_kd  # [BLOCK_D, BLOCK_N]
+    v_off = offs_n[:, None] * s_vs + offs_d[None, :] * s_vd  # [BLOCK_N, BLOCK_D]
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        k_ptrs = k_base + start_n * s_ks64 + kT_off  # int64 block base, int32 in-tile offsets
+        v_ptrs = v_base + start_n * s_vs64 + v_off
+        if MASKED:
+            kT = tl.load(k_ptrs, mask=(cols < k_len)[None, :] & (offs_d < HEAD_DIM)[:, None], other=0.0)
+        elif BLOCK_D == HEAD_DIM:
+            kT = tl.load(k_ptrs)
+        else:
+            kT = tl.load(k_ptrs, mask=(offs_d < HEAD_DIM)[:, None], other=0.0)
+        qk = tl.dot(q, kT, input_precision=INPUT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
+        z2 = score_fwd_hoisted(qk, c0, c1, TRANSFORM, FAST_LOG2)
+        if MASKED:
+            valid = (cols < k_len)[None, :]
+            if CAUSAL:
+                valid = valid & (cols[None, :] <= offs_m[:, None] + off_c)
+            z2 = tl.where(valid, z2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(z2, 1))
+            # rows that have seen no key yet keep m = -inf; subtract 0 instead (p = 0)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(z2, 1))
+            m_use = m_new
+        p = tl.math.exp2(z2 - m_use[:, None])  # [BLOCK_M, BLOCK_N]
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if MASKED:
+            v = tl.load(v_ptrs, mask=(cols < k_len)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+        elif BLOCK_D == HEAD_DIM:
+            v = tl.load(v_ptrs)
+        else:
+            v = tl.load(v_ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+        if HAS_DROPOUT:
+            keep = dropout_keep(seed, rbase, offs_m, cols, RSTRIDE, dropout_p, False)
+            p = tl.where(keep, p, 0.0)  # l_i keeps the undropped normaliser
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V, O, M, NP, BP, RNG, CU_Q, CU_K,
+    s_qz, s_qh, s_qs, s_qd,
+    s_kz, s_kh, s_ks, s_kd,
+    s_vz, s_vh, s_vs, s_vd,
+    s_oz, s_oh, s_os, s_od,
+    s_mz, s_mh, s_ms,
+    HQ, GROUP, SEQ_Q, SEQ_K,
+    scale, dropout_p, RNG_SZ, RNG_SH, RNG_SS,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TRANSFORM: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FAST_LOG2: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m  # longest rows first (tail balance)
+    pid_zh = tl.program_id(1)
+    off_z = pid_zh // HQ
+    off_hq = pid_zh % HQ
+    off_hkv = off_hq // GROUP
+    q_start, q_len, k_start, k_len = seq_info(CU_Q, CU_K, off_z, SEQ_Q, SEQ_K, VARLEN)
+    start_m = pid_m * BLOCK_M
+    if start_m >= q_len:
+        return
+    z64 = off_z.to(tl.int64)
+    hq64 = off_hq.to(tl.int64)
+    hkv64 = off_hkv.to(tl.int64)
+    zero64 = z64 * 0  # promotes strides to int64 for block-base offsets
+    offs_mb = tl.arange(0, BLOCK_M)
+    offs_m = start_m + offs_mb
+    offs_d = tl.arange(0, BLOCK_D)
+    row = q_start + start_m  # int64
+    row_ok = offs_m < q_len
+    ld = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(Q + z64 * s_qz + hq64 * s_qh + row * s_qs
+                + offs_mb[:, None] * s_qs + offs_d[None, :] * s_qd, mask=ld, other=0.0)
+
+    if TRANSFORM == 1:
+        n = tl.load(NP).to(tl.float32)  # 1-element tensors, any float dtype
+        b = tl.load(BP).to(tl.float32)
+    else:
+        n = 0.0
+        b = 0.0
+    c0, c1 = transform_consts(scale, n, b, TRANSFORM)
+    if HAS_DROPOUT:
+        seed = tl.load(RNG)
+        rbase = tl.load(RNG + 1) + z64 * RNG_SZ + hq64 * RNG_SH + q_start * RNG_SS
+        inv_keep = 1.0 / (1.0 - dropout_p)
+    else:
+        seed = 0
+        rbase = 0
+        inv_keep = 1.0
+
+    k_base = K + z64 * s_kz + hkv64 * s_kh + k_start * s_ks
+    v_base = V + z64 * s_vz + hkv64 * s_vh + k_start * s_vs
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    full, hi = kv_range_for_q_block(start_m, q_len, k_len, BLOCK_M, BLOCK_N, CAUSAL)
+    off_c = k_len - q_len
+    # stage 1: key blocks every row of this block sees -> no masks at all
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, s_ks, s_kd, s_vs, s_vd, s_ks + zero64, s_vs + zero64, offs_m, 0, full, k_len, off_c,
+        c0, c1, seed, rbase, RNG_SS, dropout_p, HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL,
+        TRANSFORM, HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2)
+    # stage 2: causal diagonal band and the ragged tail of Sk
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, s_ks, s_kd, s_vs, s_vd, s_ks + zero64, s_vs + zero64, offs_m, full, hi, k_len, off_c,
+        c0, c1, seed, rbase, RNG_SS, dropout_p, HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL,
+        TRANSFORM, HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2)
+
+    empty = l_i == 0.0  # no visible key: o = 0, M = +inf (backward then gets p = 0)
+    l_safe = tl.where(empty, 1.0, l_i)
+    o = acc * (inv_keep / l_safe)[:, None]
+    m_out = tl.where(empty, float("inf"), m_i + tl.math.log2(l_safe))
+    tl.store(O + z64 * s_oz + hq64 * s_oh + row * s_os
+             + offs_mb[:, None] * s_os + offs_d[None, :] * s_od, o.to(O.dtype.element_ty), mask=ld)
+    tl.store(M + z64 * s_mz + hq64 * s_mh + (q_start + offs_m) * s_ms, m_out, mask=row_ok)
+
+
+# ----------------------------------------------------------------------------------------
+# Host launcher
+# ----------------------------------------------------------------------------------------
+
+
+class FwdConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# (BLOCK_D bucket, causal, "16bit" | "fp32") -> FwdConfig. Chosen without a GPU from sm_90
+# compiles (ptxas -v, SSA): the largest tiles without register spills that fit shared
+# memory (regs/thread in the comments) -- starting points for H100/H200, not measurements.
+# fp32 runs IEEE dots on FMA units (exactness tests only): small tiles. Tune with
+# NEMO_SSA_AUTOTUNE=1 (candidates: _FWD_TUNE).
+_FWD_16 = {32: FwdConfig(128, 64, 8, 3),   # 130 regs
+           64: FwdConfig(128, 64, 8, 3),   # 149
+           128: FwdConfig(128, 64, 8, 3),  # 214, 128 KiB smem
+           256: FwdConfig(64, 32, 8, 2)}   # 181
+_FWD_32 = {32: FwdConfig(64, 32, 4, 2), 64: FwdConfig(32, 32, 4, 2),
+           128: FwdConfig(32, 32, 8, 2), 256: FwdConfig(16, 16, 4, 2)}
+FWD_CONFIGS: Dict[Tuple[int, bool, str], FwdConfig] = {}
+for _causal in (False, True):
+    for _bd in (32, 64, 128, 256):
+        FWD_CONFIGS[(_bd, _causal, "16bit")] = _FWD_16[_bd]
+        FWD_CONFIGS[(_bd, _causal, "fp32")] = _FWD_32[_bd]
+INTERPRETER_FWD_CONFIG = FwdConfig(16, 16, 1, 1)
+_FWD_TUNE = [(bm, bn, w, s) for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
+
+
+def fwd_config(head_dim: int, causal: bool, dtype: torch.dtype, interpret: Optional[bool] = None) -> FwdConfig:
+    """Forward block sizes: table above on GPU, 16x16 under the interpreter."""
+    if interpret is None:
+        interpret = is_interpreter()
+    if interpret:
+        return INTERPRETER_FWD_CONFIG
+    kind = "fp32" if dtype == torch.float32 else "16bit"
+    return FWD_CONFIGS[(_d_bucket(head_dim), bool(causal), kind)]
+
+
+def _flash_fwd(
+    q: Tensor, k: Tensor, v: Tensor, n: Optional[Tensor], b: Optional[Tensor],
+    rng_state: Optional[Tensor], cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+    transform: str, causal: bool, scale: float, dropout_p: float, max_seqlen_q: int,
+    max_seqlen_k: int, input_precision: str, fast_math: bool, config: Optional[FwdConfig] = None,
+) -> Tuple[Tensor, Tensor]:
+    """Launch the forward kernel; returns ``(o, M)`` (no autograd)."""
+    varlen = cu_seqlens_q is not None
+    tid = transform_id(transform)
+    dev = q.device
+    if varlen:
+        total_q, hq, d = q.shape
+        hkv = k.shape[1]
+        bz = cu_seqlens_q.numel() - 1
+        sq, sk = int(max_seqlen_q), int(max_seqlen_k)
+        M = new_output((hq, total_q), torch.float32, dev)
+    else:
+        bz, hq, sq, d = q.shape
+        hkv, sk = k.shape[1], k.shape[2]
+        total_q = None
+        M = new_output((bz, hq, sq), torch.float32, dev)
+    o = new_output_like(q)  # keeps q's memory order when q is a dense permuted view
+    has_dropout = dropout_p > 0.0
+    # pointers a constexpr branch never dereferences get M as a placeholder (no allocation)
+    rng = rng_state if has_dropout else M
+    n_ptr, b_ptr = _param_ptrs(n, b, M) if tid == 1 else (M, M)
+    cu_q = cu_seqlens_q if varlen else M
+    cu_k = cu_seqlens_k if varlen else M
+    rz, rh, rs = dropout_rng_layout(hq, sq, sk, varlen, total_q)
+    block_d = max(16, triton.next_power_of_2(d))
+    args = (q, k, v, o, M, n_ptr, b_ptr, rng, cu_q, cu_k,
+            *_zhsd(q, varlen), *_zhsd(k, varlen), *_zhsd(v, varlen), *_zhsd(o, varlen),
+            *_stat_strides(M, varlen), hq, hq // hkv, sq, sk, float(scale), float(dropout_p), rz, rh, rs)
+    meta = dict(HEAD_DIM=d, BLOCK_D=block_d, TRANSFORM=tid, CAUSAL=bool(causal), VARLEN=varlen,
+                HAS_DROPOUT=has_dropout, INPUT_PRECISION=input_precision, FAST_LOG2=bool(fast_math))
+    if config is None and autotune_enabled():
+        kern = _autotuned("fwd", _attn_fwd_kernel, _FWD_TUNE, ("BLOCK_M", "BLOCK_N"),
+                          ["HQ", "GROUP", "SEQ_Q", "SEQ_K", "HEAD_DIM", "TRANSFORM", "CAUSAL", "VARLEN", "HAS_DROPOUT"])
+        kern[lambda m: (triton.cdiv(sq, m["BLOCK_M"]), bz * hq)](*args, **meta)
+    else:
+        cfg = config or fwd_config(d, causal, q.dtype)
+        _attn_fwd_kernel[(triton.cdiv(sq, cfg.block_m), bz * hq)](
+            *args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta)
+    return o, M
+
+
+# ----------------------------------------------------------------------------------------
+# torch.library custom ops (+ autograd, + fake impls for torch.compile)
+# ----------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("nemo_ssa::flash_attn_fwd", mutates_args=())
+def _flash_attn_fwd_op(
+    q: Tensor, k: Tensor, v: Tensor, n: Optional[Tensor], b: Optional[Tensor],
+    rng_state: Optional[Tensor], cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+    transform: str, causal: bool, scale: float, dropout_p: float,
+    max_seqlen_q: int, max_seqlen_k: int, input_precision: str, fast_math: bool,
+) -> Tuple[Tensor, Tensor]:
+    return _flash_fwd(q, k, v, n, b, rng_state, cu_seqlens_q, cu_seqlens_k, transform, causal,
+                      scale, dropout_p, max_seqlen_q, max_seqlen_k, input_precision, fast_math)
+
+
+@_flash_attn_fwd_op.register_fake
+def _(q, k, v, n, b, rng_state, cu_seqlens_q, cu_seqlens_k, transform, causal, scale, dropout_p,
+      max_seqlen_q, max_seqlen_k, input_precision, fast_math):
+    if cu_seqlens_q is not None:
+        m_shape = (q.shape[1], q.shape[0])
+    else:
+        m_shape = (q.shape[0], q.shape[1], q.shape[2])
+    return torch.empty_like(q), q.new_empty(m_shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("nemo_ssa::flash_attn_bwd", mutates_args=())
+def _flash_attn_bwd_op(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, M: Tensor,
+    n: Optional[Tensor], b: Optional[Tensor], rng_state: Optional[Tensor],
+    cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+    transform: str, causal: bool, scale: float, dropout_p: float,
+    max_seqlen_q: int, max_seqlen_k: int, input_precision: str, fast_math: bool, need_dparams: bool,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    dq, dk, dv, dn, db = attention_bwd(
+        do, q, k, v, o, M, transform=transform, n=n, b=b, causal=causal, scale=scale,
+        dropout_p=dropout_p, rng_state=rng_state, cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        input_precision=input_precision, fast_math=fast_math, need_dparams=need_dparams)
+    if dn is None:  # custom ops return tensors: zeros stand in for "no gradient"
+        dn = torch.zeros(1, dtype=torch.float32, device=q.device)
+        db = torch.zeros(1, dtype=torch.float32, device=q.device)
+    return dq, dk, dv, dn, db
+
+
+@_flash_attn_bwd_op.register_fake
+def _(do, q, k, v, o, M, n, b, rng_state, cu_seqlens_q, cu_seqlens_k, transform, causal, scale,
+      dropout_p, max_seqlen_q, max_seqlen_k, input_precision, fast_math, need_dparams):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            q.new_empty((1,), dtype=torch.float32), q.new_empty((1,), dtype=torch.float32))
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    (q, k, v, n, b, rng_state, cu_q, cu_k, transform, causal, scale, dropout_p,
+     max_q, max_k, input_precision, fast_math) = inputs
+    o, M = output
+    ctx.save_for_backward(q, k, v, o, M, n, b, rng_state, cu_q, cu_k)
+    ctx.scalars = (transform, causal, scale, dropout_p, max_q, max_k, input_precision, fast_math)
+
+
+def _fwd_backward(ctx, do, dM):
+    q, k, v, o, M, n, b, rng_state, cu_q, cu_k = ctx.saved_tensors
+    transform, causal, scale, dropout_p, max_q, max_k, input_precision, fast_math = ctx.scalars
+    need_dparams = transform == "ssa" and (ctx.needs_input_grad[3] or ctx.needs_input_grad[4])
+    dq, dk, dv, dn, db = torch.ops.nemo_ssa.flash_attn_bwd(
+        do, q, k, v, o, M, n, b, rng_state, cu_q, cu_k, transform, causal, scale, dropout_p,
+        max_q, max_k, input_precision, fast_math, need_dparams)
+    dn_out = dn.to(n.dtype).reshape(n.shape) if (n is not None and ctx.needs_input_grad[3]) else None
+    db_out = db.to(b.dtype).reshape(b.shape) if (b is not None and ctx.needs_input_grad[4]) else None
+    return (dq, dk, dv, dn_out, db_out) + (None,) * 11
+
+
+_flash_attn_fwd_op.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
+
+
+# ----------------------------------------------------------------------------------------
+# Validation and public functions
+# ----------------------------------------------------------------------------------------
+
+_DTYPE_NAMES = "float16, bfloat16, float32"
+
+
+def _validate_flash(q, k, v, *, transform, n, b, keep_mask, dropout_p, softmax_scale, varlen,
+                    input_precision) -> None:
+    if keep_mask is not None:
+        raise ValueError(
+            "keep_mask is not supported by the fused Triton kernel (supported masks: causal "
+            "or none); use attention_naive / softmax_attention_sdpa for arbitrary masks")
+    nd = 3 if varlen else 4
+    layout = "[T, H, D] (packed)" if varlen else "[B, H, S, D]"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != nd:
+            raise ValueError(f"`{name}` must be {nd}-D {layout}, got shape {tuple(t.shape)}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"`{name}` has dtype {t.dtype}; supported dtypes: {_DTYPE_NAMES}")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.device != k.device or q.device != v.device:
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    dev = q.device
+    if dev.type == "cuda":
+        if is_interpreter():
+            raise ValueError("the Triton kernels were built for TRITON_INTERPRET=1; supported "
+                             "devices in this process: cpu")
+    elif dev.type == "cpu":
+        if not is_interpreter():
+            raise ValueError("CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 "
+                             "before importing nemo_ssa.ops; supported devices: cuda (or cpu "
+                             "under the interpreter)")
+    else:
+        raise ValueError(f"device {dev} unsupported; supported devices: cuda (or cpu under TRITON_INTERPRET=1)")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    d, dk_ = q.shape[-1], k.shape[-1]
+    if d != dk_:
+        raise ValueError(f"head-dim mismatch: q has D={d}, k/v have D={dk_}")
+    if not (MIN_HEAD_DIM <= d <= MAX_HEAD_DIM):
+        raise ValueError(f"head dim D={d} unsupported; supported head dims: {MIN_HEAD_DIM} <= D <= {MAX_HEAD_DIM}")
+    hq, hkv = (q.shape[1], k.shape[1])
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv}) for GQA")
+    if not varlen:
+        if q.shape[0] != k.shape[0]:
+            raise ValueError(f"batch mismatch: q has B={q.shape[0]}, k/v have B={k.shape[0]}")
+        if q.shape[2] == 0 or k.shape[2] == 0 or q.shape[0] == 0:
+            raise ValueError(f"empty batch or sequence: q {tuple(q.shape)}, k {tuple(k.shape)}")
+        if q.shape[0] * hq > 65535:
+            raise ValueError(f"B * Hq = {q.shape[0] * hq} exceeds the grid limit 65535")
+    if transform not in TRANSFORMS:
+        raise ValueError(f"unknown transform {transform!r}; supported: {TRANSFORMS}")
+    if transform == "ssa":
+        _check_scalar_param("n", n, transform)
+        _check_scalar_param("b", b, transform)
+        for name, t in (("n", n), ("b", b)):
+            if t.device != dev:
+                raise ValueError(f"`{name}` is on {t.device}, q on {dev}; they must share a device")
+    elif n is not None or b is not None:
+        raise ValueError(f"transform={transform!r} takes no `n`/`b` (they are SSA parameters)")
+    if not isinstance(dropout_p, (int, float)) or not (0.0 <= float(dropout_p) < 1.0):
+        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p}")
+    if softmax_scale is not None:
+        if not isinstance(softmax_scale, (int, float)) or not (softmax_scale > 0 and math.isfinite(softmax_scale)):
+            raise ValueError(f"softmax_scale must be a positive finite Python number or None, got {softmax_scale!r}")
+    if input_precision not in (None, "ieee", "tf32", "tf32x3"):
+        raise ValueError(f"input_precision {input_precision!r}; supported: None, 'ieee', 'tf32', 'tf32x3'")
+
+
+def _resolve(q, d, softmax_scale, input_precision, fast_math):
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    prec = default_input_precision(q.dtype) if input_precision is None else input_precision
+    fast = use_fast_math(q.device) if fast_math is None else bool(fast_math)
+    if fast and (q.device.type != "cuda" or is_interpreter()):
+        fast = False  # inline PTX only exists on CUDA
+    return scale, prec, fast
+
+
+def flash_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    transform: str = "ssa",
+    n: Optional[Tensor] = None,
+    b: Optional[Tensor] = None,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    keep_mask: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    dropout_seed: Optional[int] = None,
+    dropout_offset: int = 0,
+    force_contiguous_qkv: bool = False,
+    input_precision: Optional[str] = None,
+    fast_math: Optional[bool] = None,
+) -> Tensor:
+    """Fused attention ``o = dropout(softmax(transform(scale q k^T) + mask)) @ v``.
+
+    Args:
+        q: ``[B, Hq, Sq, D]``, any strides (e.g. a permuted ``[s, b, h, d]`` view).
+        k, v: ``[B, Hkv, Sk, D]``, ``Hq % Hkv == 0``, any strides.
+        transform: ``"ssa"`` (needs ``n``, ``b``) or ``"softmax"``.
+        n, b: SSA parameters, 1-element tensors (``[1]`` or 0-d) on q's device; they may
+            require grad (``dn``, ``db`` are returned through autograd).
+        causal: bottom-right aligned (query i sees key j iff ``j <= i + Sk - Sq``).
+        softmax_scale: positive Python number; default ``1/sqrt(D)``.
+        keep_mask: not supported (raises ``ValueError``).
+        dropout_p: dropout on the probabilities before ``@ v``.
+        dropout_seed, dropout_offset: reproducible Philox mask; ``None`` draws the seed
+            from the device's default generator (follows ``torch.manual_seed`` and
+            Megatron's RNG-tracker forks, no host sync).
+        force_contiguous_qkv: copy q/k/v to contiguous first (the seed-000 training
+            default); the kernel itself handles any strides.
+        input_precision: ``tl.dot`` precision for fp32 inputs; default ``"ieee"``.
+        fast_math: PTX ``lg2.approx`` for the SSA log (default on CUDA).
+
+    Returns:
+        ``[B, Hq, Sq, D]`` in q's dtype (memory order of q when q is dense); rows without
+        a visible key are 0 with zero gradients.
+
+    Raises:
+        ValueError: unsupported dtype (supported: fp16, bf16, fp32), head dim (16..256),
+            device, shapes, GQA ratio, ``keep_mask``, or parameters.
+    """
+    _validate_flash(q, k, v, transform=transform, n=n, b=b, keep_mask=keep_mask, dropout_p=dropout_p,
+                    softmax_scale=softmax_scale, varlen=False, input_precision=input_precision)
+    if force_contiguous_qkv:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    scale, prec, fast = _resolve(q, q.shape[-1], softmax_scale, input_precision, fast_math)
+    dropout_p = float(dropout_p)
+    rng = make_rng_state(q.device, dropout_seed, dropout_offset) if dropout_p > 0.0 else None
+    o, _ = torch.ops.nemo_ssa.flash_attn_fwd(
+        q, k, v, n if transform == "ssa" else None, b if transform == "ssa" else None, rng, None, None,
+        transform, bool(causal), scale, dropout_p, q.shape[2], k.shape[2], prec, fast)
+    return o
+
+
+def flash_attention_fwd(
+    q: Tensor, k: Tensor, v: Tensor, *, transform: str = "ssa", n: Optional[Tensor] = None,
+    b: Optional[Tensor] = None, causal: bool = False, softmax_scale: Optional[float] = None,
+    dropout_p: float = 0.0, rng_state: Optional[Tensor] = None, input_precision: Optional[str] = None,
+    fast_math: Optional[bool] = None, config: Optional[FwdConfig] = None,
+) -> Tuple[Tensor, Tensor]:
+    """Forward only, no autograd: returns ``(o, M)`` with ``M`` fp32 ``[B, Hq, Sq]``
+    (``m2 + log2 l``, ``+inf`` for rows without a visible key) -- the statistic
+    ``ops.common.attn_bwd.attention_bwd`` consumes. ``rng_state`` from ``make_rng_state``."""
+    _validate_flash(q, k, v, transform=transform, n=n, b=b, keep_mask=None, dropout_p=dropout_p,
+                    softmax_scale=softmax_scale, varlen=False, input_precision=input_precision)
+    scale, prec, fast = _resolve(q, q.shape[-1], softmax_scale, input_precision, fast_math)
+    if dropout_p > 0.0 and rng_state is None:
+        raise ValueError("dropout_p > 0 needs rng_state (make_rng_state)")
+    with torch.no_grad():
+        return _flash_fwd(q, k, v, n, b, rng_state, None, None, transform, bool(causal), scale,
+                          float(dropout_p), q.shape[2], k.shape[2], prec, fast, config)
+
+
+def flash_attention_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    transform: str = "ssa",
+    n: Optional[Tensor] = None,
+    b: Optional[Tensor] = None,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    keep_mask: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    dropout_seed: Optional[int] = None,
+    dropout_offset: int = 0,
+    force_contiguous_qkv: bool = False,
+    input_precision: Optional[str] = None,
+    fast_math: Optional[bool] = None,
+) -> Tensor:
+    """Packed (THD) variant of ``flash_attention``.
+
+    Args:
+        q: ``[T_q, Hq, D]``; k, v: ``[T_k, Hkv, D]`` (any strides).
+        cu_seqlens_q, cu_seqlens_k: ``[num_seqs + 1]`` cumulative lengths (int32 or int64,
+            on q's device, starting at 0, ending at ``T_q`` / ``T_k``; not checked on the
+            host to avoid a sync).
+        max_seqlen_q, max_seqlen_k: Python ints >= every sequence length.
+        Other arguments as ``flash_attention``; causal is bottom-right aligned per sequence.
+
+    Returns:
+        ``[T_q, Hq, D]``.
+    """
+    _validate_flash(q, k, v, transform=transform, n=n, b=b, keep_mask=keep_mask, dropout_p=dropout_p,
+                    softmax_scale=softmax_scale, varlen=True, input_precision=input_precision)
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"`{name}` must be a 1-D int32/int64 tensor")
+        if cu.device != q.device:
+            raise ValueError(f"`{name}` is on {cu.device}, q on {q.device}; they must share a device")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel() or cu_seqlens_q.numel() < 2:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must both have num_seqs + 1 >= 2 entries")
+    if (cu_seqlens_q.numel() - 1) * q.shape[1] > 65535:
+        raise ValueError("num_seqs * Hq exceeds the grid limit 65535")
+    if int(max_seqlen_q) <= 0 or int(max_seqlen_k) <= 0:
+        raise ValueError("max_seqlen_q / max_seqlen_k must be positive ints")
+    if force_contiguous_qkv:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    scale, prec, fast = _resolve(q, q.shape[-1], softmax_scale, input_precision, fast_math)
+    dropout_p = float(dropout_p)
+    rng = make_rng_state(q.device, dropout_seed, dropout_offset) if dropout_p > 0.0 else None
+    o, _ = torch.ops.nemo_ssa.flash_attn_fwd(
+        q, k, v, n if transform == "ssa" else None, b if transform == "ssa" else None, rng,
+        cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), transform, bool(causal), scale,
+        dropout_p, int(max_seqlen_q), int(max_seqlen_k), prec, fast)
+    return o
+
+
+def ssa_attention_triton(q, k, v, n, b, *, causal=False, softmax_scale=None, keep_mask=None,
+                         dropout_p=0.0, **kw) -> Tensor:
+    """SSA via the fused kernel; same keywords as ``ssa_attention_naive`` (``keep_mask``
+    must be None). Extra keywords go to ``flash_attention``."""
+    return flash_attention(q, k, v, transform="ssa", n=n, b=b, causal=causal, softmax_scale=softmax_scale,
+                           keep_mask=keep_mask, dropout_p=dropout_p, **kw)
+
+
+def softmax_attention_triton(q, k, v, *, causal=False, softmax_scale=None, keep_mask=None,
+                             dropout_p=0.0, **kw) -> Tensor:
+    """Softmax via the same fused kernel (``TRANSFORM=softmax``): the fused baseline."""
+    return flash_attention(q, k, v, transform="softmax", causal=causal, softmax_scale=softmax_scale,
+                           keep_mask=keep_mask, dropout_p=dropout_p, **kw)
+
+
+def ssa_attention_triton_varlen(q, k, v, n, b, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                **kw) -> Tensor:
+    """Packed SSA: ``flash_attention_varlen(..., transform="ssa", n=n, b=b, **kw)``."""
+    return flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  transform="ssa", n=n, b=b, **kw)
+
+
+def softmax_attention_triton_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    **kw) -> Tensor:
+    """Packed softmax: ``flash_attention_varlen(..., transform="softmax", **kw)``."""
+    return flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  transform="softmax", **kw)

@@ -1,0 +1,460 @@
+"""Fused flash SSA/softmax kernel (nemo_ssa/ops/ssa/flash.py + ops/common/attn_bwd.py).
+
+Runs on CPU through the Triton interpreter (16x16 tiles, so N = 63 spans 4 query and 4 key
+blocks: unmasked blocks, the causal diagonal band and ragged tails are all exercised).
+Forward and every gradient (q, k, v, n, b) are compared with the float64 reference
+``attention_naive``; outputs are NaN-poisoned so an element a kernel never writes fails.
+On a machine with CUDA (and the interpreter off) the same tests run on the GPU.
+
+The interpreter's bf16 ``tl.dot`` is wrong (bf16 is stored as uint16), so the 16-bit path
+is tested with fp16 here; bf16 bounds live in ``test_ssa_flash_gpu.py``.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Triton reads TRITON_INTERPRET when @triton.jit decorates (i.e. at import of triton and
+    # of our kernels): it must be set before either is imported anywhere in the session.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+
+from nemo_ssa.ops.common import attn_bwd  # noqa: E402
+from nemo_ssa.ops.common.attn_bwd import attention_bwd, is_interpreter  # noqa: E402
+from nemo_ssa.ops.ssa.flash import (  # noqa: E402
+    flash_attention,
+    flash_attention_fwd,
+    flash_attention_varlen,
+    softmax_attention_triton,
+    ssa_attention_triton,
+)
+from nemo_ssa.ops.ssa.naive import attention_naive, ssa_transform  # noqa: E402
+from nemo_ssa.testing import assert_within_2x_eager, case_id, make_qkv, rel_err  # noqa: E402
+
+F64 = torch.float64
+DEVICE = "cpu" if is_interpreter() else "cuda"
+needs_kernels = pytest.mark.skipif(
+    not (is_interpreter() or torch.cuda.is_available()),
+    reason="Triton kernels were built for GPU (TRITON_INTERPRET=1 set after import) and no CUDA",
+)
+pytestmark = needs_kernels
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs(monkeypatch):
+    """Every kernel output (o, M, dq, dk, dv, dn/db partials) starts as NaN."""
+    monkeypatch.setattr(attn_bwd, "POISON_OUTPUTS", True)
+
+
+def test_kernels_are_interpreted_on_cpu():
+    """Fails (not skips) when the session imported triton / the kernels before
+    TRITON_INTERPRET=1 was set (fix: set it in conftest before anything imports triton)."""
+    if not torch.cuda.is_available():
+        assert is_interpreter(), "set TRITON_INTERPRET=1 before triton / nemo_ssa.ops are imported"
+
+
+def _params(n=None, b=None, dtype=torch.float32, requires_grad=True):
+    n = 0.5 + 1.5 * torch.rand(()).item() if n is None else n
+    b = 0.3 + 1.2 * torch.rand(()).item() if b is None else b
+    return (torch.tensor([n], dtype=dtype, device=DEVICE, requires_grad=requires_grad),
+            torch.tensor([b], dtype=dtype, device=DEVICE, requires_grad=requires_grad))
+
+
+def _leaf(t, dtype=None):
+    return t.detach().to(dtype or t.dtype).requires_grad_(True)
+
+
+def _run(fn, q, k, v, n, b, transform, go, **kw):
+    """Output and grads of (q, k, v[, n, b]) for ``fn``."""
+    leaves = [q, k, v] + ([n, b] if transform == "ssa" else [])
+    if transform == "ssa":
+        kw.update(n=n, b=b)
+    o = fn(q, k, v, transform=transform, **kw)
+    return o, torch.autograd.grad(o, leaves, go)
+
+
+def _reference(q, k, v, n, b, transform, go, **kw):
+    """float64 anchor: attention_naive on the same (upcast) values."""
+    q64, k64, v64 = (_leaf(t, F64) for t in (q, k, v))
+    n64, b64 = (_leaf(t, F64) for t in (n, b)) if transform == "ssa" else (None, None)
+    return _run(attention_naive, q64, k64, v64, n64, b64, transform, go.to(F64), **kw)
+
+
+def _check_fp32(o, grads, ref_o, ref_grads, transform, o_tol=1e-5, g_tol=1e-4):
+    names = "q k v n b".split()
+    assert torch.isfinite(o).all()
+    assert rel_err(o, ref_o) <= o_tol, f"o: {rel_err(o, ref_o):.2e}"
+    for name, g, r in zip(names, grads, ref_grads):
+        assert g.shape == r.shape and torch.isfinite(g).all(), name
+        assert rel_err(g, r) <= g_tol, f"d{name}: {rel_err(g, r):.2e}"
+
+
+# (B, Hq, Hkv, Sq, Sk, D, causal, transform): odd N, GQA 6/2 and 3/1, Sq != Sk both ways
+# (Sq > Sk causal has rows that see no key), head dims 16/32/48/80.
+CASES = [
+    (1, 2, 2, 1, 1, 32, True, "ssa"),
+    (1, 2, 1, 1, 17, 32, False, "ssa"),
+    (1, 6, 2, 63, 63, 32, True, "ssa"),
+    (1, 6, 2, 63, 63, 32, False, "ssa"),
+    (1, 3, 1, 100, 100, 48, True, "ssa"),
+    (2, 6, 2, 20, 45, 32, True, "ssa"),
+    (1, 3, 1, 45, 20, 48, True, "ssa"),
+    (2, 2, 1, 37, 29, 16, False, "ssa"),
+    (1, 2, 1, 24, 33, 80, True, "ssa"),
+    (1, 6, 2, 63, 63, 32, True, "softmax"),
+    (1, 3, 1, 45, 20, 48, True, "softmax"),
+    (2, 2, 2, 33, 17, 32, False, "softmax"),
+]
+
+
+def _case_param(c):
+    B, Hq, Hkv, Sq, Sk, D, causal, tr = c
+    return pytest.param(c, id=f"{tr}-" + case_id(B, Sq, Hq, Hkv, D, causal, torch.float32, Sk=Sk))
+
+
+@pytest.mark.parametrize("case", [_case_param(c) for c in CASES])
+def test_fwd_bwd_match_fp64_reference(case):
+    B, Hq, Hkv, Sq, Sk, D, causal, tr = case
+    q, k, v = make_qkv(B, Hq, Hkv, Sq, Sk, D, torch.float32, device=DEVICE, requires_grad=True)
+    n, b = _params()
+    go = torch.randn(B, Hq, Sq, D, device=DEVICE)
+    o, grads = _run(flash_attention, q, k, v, n, b, tr, go, causal=causal)
+    ref_o, ref_grads = _reference(q, k, v, n, b, tr, go, causal=causal)
+    assert o.dtype == torch.float32 and o.shape == (B, Hq, Sq, D)
+    _check_fp32(o, grads, ref_o, ref_grads, tr)
+    if causal and Sq > Sk:  # rows that see no key: exactly 0 output and 0 dq
+        empty = Sq - Sk
+        assert (o[:, :, :empty] == 0).all() and (grads[0][:, :, :empty] == 0).all()
+
+
+def test_fp16_within_2x_eager():
+    q, k, v = make_qkv(1, 4, 2, 40, 40, 32, torch.float16, device=DEVICE, requires_grad=True)
+    n, b = _params()
+    go = torch.randn(1, 4, 40, 32, device=DEVICE, dtype=torch.float16)
+    o, grads = _run(flash_attention, q, k, v, n, b, "ssa", go, causal=True)
+    assert o.dtype == torch.float16 and all(g.dtype == torch.float16 for g in grads[:3])
+    q32, k32, v32, n32, b32 = (_leaf(t, torch.float32) for t in (q, k, v, n, b))
+    ref_o, ref_g = _run(attention_naive, q32, k32, v32, n32, b32, "ssa", go.float(), causal=True)
+    qe, ke, ve, ne, be = (_leaf(t) for t in (q, k, v, n, b))
+    eag_o, eag_g = _run(lambda *a, **kw: attention_naive(*a, upcast=False, **kw), qe, ke, ve, ne, be,
+                        "ssa", go, causal=True)
+    assert_within_2x_eager(o, eag_o, ref_o, "o")
+    for name, g, e, r in zip("qkv", grads[:3], eag_g[:3], ref_g[:3]):
+        assert_within_2x_eager(g, e, r, f"d{name}")
+    for name, g, r in zip("nb", grads[3:], ref_g[3:]):
+        assert rel_err(g, r) < 1e-2, name
+
+
+def _sbhd(S, B, H, D):
+    """Megatron layout [s, b, h, d] viewed as [b, h, s, d] without a copy."""
+    return torch.randn(S, B, H, D, device=DEVICE).permute(1, 2, 0, 3)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_strided_views_need_no_copy(causal):
+    B, S, Hq, Hkv, D = 2, 33, 6, 2, 48
+    q, k, v = _sbhd(S, B, Hq, D), _sbhd(S, B, Hkv, D), _sbhd(S, B, Hkv, D)
+    q = torch.randn(B, Hq, D, S, device=DEVICE).transpose(-1, -2)  # head-dim stride != 1
+    k = torch.randn(B, Hkv, S, D + 7, device=DEVICE)[..., 3:3 + D]  # non-dense slice
+    assert not q.is_contiguous() and not k.is_contiguous() and not v.is_contiguous()
+    q, k, v = (_leaf(t) for t in (q, k, v))
+    n, b = _params()
+    go = torch.randn(S, B, Hq, D, device=DEVICE).permute(1, 2, 0, 3)  # strided grad too
+    o, grads = _run(flash_attention, q, k, v, n, b, "ssa", go, causal=causal)
+    ref_o, ref_grads = _reference(q, k, v, n, b, "ssa", go, causal=causal)
+    _check_fp32(o, grads, ref_o, ref_grads, "ssa")
+    # same values as the contiguous copies, and as force_contiguous_qkv
+    qc, kc, vc = (_leaf(t.contiguous()) for t in (q, k, v))
+    oc, grads_c = _run(flash_attention, qc, kc, vc, n, b, "ssa", go.contiguous(), causal=causal)
+    of = flash_attention(q, k, v, n=n, b=b, causal=causal, force_contiguous_qkv=True)
+    assert torch.allclose(o, oc, rtol=0, atol=1e-6) and torch.allclose(of, oc, rtol=0, atol=1e-6)
+    for g, gc in zip(grads, grads_c):
+        assert torch.allclose(g, gc, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("transform", ["softmax", "ssa"])
+def test_huge_logits_stay_finite(transform):
+    """|logits| ~ 1e4: exp2 of (z2 - running max) never overflows; grads finite."""
+    q, k, v = make_qkv(1, 2, 1, 32, 32, 32, torch.float32, device=DEVICE)
+    with torch.no_grad():
+        q.mul_(100.0)
+        k.mul_(30.0)
+    q, k, v = (_leaf(t) for t in (q, k, v))
+    s_max = (q @ k.transpose(-1, -2)).abs().max().item() / math.sqrt(32)
+    assert s_max > 5e3
+    n, b = _params()
+    go = torch.randn(1, 2, 32, 32, device=DEVICE)
+    for causal in (False, True):
+        o, grads = _run(flash_attention, q, k, v, n, b, transform, go, causal=causal)
+        ref_o, ref_grads = _reference(q, k, v, n, b, transform, go, causal=causal)
+        assert torch.isfinite(o).all() and all(torch.isfinite(g).all() for g in grads)
+        # fp32 rounding of a 1e4 logit moves p by ~1e-3 relative: loose but meaningful
+        assert rel_err(o, ref_o) < 2e-2
+        assert rel_err(grads[2], ref_grads[2]) < 2e-2
+
+
+def test_stats_m_contract_and_direct_backward():
+    """M = log2 sum_j exp2(z2_ij) (+inf for empty rows); attention_bwd from (o, M) alone
+    reproduces the autograd gradients (the contract the ELSA forward relies on)."""
+    B, Hq, Hkv, Sq, Sk, D = 1, 4, 2, 37, 21, 32  # Sq > Sk causal: rows 0..15 see nothing
+    q, k, v = make_qkv(B, Hq, Hkv, Sq, Sk, D, torch.float32, device=DEVICE, requires_grad=True)
+    n, b = _params()
+    o, M = flash_attention_fwd(q, k, v, n=n, b=b, causal=True)
+    assert M.shape == (B, Hq, Sq) and M.dtype == torch.float32
+    empty = Sq - Sk
+    assert torch.isinf(M[:, :, :empty]).all() and (M[:, :, :empty] > 0).all()
+    # reference log-sum-exp in the log2 domain, fp64
+    kk = k.detach().double().repeat_interleave(Hq // Hkv, 1)
+    s = q.detach().double() @ kk.transpose(-1, -2) / math.sqrt(D)
+    z = ssa_transform(s, n.detach().double(), b.detach().double())
+    vis = torch.ones(Sq, Sk, dtype=torch.bool, device=DEVICE).tril(Sk - Sq)
+    z = z.masked_fill(~vis, float("-inf"))
+    m_ref = torch.logsumexp(z[:, :, empty:], -1) / math.log(2.0)
+    assert torch.allclose(M[:, :, empty:].double(), m_ref, rtol=0, atol=1e-5)
+
+    go = torch.randn_like(o)
+    grads = torch.autograd.grad(flash_attention(q, k, v, n=n, b=b, causal=True), (q, k, v, n, b), go)
+    dq, dk, dv, dn, db = attention_bwd(go, q.detach(), k.detach(), v.detach(), o, M, transform="ssa",
+                                       n=n.detach(), b=b.detach(), causal=True)
+    for name, x, y in zip("q k v n b".split(), (dq, dk, dv, dn, db), grads):
+        assert torch.equal(x, y), name
+    # softmax and need_dparams=False return no dn/db
+    *_, dn0, db0 = attention_bwd(go, q.detach(), k.detach(), v.detach(), o, M, transform="ssa",
+                                 n=n.detach(), b=b.detach(), causal=True, need_dparams=False)
+    assert dn0 is None and db0 is None
+
+
+def test_dn_db_bitwise_deterministic():
+    q, k, v = make_qkv(1, 6, 2, 50, 50, 32, torch.float32, device=DEVICE, requires_grad=True)
+    n, b = _params()
+    go = torch.randn(1, 6, 50, 32, device=DEVICE)
+    runs = [_run(flash_attention, q, k, v, n, b, "ssa", go, causal=True)[1] for _ in range(2)]
+    for x, y in zip(*runs):
+        assert torch.equal(x, y)
+    assert runs[0][3].abs().item() > 0 and runs[0][4].abs().item() > 0
+
+
+def _probs_ref(q, k, n, b, causal, transform):
+    """p = softmax(transform(scale q k^T)) [B, Hq, Sq, Sk], differentiable; empty rows 0."""
+    Hq, Hkv, Sq, Sk, D = q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]
+    s = q @ k.repeat_interleave(Hq // Hkv, 1).transpose(-1, -2) / math.sqrt(D)
+    z = ssa_transform(s, n, b) if transform == "ssa" else s
+    if causal:
+        vis = torch.ones(Sq, Sk, dtype=torch.bool, device=q.device).tril(Sk - Sq)
+        z = z.masked_fill(~vis, float("-inf")).masked_fill(~vis.any(-1, keepdim=True), 0.0)
+        return torch.softmax(z, -1) * vis.any(-1, keepdim=True)
+    return torch.softmax(z, -1)
+
+
+def _dropout_ref(q, k, v, n, b, keep, dp, causal, transform):
+    """o = (p * keep / (1 - dp)) @ v with p from an independent float64 reference."""
+    p = _probs_ref(q, k, n, b, causal, transform)
+    return (p * keep / (1.0 - dp)) @ v.repeat_interleave(q.shape[1] // k.shape[1], 1)
+
+
+@pytest.mark.parametrize("transform", ["ssa", "softmax"])
+def test_dropout_mask_read_back_and_backward(transform):
+    """V = I makes the output the dropped p itself: every entry is 0 or p/(1-dp). The
+    mask read back that way, applied in a torch reference, must reproduce the kernel's
+    output and all gradients (so the backward regenerates the same mask)."""
+    B, Hq, Hkv, Sq, Sk, dp, causal = 1, 4, 2, 24, 32, 0.3, True
+    q, k, _ = make_qkv(B, Hq, Hkv, Sq, Sk, 32, torch.float32, device=DEVICE, requires_grad=True)
+    n, b = _params()
+    kw = dict(n=n, b=b) if transform == "ssa" else {}
+    eye = torch.eye(Sk, device=DEVICE).expand(B, Hkv, Sk, Sk)
+    with torch.no_grad():
+        p = flash_attention(q, k, eye, transform=transform, causal=causal, **kw)
+        p_drop = flash_attention(q, k, eye, transform=transform, causal=causal, dropout_p=dp,
+                                 dropout_seed=1234, **kw)
+        p_same = flash_attention(q, k, eye, transform=transform, causal=causal, dropout_p=dp,
+                                 dropout_seed=1234, **kw)
+        p_other = flash_attention(q, k, eye, transform=transform, causal=causal, dropout_p=dp,
+                                  dropout_seed=99, **kw)
+    assert torch.equal(p_drop, p_same) and not torch.equal(p_drop, p_other)
+    vis = p > 0
+    keep = (p_drop != 0) & vis
+    frac = 1 - keep.sum().item() / vis.sum().item()
+    nvis = vis.sum().item()
+    assert abs(frac - dp) < 5 * math.sqrt(dp * (1 - dp) / nvis), frac  # binomial 5 sigma
+    torch.testing.assert_close(p_drop[keep], p[keep] / (1 - dp), rtol=1e-5, atol=1e-7)
+    assert (p_drop[~vis] == 0).all()
+    # heads of one GQA group get different masks (the counter includes the query head)
+    assert not torch.equal(keep[:, 0], keep[:, 1])
+
+    v = torch.randn(B, Hkv, Sk, 32, device=DEVICE, requires_grad=True)
+    go = torch.randn(B, Hq, Sq, 32, device=DEVICE)
+    o, grads = _run(flash_attention, q, k, v, n, b, transform, go, causal=causal, dropout_p=dp,
+                    dropout_seed=1234)
+    leaves = [_leaf(t, F64) for t in ([q, k, v] + ([n, b] if transform == "ssa" else []))]
+    kw64 = dict(n=leaves[3], b=leaves[4]) if transform == "ssa" else {}
+    ref = _dropout_ref(*leaves[:3], kw64.get("n"), kw64.get("b"), keep.to(F64), dp, causal, transform)
+    ref_grads = torch.autograd.grad(ref, leaves, go.to(F64))
+    _check_fp32(o, grads, ref, ref_grads, transform)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_varlen_matches_per_sequence_reference(causal):
+    """Packed THD: each sequence equals the dense reference on its slice (bottom-right
+    causal per sequence, Sq_i != Sk_i, one sequence with Sq > Sk)."""
+    lens_q, lens_k = [5, 33, 18, 1], [5, 20, 40, 9]
+    Hq, Hkv, D = 4, 2, 32
+    cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    q = torch.randn(sum(lens_q), Hq, D, device=DEVICE, requires_grad=True)
+    k = torch.randn(sum(lens_k), Hkv, D, device=DEVICE, requires_grad=True)
+    v = torch.randn(sum(lens_k), Hkv, D, device=DEVICE, requires_grad=True)
+    n, b = _params()
+    o = flash_attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), n=n, b=b, causal=causal)
+    go = torch.randn_like(o)
+    grads = torch.autograd.grad(o, (q, k, v, n, b), go)
+
+    leaves = [_leaf(t, F64) for t in (q, k, v, n, b)]
+    q64, k64, v64, n64, b64 = leaves
+    outs = []
+    for i in range(len(lens_q)):
+        qs = q64[cu_q[i]:cu_q[i + 1]].transpose(0, 1)[None]  # [1, Hq, Sq_i, D]
+        ks = k64[cu_k[i]:cu_k[i + 1]].transpose(0, 1)[None]
+        vs = v64[cu_k[i]:cu_k[i + 1]].transpose(0, 1)[None]
+        outs.append(attention_naive(qs, ks, vs, n=n64, b=b64, causal=causal)[0].transpose(0, 1))
+    ref = torch.cat(outs, 0)
+    ref_grads = torch.autograd.grad(ref, leaves, go.to(F64))
+    _check_fp32(o, grads, ref, ref_grads, "ssa")
+
+
+def test_custom_op_compiles_and_opcheck():
+    """torch.compile (fullgraph) traces a module with learnable n through the custom ops;
+    opcheck validates schema / fake impl / autograd registration."""
+
+    class Attn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.n = torch.nn.Parameter(torch.tensor([1.5], device=DEVICE))
+            self.b = torch.nn.Parameter(torch.tensor([0.8], device=DEVICE))
+
+        def forward(self, q, k, v):
+            return ssa_attention_triton(q, k, v, self.n, self.b, causal=True).square().sum()
+
+    q, k, v = make_qkv(1, 2, 1, 20, 20, 16, torch.float32, device=DEVICE, requires_grad=True)
+    eager = Attn()
+    loss = eager(q, k, v)
+    g_eager = torch.autograd.grad(loss, (q, k, v, eager.n, eager.b))
+    compiled_mod = Attn()
+    compiled = torch.compile(compiled_mod, backend="aot_eager", fullgraph=True)
+    loss_c = compiled(q, k, v)
+    g_c = torch.autograd.grad(loss_c, (q, k, v, compiled_mod.n, compiled_mod.b))
+    assert torch.allclose(loss, loss_c, rtol=1e-6)
+    for x, y in zip(g_eager, g_c):
+        assert torch.allclose(x, y, rtol=1e-5, atol=1e-7)
+    assert compiled_mod.n.grad is None and g_c[3].abs().item() > 0  # dn really flows
+
+    n, b = _params()
+    args = (q, k, v, n, b, None, None, None, "ssa", True, 0.25, 0.0, 20, 20, "ieee", False)
+    torch.library.opcheck(torch.ops.nemo_ssa.flash_attn_fwd.default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+def test_softmax_wrapper_matches_sdpa_semantics():
+    q, k, v = make_qkv(2, 4, 2, 19, 19, 32, torch.float32, device=DEVICE)
+    o = softmax_attention_triton(q, k, v, causal=True, softmax_scale=0.3)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double().repeat_interleave(2, 1), v.double().repeat_interleave(2, 1),
+        is_causal=True, scale=0.3)
+    assert rel_err(o, ref) < 1e-5
+
+
+def _bad(**over):
+    q, k, v = make_qkv(1, 4, 2, 3, 5, 32, torch.float32, device=DEVICE)
+    n, b = _params(requires_grad=False)
+    kw = dict(q=q, k=k, v=v, transform="ssa", n=n, b=b)
+    kw.update(over)
+    return kw
+
+
+INVALID = [
+    pytest.param(dict(q=torch.randn(1, 4, 3, 8), k=torch.randn(1, 2, 5, 8), v=torch.randn(1, 2, 5, 8)),
+                 "16 <= D <= 256", id="head-dim-8"),
+    pytest.param(dict(q=torch.randn(1, 4, 3, 320), k=torch.randn(1, 2, 5, 320), v=torch.randn(1, 2, 5, 320)),
+                 "16 <= D <= 256", id="head-dim-320"),
+    pytest.param(dict(q=torch.randn(1, 4, 3, 32, dtype=F64), k=torch.randn(1, 2, 5, 32, dtype=F64),
+                      v=torch.randn(1, 2, 5, 32, dtype=F64)), "float16, bfloat16, float32", id="fp64"),
+    pytest.param(dict(k=torch.randn(1, 3, 5, 32), v=torch.randn(1, 3, 5, 32)), "multiple of kv heads",
+                 id="gqa-mismatch"),
+    pytest.param(dict(k=torch.randn(2, 2, 5, 32), v=torch.randn(2, 2, 5, 32)), "batch", id="batch"),
+    pytest.param(dict(v=torch.randn(1, 2, 4, 32)), "same shape", id="kv-shape"),
+    pytest.param(dict(q=torch.randn(4, 3, 32)), "4-D", id="q-3d"),
+    pytest.param(dict(q=torch.randn(1, 4, 3, 32, device="meta")), "device", id="device-mix"),
+    pytest.param(dict(keep_mask=torch.ones(3, 5, dtype=torch.bool)), "keep_mask", id="keep-mask"),
+    pytest.param(dict(b=0.8), "torch.Tensor", id="b-python-float"),
+    pytest.param(dict(n=None), "needs `n`", id="n-missing"),
+    pytest.param(dict(transform="softmax"), "no `n`", id="softmax-with-n"),
+    pytest.param(dict(transform="sigmoid"), "unknown transform", id="transform-name"),
+    pytest.param(dict(dropout_p=1.0), "dropout_p", id="dropout-1"),
+    pytest.param(dict(softmax_scale=-1.0), "softmax_scale", id="negative-scale"),
+]
+
+
+@pytest.mark.parametrize("over,match", INVALID)
+def test_validation_errors(over, match):
+    kw = _bad(**over)
+    for name in ("q", "k", "v"):  # factories above build CPU tensors; move non-meta ones
+        if kw[name].device.type == "cpu":
+            kw[name] = kw[name].to(DEVICE)
+    with pytest.raises(ValueError, match=match):
+        flash_attention(**kw)
+
+
+def test_varlen_validation_and_keep_mask_wrappers():
+    q = torch.randn(10, 4, 32, device=DEVICE)
+    k = torch.randn(10, 2, 32, device=DEVICE)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        flash_attention_varlen(q, k, k, cu.float(), cu, 6, 6, transform="softmax")
+    with pytest.raises(ValueError, match="num_seqs"):
+        flash_attention_varlen(q, k, k, cu, cu[:2], 6, 6, transform="softmax")
+    with pytest.raises(ValueError, match="3-D"):
+        flash_attention_varlen(q[None], k[None], k[None], cu, cu, 6, 6, transform="softmax")
+    qd, kd, vd = make_qkv(1, 2, 2, 4, 4, 16, torch.float32, device=DEVICE)
+    with pytest.raises(ValueError, match="keep_mask"):
+        softmax_attention_triton(qd, kd, vd, keep_mask=torch.ones(4, 4, dtype=torch.bool))
+
+
+def test_varlen_dropout_mask_read_back_and_backward():
+    """Packed sequences with dropout: the mask read back with one-hot V (key position
+    within its sequence) reproduces the kernel's output and gradients, so the per-sequence
+    Philox counters agree between the forward, dQ and dK/dV kernels."""
+    lens_q, lens_k = [5, 20, 9], [12, 20, 32]
+    Hq, Hkv, D, dp = 4, 2, 32, 0.25
+    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    q = torch.randn(sum(lens_q), Hq, D, device=DEVICE, requires_grad=True)
+    k = torch.randn(sum(lens_k), Hkv, D, device=DEVICE, requires_grad=True)
+    n, b = _params()
+    pos = torch.cat([torch.arange(L) for L in lens_k]).to(DEVICE)
+    onehot = torch.nn.functional.one_hot(pos, D).float()[:, None, :].expand(-1, Hkv, D)
+    kw = dict(n=n, b=b, causal=True)
+    args = (cu_q, cu_k, max(lens_q), max(lens_k))
+    with torch.no_grad():
+        p = flash_attention_varlen(q, k, onehot, *args, **kw)
+        p_drop = flash_attention_varlen(q, k, onehot, *args, dropout_p=dp, dropout_seed=5, **kw)
+    keep = (p_drop != 0) & (p > 0)
+    torch.testing.assert_close(p_drop[keep], p[keep] / (1 - dp), rtol=1e-5, atol=1e-7)
+    assert 0 < keep.sum() < (p > 0).sum()
+
+    v = torch.randn(sum(lens_k), Hkv, D, device=DEVICE, requires_grad=True)
+    o = flash_attention_varlen(q, k, v, *args, dropout_p=dp, dropout_seed=5, **kw)
+    go = torch.randn_like(o)
+    grads = torch.autograd.grad(o, (q, k, v, n, b), go)
+    q64, k64, v64, n64, b64 = (_leaf(t, F64) for t in (q, k, v, n, b))
+    outs = []
+    for i in range(len(lens_q)):
+        sq, sk = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+        qs, ks, vs = (t[s].transpose(0, 1)[None] for t, s in ((q64, sq), (k64, sk), (v64, sk)))
+        keep_s = keep[sq, :, :lens_k[i]].transpose(0, 1)[None].to(F64)
+        outs.append(_dropout_ref(qs, ks, vs, n64, b64, keep_s, dp, True, "ssa")[0].transpose(0, 1))
+    ref = torch.cat(outs)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64, n64, b64), go.to(F64))
+    _check_fp32(o, grads, ref, ref_grads, "ssa")
