@@ -37,8 +37,8 @@ ATTENTIONS: Dict[str, AttentionInfo] = {
     for a in [
         AttentionInfo("softmax", "softmax", "stable", "torch SDPA (flash/cuDNN on GPU): the baseline"),
         AttentionInfo("ssa_reference", "ssa", "stable", "unfused torch SSA, fp32 scores: the anchor"),
-        AttentionInfo("softmax_triton", "softmax", "planned", "fused Triton softmax (issue: SSA fused kernel)"),
-        AttentionInfo("ssa_triton", "ssa", "planned", "fused Triton SSA, stable design (issue: SSA fused kernel)"),
+        AttentionInfo("softmax_triton", "softmax", "stable", "fused Triton softmax: the SSA kernel with the identity transform"),
+        AttentionInfo("ssa_triton", "ssa", "stable", "fused Triton SSA, stable design (tutorial-06 structure, split backward)"),
         AttentionInfo("ssa_flex", "ssa", "planned", "SSA through FlexAttention (issue: FlexAttention path)"),
         AttentionInfo("nsa", "nsa", "planned", "native sparse attention (issue: NSA)"),
         AttentionInfo("elsa", "elsa", "planned", "two-pass scan attention, softmax (issue: ELSA)"),
@@ -55,9 +55,11 @@ class SSAPolicy:
     b: float = 0.8
     learnable_b: bool = False
     force_contiguous_qkv: bool = True
-    #: the kernel ``attention=ssa`` means. The fused stable kernel replaces the
-    #: reference here once it exists.
-    pinned_kernel: str = "ssa_reference"
+    #: the kernel ``attention=ssa`` means (the fused stable kernel)
+    pinned_kernel: str = "ssa_triton"
+    #: what ``attention=ssa`` means without CUDA: Triton kernels then run only in the
+    #: interpreter (for tests, ~1000x slower), and the reference computes the same op
+    cpu_kernel: str = "ssa_reference"
 
 
 PINNED = SSAPolicy()
@@ -94,6 +96,7 @@ def resolve_attention(
     options: Optional[Dict[str, Any]] = None,
     policy: str = "pinned",
     pinned: SSAPolicy = PINNED,
+    device: str = "cuda",
 ) -> ResolvedAttention:
     """Resolve ``attention=<name>`` plus user options under a policy.
 
@@ -103,6 +106,8 @@ def resolve_attention(
             a warning for non-SSA attentions).
         policy: ``"pinned"`` (default: seed 000's policy enforced) or ``"free"``.
         pinned: the policy values (tests may pass another).
+        device: ``"cuda"`` or ``"cpu"``: where the run trains; ``ssa`` means
+            ``pinned.cpu_kernel`` on CPU (said in the warnings).
 
     Returns:
         ResolvedAttention with the implementation name, the effective options and the
@@ -125,9 +130,15 @@ def resolve_attention(
         warnings.append(msg)
         logger.warning(msg)
 
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device={device!r} is not supported (supported: 'cuda', 'cpu')")
     name = attention
     if attention == "ssa":
         name = pinned.pinned_kernel
+        if device == "cpu" and name != pinned.cpu_kernel:
+            warn(f"attention=ssa -> {pinned.cpu_kernel} on CPU ({name} needs a GPU; without one "
+                 f"Triton runs only in its interpreter). Same math; the GPU runs use {name}.")
+            name = pinned.cpu_kernel
     if name not in ATTENTIONS:
         raise ValueError(f"attention={attention!r} is unknown; known: {', '.join(known_names())}")
     info = ATTENTIONS[name]

@@ -77,7 +77,10 @@ def build_recipe(cfg: DictConfig, train: DictConfig, prefix: str, tokenizer_dir:
     from nemo_ssa.policy import resolve_attention
 
     options = {k: v for k, v in OmegaConf.to_container(cfg.attention.options).items() if v is not None}
-    resolved = resolve_attention(cfg.attention.name, options, policy=cfg.policy)
+    import torch
+
+    resolved = resolve_attention(cfg.attention.name, options, policy=cfg.policy,
+                                 device="cuda" if torch.cuda.is_available() else "cpu")
     resolved.write(run_dir)
     recipe = nemotron_114m.pretrain_recipe(
         dir=run_dir,

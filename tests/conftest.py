@@ -1,5 +1,8 @@
 """Shared test setup.
 
+- Without CUDA, ``TRITON_INTERPRET=1`` is set here, before any test module imports a
+  ``@triton.jit`` kernel (Triton reads it when a kernel is decorated): every Triton kernel
+  in the session then runs in the CPU interpreter, whatever the collection order.
 - One intra-op thread for the whole session: the tests use tiny CPU tensors, and with
   thread contention on a busy 2-core box each op gets ~100x slower.
 - ``megatron_cpu``: torch.distributed over gloo (world size 1), megatron's parallel state
@@ -8,8 +11,14 @@
   ``teardown_distributed`` at the end of the session.
 """
 
-import pytest
+import os
+
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 
 def pytest_configure(config):

@@ -9,7 +9,7 @@ from nemo_ssa.policy import ATTENTIONS, AttentionInfo, ResolvedAttention, SSAPol
 
 PINNED_OPTIONS = {"n": 1.5, "learnable_n": True, "b": 0.8, "learnable_b": False,
                   "force_contiguous_qkv": True}
-PLANNED = ["softmax_triton", "ssa_triton", "ssa_flex", "nsa", "elsa", "elsa_ssa"]
+PLANNED = ["ssa_flex", "nsa", "elsa", "elsa_ssa"]
 
 
 @pytest.fixture
@@ -23,11 +23,21 @@ def warnings_logged(caplog):
             if r.name == "nemo_ssa.policy" and r.levelno == logging.WARNING]
 
 
-def test_ssa_resolves_to_pinned_reference(policy_log):
+def test_ssa_resolves_to_the_pinned_fused_kernel(policy_log):
     r = resolve_attention("ssa")
-    assert (r.requested, r.name, r.family, r.policy) == ("ssa", "ssa_reference", "ssa", "pinned")
+    assert (r.requested, r.name, r.family, r.policy) == ("ssa", "ssa_triton", "ssa", "pinned")
     assert r.options == PINNED_OPTIONS
     assert r.warnings == [] and warnings_logged(policy_log) == []
+
+
+def test_ssa_means_the_reference_on_cpu_and_says_so(policy_log):
+    r = resolve_attention("ssa", device="cpu")
+    assert r.name == "ssa_reference" and r.options == PINNED_OPTIONS
+    assert len(r.warnings) == 1 and "ssa_triton needs a GPU" in r.warnings[0]
+    # an explicit kernel name is taken as asked, on any device
+    assert resolve_attention("ssa_triton", device="cpu").name == "ssa_triton"
+    with pytest.raises(ValueError, match="device='tpu'"):
+        resolve_attention("ssa", device="tpu")
 
 
 def test_ssa_reference_gets_the_same_options():
@@ -60,7 +70,7 @@ def test_values_equal_to_the_policy_or_none_do_not_warn(policy_log):
 def test_free_policy_keeps_overrides(policy_log):
     asked = {"n": 2.0, "b": 0.5, "learnable_b": True, "force_contiguous_qkv": False}
     r = resolve_attention("ssa", asked, policy="free")
-    assert r.name == "ssa_reference" and r.policy == "free"
+    assert r.name == "ssa_triton" and r.policy == "free"
     assert r.options == {**PINNED_OPTIONS, **asked}
     assert warnings_logged(policy_log) == []
 
@@ -81,7 +91,7 @@ def test_planned_names_raise_not_implemented_with_available(name):
         resolve_attention(name)
     msg = str(err.value)
     assert repr(name) in msg
-    assert "available now: softmax, ssa_reference" in msg
+    assert "available now: softmax, ssa_reference, softmax_triton, ssa_triton" in msg
 
 
 def test_experimental_refused_when_pinned_allowed_when_free(monkeypatch):
@@ -120,7 +130,7 @@ def test_write_round_trips(tmp_path, policy_log):
     path = r.write(str(tmp_path / "run" / "nested"))
     with open(path) as f:
         loaded = json.load(f)
-    assert loaded == {"requested": "ssa", "name": "ssa_reference", "family": "ssa",
+    assert loaded == {"requested": "ssa", "name": "ssa_triton", "family": "ssa",
                       "policy": "pinned", "options": PINNED_OPTIONS, "warnings": r.warnings}
     assert len(loaded["warnings"]) == 1
     assert ResolvedAttention(**loaded) == r

@@ -66,6 +66,10 @@ class _TransformedSoftmaxAttention(MegatronModule):
     attention_name: str = ""
     #: (variant, impl) key into nemo_ssa.ops.registry
     op_key: tuple = ()
+    #: registry key of a packed (THD, cu_seqlens) variant, if the implementation has one
+    varlen_op_key: tuple = ()
+    #: mask types the op can apply (None = every type in _SUPPORTED_MASK_TYPES)
+    supported_mask_types: Optional[tuple] = None
     supports_tensor_parallel: bool = True
 
     def __init__(
@@ -96,6 +100,12 @@ class _TransformedSoftmaxAttention(MegatronModule):
             raise NotImplementedError(
                 f"attention={name}: attn_mask_type={attn_mask_type} is not supported "
                 f"(supported: {', '.join(t.name for t in _SUPPORTED_MASK_TYPES)})."
+            )
+        if self.supported_mask_types is not None and attn_mask_type not in self.supported_mask_types:
+            raise NotImplementedError(
+                f"attention={name}: attn_mask_type={attn_mask_type} is not supported by this kernel "
+                f"(supported: {', '.join(t.name for t in self.supported_mask_types)}); arbitrary/padding "
+                "masks need attention=ssa_reference (or softmax)."
             )
         tp = _tp_size(pg_collection)
         if tp != 1 and not self.supports_tensor_parallel:
@@ -129,10 +139,47 @@ class _TransformedSoftmaxAttention(MegatronModule):
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
         self._attend = get_attention_fn(*self.op_key)
+        self._attend_varlen = get_attention_fn(*self.varlen_op_key) if self.varlen_op_key else None
 
     # -- op call ------------------------------------------------------------------------
     def _call_op(self, q, k, v, *, causal, keep_mask, dropout_p):  # pragma: no cover
         raise NotImplementedError
+
+    def _op_args(self) -> tuple:
+        """Leading tensor arguments of the op after q, k, v (SSA: n, b)."""
+        return ()
+
+    def _forward_packed(self, query, key, value, attn_mask_type, attention_bias, packed_seq_params):
+        """THD: ``[t, (1,) h, d]`` with cu_seqlens -> ``[t, (1,) h*d]`` through the varlen op."""
+        name = self.attention_name
+        if attention_bias is not None:
+            raise NotImplementedError(f"attention={name}: attention_bias is not supported.")
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+        squeeze = query.dim() == 4
+        if squeeze:
+            if query.shape[1] != 1:
+                raise ValueError(f"attention={name}: packed sequences need batch dim 1, got {tuple(query.shape)}")
+            query, key, value = query[:, 0], key[:, 0], value[:, 0]
+        p = packed_seq_params
+        cu_q = p.cu_seqlens_q_padded if getattr(p, "cu_seqlens_q_padded", None) is not None else p.cu_seqlens_q
+        cu_k = p.cu_seqlens_kv_padded if getattr(p, "cu_seqlens_kv_padded", None) is not None else p.cu_seqlens_kv
+        if self.force_contiguous_qkv:
+            query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+        dropout_p = self.dropout_p if self.training else 0.0
+
+        def run():
+            return self._attend_varlen(query, key, value, *self._op_args(), cu_q, cu_k, int(p.max_seqlen_q),
+                                       int(p.max_seqlen_kv), causal=causal, softmax_scale=self.softmax_scale,
+                                       dropout_p=dropout_p)
+
+        if dropout_p > 0.0 and not self.config.sequence_parallel:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                out = run()
+        else:
+            out = run()
+        out = out.reshape(out.shape[0], -1)
+        return out.unsqueeze(1) if squeeze else out
 
     def forward(
         self,
@@ -145,6 +192,8 @@ class _TransformedSoftmaxAttention(MegatronModule):
         packed_seq_params=None,
     ) -> Tensor:
         name = self.attention_name
+        if packed_seq_params is not None and self.varlen_op_key:
+            return self._forward_packed(query, key, value, attn_mask_type, attention_bias, packed_seq_params)
         if packed_seq_params is not None:
             raise NotImplementedError(
                 f"attention={name}: packed (THD) sequences are not supported yet "
@@ -277,6 +326,9 @@ class SSACoreAttention(_TransformedSoftmaxAttention):
             keep_mask=keep_mask, dropout_p=dropout_p,
         )
 
+    def _op_args(self) -> tuple:
+        return (self.n, self.b)
+
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         state_dict = self.state_dict(prefix="", keep_vars=True)
         return make_sharded_tensors_for_checkpoint(state_dict, prefix, {}, sharded_offsets)
@@ -287,3 +339,29 @@ class SSAReferenceCoreAttention(SSACoreAttention):
 
     attention_name = "ssa_reference"
     op_key = ("ssa", "reference")
+
+
+_TRITON_MASK_TYPES = (AttnMaskType.causal, AttnMaskType.no_mask)
+
+
+class SSATritonCoreAttention(SSACoreAttention):
+    """``attention=ssa_triton``: the fused Triton SSA kernel (nemo_ssa/ops/ssa/flash.py).
+
+    Same parameters and checkpoint names as ``ssa_reference`` (a checkpoint of one resumes
+    under the other). Causal / no-mask only (the kernel applies causality itself; there is
+    no arbitrary mask input); packed THD batches go through the varlen kernel.
+    """
+
+    attention_name = "ssa_triton"
+    op_key = ("ssa", "triton")
+    varlen_op_key = ("ssa", "triton_varlen")
+    supported_mask_types = _TRITON_MASK_TYPES
+
+
+class SoftmaxTritonCoreAttention(SoftmaxCoreAttention):
+    """``attention=softmax_triton``: the same fused kernel with the identity transform."""
+
+    attention_name = "softmax_triton"
+    op_key = ("softmax", "triton")
+    varlen_op_key = ("softmax", "triton_varlen")
+    supported_mask_types = _TRITON_MASK_TYPES

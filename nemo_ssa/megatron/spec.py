@@ -25,6 +25,8 @@ from megatron.core.transformer.transformer_block import (
 )
 
 from nemo_ssa.megatron.core_attention import (
+    SoftmaxTritonCoreAttention,
+    SSATritonCoreAttention,
     SoftmaxCoreAttention,
     SSAReferenceCoreAttention,
 )
@@ -35,6 +37,8 @@ from nemo_ssa.policy import resolve_attention
 CORE_ATTENTIONS = {
     "softmax": SoftmaxCoreAttention,
     "ssa_reference": SSAReferenceCoreAttention,
+    "softmax_triton": SoftmaxTritonCoreAttention,
+    "ssa_triton": SSATritonCoreAttention,
 }
 
 
@@ -82,7 +86,10 @@ def layer_spec(
         raise NotImplementedError("nemo_ssa layer spec: qk_layernorm is not supported yet.")
     if getattr(config, "num_moe_experts", None):
         raise NotImplementedError("nemo_ssa layer spec: MoE is not supported (num_moe_experts).")
-    resolved = resolve_attention(attention, attention_options, policy=policy)
+    import torch
+
+    resolved = resolve_attention(attention, attention_options, policy=policy,
+                                 device="cuda" if torch.cuda.is_available() else "cpu")
     layer = copy.deepcopy(get_gpt_layer_local_spec(normalization="LayerNorm"))
     layer.submodules.input_layernorm = LayerNorm1P
     layer.submodules.pre_mlp_layernorm = LayerNorm1P

@@ -11,17 +11,22 @@ Calling conventions (layout [B, H, S, D], all keyword options as in ``attention_
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Tuple
-
-from nemo_ssa.ops.softmax.sdpa import softmax_attention_sdpa
-from nemo_ssa.ops.ssa.naive import softmax_attention_naive, ssa_attention_naive
+import importlib
+from typing import Callable, Dict, Tuple, Union
 
 __all__ = ["ATTENTION_FNS", "UnknownAttentionError", "available", "get_attention_fn"]
 
-ATTENTION_FNS: Dict[Tuple[str, str], Callable] = {
-    ("ssa", "reference"): ssa_attention_naive,
-    ("softmax", "reference"): softmax_attention_naive,
-    ("softmax", "sdpa"): softmax_attention_sdpa,
+#: ``"module:function"`` strings are imported on first use, so picking the reference never
+#: imports (or JIT-compiles) Triton kernels, and ``TRITON_INTERPRET`` set by a test
+#: session before the first use still takes effect.
+ATTENTION_FNS: Dict[Tuple[str, str], Union[str, Callable]] = {
+    ("ssa", "reference"): "nemo_ssa.ops.ssa.naive:ssa_attention_naive",
+    ("softmax", "reference"): "nemo_ssa.ops.ssa.naive:softmax_attention_naive",
+    ("softmax", "sdpa"): "nemo_ssa.ops.softmax.sdpa:softmax_attention_sdpa",
+    ("ssa", "triton"): "nemo_ssa.ops.ssa.flash:ssa_attention_triton",
+    ("softmax", "triton"): "nemo_ssa.ops.ssa.flash:softmax_attention_triton",
+    ("ssa", "triton_varlen"): "nemo_ssa.ops.ssa.flash:ssa_attention_triton_varlen",
+    ("softmax", "triton_varlen"): "nemo_ssa.ops.ssa.flash:softmax_attention_triton_varlen",
 }
 
 
@@ -44,9 +49,14 @@ def get_attention_fn(variant: str, impl: str = "reference") -> Callable:
         UnknownAttentionError (a KeyError and a ValueError) listing the known pairs.
     """
     try:
-        return ATTENTION_FNS[(variant, impl)]
+        fn = ATTENTION_FNS[(variant, impl)]
     except KeyError:
         known = ", ".join(f"{v}/{i}" for v, i in available())
         raise UnknownAttentionError(
             f"unknown attention (variant={variant!r}, impl={impl!r}); known: {known}"
         ) from None
+    if isinstance(fn, str):
+        module, name = fn.split(":")
+        fn = getattr(importlib.import_module(module), name)
+        ATTENTION_FNS[(variant, impl)] = fn
+    return fn

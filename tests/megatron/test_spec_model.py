@@ -70,7 +70,7 @@ def full_models(megatron_cpu, tmp_path_factory):
 # ------------------------------------------------------------------------ architecture
 EXPECTED_CLASS = {
     "softmax": SoftmaxCoreAttention,
-    "ssa": SSAReferenceCoreAttention,  # the policy's pinned kernel today
+    "ssa": SSAReferenceCoreAttention,  # on CPU the policy's cpu_kernel (GPU: ssa_triton)
     "ssa_reference": SSAReferenceCoreAttention,
 }
 
@@ -81,8 +81,9 @@ def test_every_layer_gets_the_expected_core_attention(tiny_models, attention):
 
     _, cfg, model = tiny_models[attention]
     if attention == "ssa":  # `ssa` means whatever the pinned policy names
-        assert PINNED.pinned_kernel == "ssa_reference"
-        assert CORE_ATTENTIONS[PINNED.pinned_kernel] is EXPECTED_CLASS["ssa"]
+        assert PINNED.pinned_kernel == "ssa_triton" and PINNED.cpu_kernel == "ssa_reference"
+        assert CORE_ATTENTIONS[PINNED.cpu_kernel] is EXPECTED_CLASS["ssa"]
+        assert CORE_ATTENTIONS[PINNED.pinned_kernel].__name__ == "SSATritonCoreAttention"
     layers = model.decoder.layers
     assert len(layers) == cfg.num_layers == TINY_ARCH["num_layers"]
     for i, layer in enumerate(layers):
