@@ -1,0 +1,534 @@
+"""ELSA: exact attention as a two-pass parallel scan over key partitions (Triton).
+
+Computes ``o = softmax(z) @ v`` with ``z`` the softmax or SSA transform of
+``s = scale * q k^T`` (``nemo_ssa/ops/common/transforms.py``), exactly (no approximation),
+as the product of the associative (m, l, acc) monoid (``monoid.py``) over the keys:
+
+* phase 1 (``_elsa_fwd_partial_kernel``): one program per (query block, key partition,
+  batch x query head) folds the partition's key tiles into a register-resident partial
+  (m, l, acc) and writes it to global memory in fp32;
+* phase 2 (``_elsa_merge_kernel``): one program per (row block, batch x query head) merges
+  the partials of all partitions (tree max, then a fixed-order scaled sum) and writes
+  ``o`` (input dtype) and the per-row log2 log-sum-exp ``M = m + log2(l)`` (fp32,
+  ``+inf`` for rows that see no key).
+
+With one partition (short inputs, ``routing.num_partitions``) phase 2 is only the
+finalisation ``acc / l`` and is fused into the phase-1 epilogue (no summary round trip).
+
+Layouts: ``q [B, Hq, Sq, D]``, ``k, v [B, Hkv, Sk, D]`` with any strides (GQA: query head
+``h`` reads kv head ``h // (Hq // Hkv)``); ``o [B, Hq, Sq, D]`` contiguous;
+``M [B, Hq, Sq]`` fp32. Causal masking is bottom-right aligned (query ``i`` sees key
+``j`` iff ``j <= i + Sk - Sq``); partitions that start after a query block's last visible
+key are never computed nor read. Offsets are int64. Any ``Sq``, ``Sk`` (masked tails),
+head dims 16..256 (padded to a power of two and masked). fp32 inputs use IEEE fp32 dots
+by default (``fp32_precision``).
+
+Differences from the reference (``nemo_ssa.ops.ssa.naive``): no ``keep_mask`` and no
+dropout (both rejected with ValueError); ``softmax_scale`` must be positive.
+
+Backward is exact recompute from ``M`` through the shared
+``nemo_ssa.ops.common.attn_bwd.attention_bwd`` (``backward.py``). The math, the merge,
+causal skipping and the routing rule are in ``README.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from nemo_ssa.ops.common.transforms import score_fwd_hoisted, transform_consts, transform_id
+from nemo_ssa.ops.elsa.backward import elsa_bwd_op, fast_log2
+from nemo_ssa.ops.elsa.routing import ElsaPlan, make_plan
+
+__all__ = [
+    "elsa_attention",
+    "elsa_softmax_attention",
+    "elsa_ssa_attention",
+    "elsa_forward",
+    "FP32_PRECISIONS",
+    "SUPPORTED_DTYPES",
+    "kernels_interpreted",
+]
+
+FP32_PRECISIONS = ("ieee", "tf32", "tf32x3")
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+
+
+# ======================================================================================
+# Triton kernels
+# ======================================================================================
+
+
+@triton.jit
+def _load_tile(ptrs, rows, LIMIT, dmask, ROW_MASK: tl.constexpr, EVEN_D: tl.constexpr):
+    """Load a ``[R, BLOCK_D]`` tile; rows ``>= LIMIT`` and padded head dims read 0."""
+    if ROW_MASK:
+        if EVEN_D:
+            x = tl.load(ptrs, mask=(rows < LIMIT)[:, None], other=0.0)
+        else:
+            x = tl.load(ptrs, mask=(rows < LIMIT)[:, None] & dmask[None, :], other=0.0)
+    else:
+        if EVEN_D:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=dmask[None, :], other=0.0)
+    return x
+
+
+@triton.jit
+def _elsa_fold(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, lo, hi, rows, offs_n, dmask,
+               stride_kn, stride_vn, c0, c1, SQ, SK,
+               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+               EVEN_D: tl.constexpr, TRANSFORM: tl.constexpr, PRECISION: tl.constexpr,
+               FAST_LOG2: tl.constexpr):
+    """Fold key tiles ``[lo, hi)`` into the register-resident partial ``(m_i, l_i, acc)``.
+
+    ``k_base``/``v_base`` are scalar pointers at key ``lo`` (advanced by a scalar per tile),
+    ``k_offs``/``v_offs`` the loop-invariant int32 in-tile offsets ``[BLOCK_N, BLOCK_D]``:
+    no loop-carried 64-bit pointer tiles (they cost ~128 registers per operand).
+    ``MASKED`` tiles mask keys ``>= SK`` and (``CAUSAL``) keys in a row's future; a row
+    with no visible key in the tile keeps the identity (``m = -inf``, nothing added).
+    """
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + offs_n  # [BLOCK_N]
+        k = _load_tile(k_base + k_offs, cols, SK, dmask, MASKED, EVEN_D)  # [BLOCK_N, BLOCK_D]
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] fp32
+        z2 = score_fwd_hoisted(qk, c0, c1, TRANSFORM, FAST_LOG2)
+        if MASKED:
+            valid = cols[None, :] < SK
+            if CAUSAL:
+                valid = valid & (cols[None, :] <= rows[:, None] + (SK - SQ))
+            z2 = tl.where(valid, z2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(z2, 1))  # [BLOCK_M]
+        if MASKED:
+            # -inf - -inf guard: a row that has seen no key yet stays the identity
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        alpha = tl.math.exp2(m_i - m_use)  # [BLOCK_M]
+        p = tl.math.exp2(z2 - m_use[:, None])  # [BLOCK_M, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_tile(v_base + v_offs, cols, SK, dmask, MASKED, EVEN_D)  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+        k_base += BLOCK_N * stride_kn
+        v_base += BLOCK_N * stride_vn
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _elsa_fwd_partial_kernel(
+    Q, K, V, N_PTR, B_PTR,
+    O, LSE,  # FINALIZE: outputs [B, Hq, Sq, D] / [B*Hq, Sq]
+    MS, LS, ACCS,  # otherwise: summaries [B*Hq, P, Sq] / [B*Hq, P, Sq, D] fp32
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    HQ, GROUP, SQ, SK, N_TILES, NUM_PART, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    TRANSFORM: tl.constexpr, CAUSAL: tl.constexpr, FINALIZE: tl.constexpr,
+    PRECISION: tl.constexpr, FAST_LOG2: tl.constexpr,
+):
+    """Phase 1: partial (m, l, acc) of one query block over one key partition."""
+    pid_m = tl.program_id(0)
+    pid_p = tl.program_id(1)
+    pid_bh = tl.program_id(2)
+    # heaviest (causal: latest) query blocks first; neighbours share one K/V partition in L2
+    qb = tl.cdiv(SQ, BLOCK_M) - 1 - pid_m
+    off_b = pid_bh // HQ
+    off_h = pid_bh % HQ
+    off_hk = off_h // GROUP
+
+    row0 = qb * BLOCK_M
+    if CAUSAL:
+        last_row = tl.minimum(row0 + BLOCK_M, SQ) - 1
+        kv_hi = tl.minimum(tl.maximum(last_row + (SK - SQ) + 1, 0), SK)  # keys any row sees
+        kv_full = tl.minimum(tl.maximum(row0 + (SK - SQ) + 1, 0), SK)  # keys every row sees
+    else:
+        kv_hi = SK
+        kv_full = SK
+    # partition pid_p = key tiles [pid_p*T//P, (pid_p+1)*T//P): balanced, tile aligned
+    lo = ((pid_p * N_TILES) // NUM_PART) * BLOCK_N
+    hi = tl.minimum(((pid_p + 1) * N_TILES // NUM_PART) * BLOCK_N, kv_hi)
+    if not FINALIZE:
+        if lo >= kv_hi:  # partition entirely in this block's future: never computed
+            return
+
+    rows = row0 + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < HEAD_DIM
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+
+    q_ptrs = (Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+              + rows.to(tl.int64)[:, None] * stride_qm + offs_d[None, :] * stride_qd)
+    k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh  # scalar
+    v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
+    k_offs = offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd  # [BLOCK_N, BLOCK_D] int32
+    v_offs = offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    q = _load_tile(q_ptrs, rows, SQ, dmask, True, EVEN_D)  # [BLOCK_M, BLOCK_D]
+
+    if TRANSFORM == 1:
+        n = tl.load(N_PTR).to(tl.float32)
+        b = tl.load(B_PTR).to(tl.float32)
+    else:
+        n = 0.0
+        b = 0.0
+    c0, c1 = transform_consts(scale, n, b, TRANSFORM)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # tiles every row of the block sees completely: no mask at all
+    mid = lo + (tl.maximum(tl.minimum(hi, kv_full) - lo, 0) // BLOCK_N) * BLOCK_N
+    acc, m_i, l_i = _elsa_fold(acc, m_i, l_i, q, k_base + lo.to(tl.int64) * stride_kn,
+                               v_base + lo.to(tl.int64) * stride_vn, k_offs, v_offs, lo, mid, rows, offs_n, dmask,
+                               stride_kn, stride_vn, c0, c1, SQ, SK,
+                               BLOCK_N, False, CAUSAL, EVEN_D, TRANSFORM, PRECISION, FAST_LOG2)
+    # ragged tail / causal diagonal tiles
+    acc, m_i, l_i = _elsa_fold(acc, m_i, l_i, q, k_base + mid.to(tl.int64) * stride_kn,
+                               v_base + mid.to(tl.int64) * stride_vn, k_offs, v_offs, mid, hi, rows, offs_n, dmask,
+                               stride_kn, stride_vn, c0, c1, SQ, SK,
+                               BLOCK_N, True, CAUSAL, EVEN_D, TRANSFORM, PRECISION, FAST_LOG2)
+
+    row_ok = rows < SQ
+    if FINALIZE:
+        empty = l_i == 0.0
+        l_safe = tl.where(empty, 1.0, l_i)
+        o = acc / l_safe[:, None]
+        lse = tl.where(empty, float("inf"), m_i + tl.log2(l_safe))
+        o_ptrs = (O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+                  + rows.to(tl.int64)[:, None] * stride_om + offs_d[None, :] * stride_od)
+        tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & dmask[None, :])
+        tl.store(LSE + pid_bh.to(tl.int64) * SQ + rows, lse, mask=row_ok)
+    else:
+        srow = (pid_bh.to(tl.int64) * NUM_PART + pid_p) * SQ + rows  # [BLOCK_M] int64
+        tl.store(MS + srow, m_i, mask=row_ok)
+        tl.store(LS + srow, l_i, mask=row_ok)
+        tl.store(ACCS + srow[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                 mask=row_ok[:, None] & dmask[None, :])
+
+
+@triton.jit
+def _elsa_merge_kernel(
+    MS, LS, ACCS, O, LSE,
+    stride_ob, stride_oh, stride_om, stride_od,
+    HQ, SQ, SK, N_TILES, NUM_PART,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, KEY_TILE: tl.constexpr,
+    BLOCK_D: tl.constexpr, P_POW2: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """Phase 2: merge the partials of all live partitions of a row block -> (o, M).
+
+    The monoid product of P partials has the closed form ``m* = max_p m_p`` (a tree
+    reduction over the partition axis), ``l* = sum_p l_p 2^(m_p - m*)``, ``acc*`` likewise
+    (a fixed-order sum: deterministic). A partition is read for a row only if it starts
+    before the row's last visible key, i.e. only summaries phase 1 wrote.
+    """
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = pid_bh // HQ
+    off_h = pid_bh % HQ
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    row_ok = rows < SQ
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < HEAD_DIM
+    if CAUSAL:
+        kv_hi_row = tl.minimum(tl.maximum(rows + (SK - SQ) + 1, 0), SK)  # [BLOCK_M]
+        last_row = tl.minimum(pid_m * BLOCK_M + BLOCK_M, SQ) - 1
+        kv_hi_blk = tl.minimum(tl.maximum(last_row + (SK - SQ) + 1, 0), SK)
+    else:
+        kv_hi_row = tl.full([BLOCK_M], SK, dtype=tl.int32)
+        kv_hi_blk = SK
+
+    parts = tl.arange(0, P_POW2)  # [P_POW2]
+    starts = ((parts * N_TILES) // NUM_PART) * KEY_TILE
+    live = (parts[:, None] < NUM_PART) & (starts[:, None] < kv_hi_row[None, :]) & row_ok[None, :]
+    base = pid_bh.to(tl.int64) * NUM_PART * SQ
+    m_all = tl.load(MS + base + parts[:, None].to(tl.int64) * SQ + rows[None, :],
+                    mask=live, other=float("-inf"))  # [P_POW2, BLOCK_M]
+    m_star = tl.max(m_all, 0)  # [BLOCK_M]
+    m_use = tl.where(m_star == float("-inf"), 0.0, m_star)
+    n_live = tl.sum(((parts < NUM_PART) & (starts < kv_hi_blk)).to(tl.int32), 0)
+
+    l_acc = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for p in range(0, n_live):
+        start_p = ((p * N_TILES) // NUM_PART) * KEY_TILE
+        ok = row_ok & (start_p < kv_hi_row)
+        srow = base + p * SQ + rows  # [BLOCK_M] int64
+        m_p = tl.load(MS + srow, mask=ok, other=float("-inf"))
+        l_p = tl.load(LS + srow, mask=ok, other=0.0)
+        a_p = tl.load(ACCS + srow[:, None] * HEAD_DIM + offs_d[None, :],
+                      mask=ok[:, None] & dmask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+        f = tl.where(m_p == float("-inf"), 0.0, tl.math.exp2(m_p - m_use))  # identity -> 0
+        l_acc += l_p * f
+        acc += a_p * f[:, None]
+
+    empty = l_acc == 0.0
+    l_safe = tl.where(empty, 1.0, l_acc)
+    o = acc / l_safe[:, None]
+    lse = tl.where(empty, float("inf"), m_star + tl.log2(l_safe))
+    o_ptrs = (O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+              + rows.to(tl.int64)[:, None] * stride_om + offs_d[None, :] * stride_od)
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & dmask[None, :])
+    tl.store(LSE + pid_bh.to(tl.int64) * SQ + rows, lse, mask=row_ok)
+
+
+# ======================================================================================
+# Host launchers
+# ======================================================================================
+
+
+def _precision(dtype: torch.dtype, fp32_precision: str) -> str:
+    return fp32_precision if dtype == torch.float32 else "ieee"  # ignored for 16-bit dots
+
+
+def allocate_summaries(plan: ElsaPlan, B: int, Hq: int, Sq: int, D: int, device, fill=None):
+    """fp32 summary buffers ``(m [B*Hq, P, Sq], l, acc [B*Hq, P, Sq, D])`` (``fill``: e.g. NaN)."""
+    P = plan.num_partitions
+    alloc = torch.empty if fill is None else (lambda *s, **kw: torch.full(s, fill, **kw))
+    kw = dict(dtype=torch.float32, device=device)
+    return alloc(B * Hq, P, Sq, **kw), alloc(B * Hq, P, Sq, **kw), alloc(B * Hq, P, Sq, D, **kw)
+
+
+def elsa_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    n: Optional[torch.Tensor], b: Optional[torch.Tensor], *,
+    transform: int, causal: bool, scale: float, num_partitions: Optional[int] = None,
+    fp32_precision: str = "ieee", two_pass: Optional[bool] = None, summaries=None, out=None,
+    fast_log2_override: Optional[bool] = None, _collect: Optional[list] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, ElsaPlan, Optional[tuple]]:
+    """Launch phase 1 (+ phase 2). No validation (the public functions validate).
+
+    Args:
+        transform: ``TRANSFORM`` id (0 softmax, 1 SSA).
+        num_partitions: forced partition count (clamped to the key tiles) or None (routing).
+        two_pass: None = fuse phase 2 into phase 1 when there is one partition; True =
+            always round-trip the summaries through global memory (introspection tests).
+        summaries: optional preallocated ``(m, l, acc)`` buffers (``allocate_summaries``).
+        out: optional preallocated ``(o, M)`` (tests pass NaN-poisoned ones).
+        fast_log2_override: force the ``lg2.approx`` choice (default: ``backward.fast_log2``).
+        _collect: a list to receive ``(kernel, grid, args, kwargs)`` instead of launching
+            (``aot_check.py`` compiles them offline; works with ``meta`` tensors).
+
+    Returns:
+        ``(o [B, Hq, Sq, D] q.dtype, M [B, Hq, Sq] fp32, plan, summaries or None)``.
+    """
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    plan = make_plan(B, Hq, Sq, Sk, D, q.dtype, q.device, forced=num_partitions)
+    # in-tile offsets and per-tile pointer steps are int32 (bases are int64): only absurd
+    # strides could overflow them; such inputs are copied once instead
+    k, v = (t if max(t.stride(2), 1) * max(plan.block_n, plan.block_d) < 2 ** 30 and t.stride(3) < 2 ** 20
+            else t.contiguous() for t in (k, v))
+    finalize = plan.num_partitions == 1 and not two_pass
+    if out is None:
+        o = torch.empty(B, Hq, Sq, D, dtype=q.dtype, device=q.device)
+        lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device)
+    else:
+        o, lse = out
+        assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == q.shape[:3] and lse.is_contiguous()
+    if finalize:
+        ms = ls = accs = lse  # unused pointers
+        summaries = None
+    else:
+        if summaries is None:
+            summaries = allocate_summaries(plan, B, Hq, Sq, D, q.device)
+        ms, ls, accs = summaries
+    np_ = n if n is not None else lse  # never read for softmax (constexpr branch)
+    bp_ = b if b is not None else lse
+    precision = _precision(q.dtype, fp32_precision)
+    fast = fast_log2(q.device) if fast_log2_override is None else bool(fast_log2_override)
+
+    specs = _launch_specs(q, k, v, np_, bp_, o, lse, ms, ls, accs, plan, transform=transform,
+                          causal=causal, scale=scale, finalize=finalize, precision=precision, fast=fast)
+    if _collect is not None:
+        _collect.extend(specs)
+        return o, lse, plan, summaries
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        for kernel, grid, args, kwargs in specs:
+            kernel[grid](*args, **kwargs)
+    return o, lse, plan, summaries
+
+
+def _launch_specs(q, k, v, np_, bp_, o, lse, ms, ls, accs, plan: ElsaPlan, *, transform, causal, scale,
+                  finalize, precision, fast):
+    """``[(kernel, grid, args, kwargs)]``: phase 1, then phase 2 unless fused."""
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    specs = [(
+        _elsa_fwd_partial_kernel,
+        (plan.n_q_blocks, plan.num_partitions, B * Hq),
+        (q, k, v, np_, bp_, o, lse, ms, ls, accs,
+         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+         Hq, Hq // Hkv, Sq, Sk, plan.n_key_tiles, plan.num_partitions, float(scale)),
+        dict(HEAD_DIM=D, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d,
+             TRANSFORM=int(transform), CAUSAL=bool(causal), FINALIZE=finalize,
+             PRECISION=precision, FAST_LOG2=fast,
+             num_warps=plan.num_warps, num_stages=plan.num_stages),
+    )]
+    if not finalize:
+        specs.append((
+            _elsa_merge_kernel,
+            (triton.cdiv(Sq, plan.merge_block_m), B * Hq),
+            (ms, ls, accs, o, lse, *o.stride(), Hq, Sq, Sk, plan.n_key_tiles, plan.num_partitions),
+            dict(HEAD_DIM=D, BLOCK_M=plan.merge_block_m, KEY_TILE=plan.block_n, BLOCK_D=plan.block_d,
+                 P_POW2=max(2, triton.next_power_of_2(plan.num_partitions)), CAUSAL=bool(causal),
+                 num_warps=plan.merge_warps),
+        ))
+    return specs
+
+
+# ======================================================================================
+# custom ops + autograd
+# ======================================================================================
+
+
+@torch.library.custom_op("nemo_ssa::elsa_fwd", mutates_args=())
+def _elsa_fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    n: Optional[torch.Tensor], b: Optional[torch.Tensor],
+    transform: int, causal: bool, scale: float, num_partitions: int, fp32_precision: str,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    o, lse, _, _ = elsa_forward(q, k, v, n, b, transform=transform, causal=causal, scale=scale,
+                                num_partitions=num_partitions, fp32_precision=fp32_precision)
+    return o, lse
+
+
+@_elsa_fwd_op.register_fake
+def _(q, k, v, n, b, transform, causal, scale, num_partitions, fp32_precision):
+    B, Hq, Sq, D = q.shape
+    return q.new_empty(B, Hq, Sq, D), q.new_empty(B, Hq, Sq, dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, n, b, transform, causal, scale, num_partitions, fp32_precision = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, n, b)
+    ctx.transform, ctx.causal, ctx.scale, ctx.fp32_precision = transform, causal, scale, fp32_precision
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, o, lse, n, b = ctx.saved_tensors
+    dq, dk, dv, dn, db = elsa_bwd_op(do, q, k, v, o, lse, n, b, ctx.transform, ctx.causal,
+                                     ctx.scale, ctx.fp32_precision)
+    if ctx.transform == 1:
+        dn = dn.reshape(n.shape).to(n.dtype) if ctx.needs_input_grad[3] else None
+        db = db.reshape(b.shape).to(b.dtype) if ctx.needs_input_grad[4] else None
+    else:
+        dn = db = None
+    return dq, dk, dv, dn, db, None, None, None, None, None
+
+
+_elsa_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ======================================================================================
+# Public functions
+# ======================================================================================
+
+
+def kernels_interpreted() -> bool:
+    """True when the kernels were built by the Triton interpreter (decided at import time)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_elsa_fwd_partial_kernel, InterpretedFunction)
+
+
+def _validate_elsa(q, k, v, *, transform, n, b, causal, softmax_scale, keep_mask, dropout_p,
+                   num_partitions, fp32_precision) -> None:
+    """Reference checks (shapes, GQA, n/b) plus the ELSA support set; all before launch."""
+    from nemo_ssa.ops.ssa.naive import _validate
+
+    if keep_mask is not None:
+        raise ValueError("ELSA does not support keep_mask (only causal=True/False masking); "
+                         "use the reference or SDPA path for arbitrary masks")
+    if dropout_p:
+        raise ValueError(f"ELSA does not support attention dropout (dropout_p={dropout_p}); "
+                         "supported: dropout_p=0.0")
+    _validate(q, k, v, transform=transform, n=n, b=b, keep_mask=None, dropout_p=0.0,
+              softmax_scale=softmax_scale)
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"ELSA supports dtypes float16, bfloat16, float32; got {q.dtype}")
+    d = q.shape[-1]
+    if not (MIN_HEAD_DIM <= d <= MAX_HEAD_DIM):
+        raise ValueError(f"ELSA supports head dims {MIN_HEAD_DIM}..{MAX_HEAD_DIM} (any value, padded "
+                         f"to a power of two inside); got D={d}")
+    if q.device.type != "cuda" and not kernels_interpreted():
+        raise ValueError(f"ELSA kernels run on CUDA tensors, or on CPU when TRITON_INTERPRET=1 was set "
+                         f"before nemo_ssa.ops.elsa was imported; got device {q.device}")
+    if softmax_scale is not None and not softmax_scale > 0:
+        raise ValueError(f"ELSA needs softmax_scale > 0 (or None for 1/sqrt(D)); got {softmax_scale}")
+    if fp32_precision not in FP32_PRECISIONS:
+        raise ValueError(f"fp32_precision must be one of {FP32_PRECISIONS}, got {fp32_precision!r}")
+    if num_partitions is not None and (isinstance(num_partitions, bool) or not isinstance(num_partitions, int)
+                                       or num_partitions < 1):
+        raise ValueError(f"num_partitions must be a positive int or None, got {num_partitions!r}")
+    if q.shape[0] * q.shape[1] > 65535:
+        raise ValueError(f"ELSA supports B * Hq <= 65535 (grid limit), got {q.shape[0] * q.shape[1]}")
+    for name, t in (("n", n), ("b", b)):
+        if t is not None and t.device != q.device:
+            raise ValueError(f"`{name}` must be on q's device {q.device}, got {t.device}")
+
+
+def elsa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    transform: str = "softmax",
+    n: Optional[torch.Tensor] = None,
+    b: Optional[torch.Tensor] = None,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    num_partitions: Optional[int] = None,
+    keep_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    fp32_precision: str = "ieee",
+) -> torch.Tensor:
+    """Exact attention as a two-pass parallel scan (ELSA) with a softmax or SSA transform.
+
+    Args:
+        q: ``[B, Hq, Sq, D]``, float16 / bfloat16 / float32, CUDA (CPU only under
+            ``TRITON_INTERPRET=1``), any strides; ``16 <= D <= 256``.
+        k, v: ``[B, Hkv, Sk, D]`` with ``Hq % Hkv == 0`` (GQA, not expanded).
+        transform: ``"softmax"`` or ``"ssa"``.
+        n, b: SSA parameters (tensors of shape ``[1]`` or 0-d; may require grad).
+        causal: bottom-right-aligned causal mask (``j <= i + Sk - Sq``).
+        softmax_scale: multiplies ``q @ k^T`` (> 0); default ``1 / sqrt(D)``.
+        num_partitions: force the number of key partitions scanned in parallel (clamped
+            to the number of key tiles); None = length-adaptive routing.
+        keep_mask, dropout_p: not supported (ValueError unless None / 0.0).
+        fp32_precision: dot precision for float32 inputs: ``"ieee"`` (default, exact
+            fp32), ``"tf32x3"`` or ``"tf32"``.
+
+    Returns:
+        ``[B, Hq, Sq, D]`` in q's dtype; rows without a visible key are 0 (zero grads).
+    """
+    _validate_elsa(q, k, v, transform=transform, n=n, b=b, causal=causal, softmax_scale=softmax_scale,
+                   keep_mask=keep_mask, dropout_p=dropout_p, num_partitions=num_partitions,
+                   fp32_precision=fp32_precision)
+    B, Hq, Sq, D = q.shape
+    scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
+    plan = make_plan(B, Hq, Sq, k.shape[2], D, q.dtype, q.device, forced=num_partitions)
+    o, _ = _elsa_fwd_op(q, k, v, n, b, transform_id(transform), bool(causal), scale,
+                        plan.num_partitions, fp32_precision)
+    return o
+
+
+def elsa_softmax_attention(q, k, v, **kw) -> torch.Tensor:
+    """``elsa_attention(q, k, v, transform="softmax", **kw)`` (registry softmax convention)."""
+    return elsa_attention(q, k, v, transform="softmax", **kw)
+
+
+def elsa_ssa_attention(q, k, v, n, b, **kw) -> torch.Tensor:
+    """``elsa_attention(q, k, v, transform="ssa", n=n, b=b, **kw)`` (registry SSA convention)."""
+    return elsa_attention(q, k, v, transform="ssa", n=n, b=b, **kw)
