@@ -1,0 +1,70 @@
+"""Host-side helpers shared by the NSA kernels: dtype/shape checks, block sizes, precision."""
+
+from __future__ import annotations
+
+import os
+
+
+import torch
+
+from nemo_ssa.ops.common.transforms import transform_id
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def block_d(d: int) -> int:
+    """Head-dim tile: a power of two >= 16 (non-power-of-two D is masked inside)."""
+    return max(16, next_pow2(d))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get true fp32 products (TF32 would cost ~1e-3 relative error);
+    half types ignore the setting."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_kernel_tensors(name_to_tensor) -> None:
+    """Dtype/device checks every kernel launcher shares (raises ValueError)."""
+    ref = next(iter(name_to_tensor.values()))
+    for name, t in name_to_tensor.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in KERNEL_DTYPES:
+            raise ValueError(
+                f"NSA Triton kernels support dtypes {[str(x).replace('torch.', '') for x in KERNEL_DTYPES]}, "
+                f"`{name}` is {t.dtype} (use impl='torch' for float64)"
+            )
+        if t.dtype != ref.dtype or t.device != ref.device:
+            raise ValueError(f"all inputs must share dtype and device; `{name}` is {t.dtype} on {t.device}")
+    if not (ref.is_cuda or interpreting()):
+        raise ValueError(
+            "NSA Triton kernels need a CUDA tensor (or TRITON_INTERPRET=1 on CPU); "
+            "use impl='torch' for the CPU reference path"
+        )
+    d = ref.shape[-1]
+    if not (MIN_HEAD_DIM <= d <= MAX_HEAD_DIM):
+        raise ValueError(f"head dim {d} not supported by the NSA kernels (supported: {MIN_HEAD_DIM}..{MAX_HEAD_DIM})")
+
+
+def ssa_scalars(transform: str, n, b, device):
+    """(TRANSFORM id, n tensor, b tensor) as fp32 [1] tensors the kernels read by pointer."""
+    tid = transform_id(transform)
+    if tid == 1:
+        if n is None or b is None:
+            raise ValueError("transform='ssa' needs the SSA parameters n and b (tensors of shape [1])")
+        return tid, n.detach().reshape(1).to(device=device, dtype=torch.float32).contiguous(), \
+            b.detach().reshape(1).to(device=device, dtype=torch.float32).contiguous()
+    if n is not None or b is not None:
+        raise ValueError(f"transform={transform!r} takes no n/b (they are SSA parameters)")
+    dummy = torch.zeros(1, device=device, dtype=torch.float32)
+    return tid, dummy, dummy

@@ -1,0 +1,400 @@
+"""Banded causal attention in Triton: NSA's sliding-window and compressed branches.
+
+Both branches are one schedule. Key ``j`` has a *position* -- the index of the last
+token it summarises -- ``pos(j) = j * KSTRIDE + KOFF``, and query ``t`` sees it iff
+
+    pos(j) <= t                          (causal: the key has ended)
+    t - pos(j) < WINDOW                  (only when HAS_WINDOW)
+
+* window branch: ``KSTRIDE = 1, KOFF = 0, WINDOW = w`` -> keys ``t-w+1 .. t``;
+* compressed branch: ``KSTRIDE = d, KOFF = l - 1``, no window -> compressed blocks
+  that have ended (NSA's visibility rule).
+
+Every query row therefore sees a contiguous key range whose ends grow with ``t``, so a
+query tile iterates a block-aligned key range ``[lo, hi)`` and masks the ragged edges
+(seed 001's "block-aligned window bounds"); a key tile in the dK/dV kernel iterates the
+matching query range. The score transform (softmax / SSA) is the ``TRANSFORM``
+constexpr from ``nemo_ssa.ops.common.transforms``.
+
+Layouts ``q [B, Hq, N, D]``, ``k, v [B, Hkv, NK, D]`` (any strides), GQA by head index
+(``h // GROUP``). Outputs ``o [B, Hq, N, D]`` in q's dtype and the per-row log-sum-exp
+``lse [B, Hq, N]`` in fp32, log2 domain (``+inf`` for rows that see no key; their
+output is 0 and any probability recomputed from it is 0). The compressed branch's
+``lse`` feeds the selection scores (``select.py``).
+
+Backward: FA2-style, ``dq`` per query tile and ``dk, dv`` per key tile; the dK/dV program
+owns its key tile and loops over the GROUP query heads that read it, so there are no
+atomics and the result is deterministic. SSA's ``dn, db`` are per-program fp32 partials
+summed on the host.
+
+Differences from the reference (``naive.masked_attention``): online softmax in fp32
+(statistics never in half precision), ``p`` cast to the value dtype before ``p @ v``
+for half inputs (as flash attention does); no dropout.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from nemo_ssa.ops.common.transforms import score_bwd, score_bwd_params, score_fwd
+from nemo_ssa.ops.nsa._common import (
+    block_d,
+    check_kernel_tensors,
+    dot_precision,
+    interpreting,
+    ssa_scalars,
+)
+
+__all__ = ["banded_attention", "window_attention", "compressed_attention"]
+
+
+# ------------------------------------------------------------------------------ kernels
+@triton.jit
+def _key_range(m_first, m_last, NK, KSTRIDE, KOFF, WINDOW,
+               HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Block-aligned ``[lo, hi)`` of the keys some query in ``[m_first, m_last]`` sees."""
+    hi = tl.where(m_last >= KOFF, tl.maximum(m_last - KOFF, 0) // KSTRIDE + 1, 0)
+    hi = tl.minimum(hi, NK)
+    if HAS_WINDOW:
+        # first key with m_first - pos(j) < WINDOW  <=>  j*KSTRIDE > m_first - WINDOW - KOFF
+        x = m_first - WINDOW - KOFF
+        lo = tl.where(x >= 0, tl.maximum(x, 0) // KSTRIDE + 1, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    else:
+        lo = hi * 0
+    return lo, hi
+
+
+@triton.jit
+def _visible(offs_m, offs_n, N, NK, KSTRIDE, KOFF, WINDOW, HAS_WINDOW: tl.constexpr):
+    """``[BLOCK_M, BLOCK_N]`` visibility of key ``offs_n`` to query ``offs_m``."""
+    pos = offs_n * KSTRIDE + KOFF  # [BLOCK_N]
+    ok = (pos[None, :] <= offs_m[:, None]) & (offs_n[None, :] < NK) & (offs_m[:, None] < N)
+    if HAS_WINDOW:
+        ok = ok & (offs_m[:, None] - pos[None, :] < WINDOW)
+    return ok
+
+
+@triton.jit
+def _range_fwd_kernel(
+    Q, K, V, O, LSE, NP, BP,
+    sqb, sqh, sqn, sqd,
+    skb, skh, skn, skd,
+    svb, svh, svn, svd,
+    sob, soh, son, sod,
+    Hq, N, NK, D, GROUP,
+    scale, KSTRIDE, KOFF, WINDOW,
+    TRANSFORM: tl.constexpr, HAS_WINDOW: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hq).to(tl.int64)
+    h = (pid_bh % Hq).to(tl.int64)
+    hk = h // GROUP
+    n_ssa = tl.load(NP).to(tl.float32)
+    b_ssa = tl.load(BP).to(tl.float32)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    m_ok = offs_m < N
+    q_ptrs = Q + b * sqb + h * sqh + offs_m.to(tl.int64)[:, None] * sqn + offs_d[None, :] * sqd
+    q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_last = tl.minimum(pid_m * BLOCK_M + BLOCK_M, N) - 1
+    lo, hi = _key_range(pid_m * BLOCK_M, m_last, NK, KSTRIDE, KOFF, WINDOW, HAS_WINDOW, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < NK
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * skn + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * svn + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC)  # [BLOCK_M, BLOCK_N] fp32
+        z2 = score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM)
+        ok = _visible(offs_m, offs_n, N, NK, KSTRIDE, KOFF, WINDOW, HAS_WINDOW)
+        z2 = tl.where(ok, z2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(z2, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(z2 - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+    o_ptrs = O + b * sob + h * soh + offs_m.to(tl.int64)[:, None] * son + offs_d[None, :] * sod
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    tl.store(LSE + pid_bh.to(tl.int64) * N + offs_m, lse, mask=m_ok)
+
+
+@triton.jit
+def _range_bwd_kernel_dq(
+    Q, K, V, DO, DQ, LSE, DELTA, NP, BP,
+    sqb, sqh, sqn, sqd,
+    skb, skh, skn, skd,
+    svb, svh, svn, svd,
+    sdob, sdoh, sdon, sdod,
+    sdqb, sdqh, sdqn, sdqd,
+    Hq, N, NK, D, GROUP,
+    scale, KSTRIDE, KOFF, WINDOW,
+    TRANSFORM: tl.constexpr, HAS_WINDOW: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hq).to(tl.int64)
+    h = (pid_bh % Hq).to(tl.int64)
+    hk = h // GROUP
+    n_ssa = tl.load(NP).to(tl.float32)
+    b_ssa = tl.load(BP).to(tl.float32)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    m_ok = offs_m < N
+    row_mask = m_ok[:, None] & d_ok[None, :]
+    rows = offs_m.to(tl.int64)[:, None]
+    q = tl.load(Q + b * sqb + h * sqh + rows * sqn + offs_d[None, :] * sqd, mask=row_mask, other=0.0)
+    do = tl.load(DO + b * sdob + h * sdoh + rows * sdon + offs_d[None, :] * sdod, mask=row_mask, other=0.0)
+    lse = tl.load(LSE + pid_bh.to(tl.int64) * N + offs_m, mask=m_ok, other=float("inf"))
+    delta = tl.load(DELTA + pid_bh.to(tl.int64) * N + offs_m, mask=m_ok, other=0.0)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_last = tl.minimum(pid_m * BLOCK_M + BLOCK_M, N) - 1
+    lo, hi = _key_range(pid_m * BLOCK_M, m_last, NK, KSTRIDE, KOFF, WINDOW, HAS_WINDOW, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kv_mask = (offs_n < NK)[:, None] & d_ok[None, :]
+        k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * skn + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * svn + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+        z2 = score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM)
+        ok = _visible(offs_m, offs_n, N, NK, KSTRIDE, KOFF, WINDOW, HAS_WINDOW)
+        p = tl.where(ok, tl.exp2(z2 - lse[:, None]), 0.0)  # [BLOCK_M, BLOCK_N]
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        dz = p * (dp - delta[:, None])
+        dqk = score_bwd(qk, dz, scale, n_ssa, b_ssa, TRANSFORM)
+        dq += tl.dot(dqk.to(k.dtype), k, input_precision=PREC)
+    tl.store(DQ + b * sdqb + h * sdqh + rows * sdqn + offs_d[None, :] * sdqd,
+             dq.to(DQ.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _range_bwd_kernel_dkv(
+    Q, K, V, DO, DK, DV, LSE, DELTA, NP, BP, DNB,
+    sqb, sqh, sqn, sqd,
+    skb, skh, skn, skd,
+    svb, svh, svn, svd,
+    sdob, sdoh, sdon, sdod,
+    sdkb, sdkh, sdkn, sdkd,
+    sdvb, sdvh, sdvn, sdvd,
+    Hq, Hkv, N, NK, D, GROUP,
+    scale, KSTRIDE, KOFF, WINDOW,
+    TRANSFORM: tl.constexpr, HAS_WINDOW: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)  # over B * Hkv
+    b = (pid_bh // Hkv).to(tl.int64)
+    hk = (pid_bh % Hkv).to(tl.int64)
+    n_ssa = tl.load(NP).to(tl.float32)
+    b_ssa = tl.load(BP).to(tl.float32)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    kv_mask = (offs_n < NK)[:, None] & d_ok[None, :]
+    cols = offs_n.to(tl.int64)[:, None]
+    k = tl.load(K + b * skb + hk * skh + cols * skn + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
+    v = tl.load(V + b * svb + hk * svh + cols * svn + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dn_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+
+    # queries that see some key of this tile: [pos(first), pos(last) + WINDOW)
+    n_last = tl.minimum(pid_n * BLOCK_N + BLOCK_N, NK) - 1
+    q_lo = ((pid_n * BLOCK_N * KSTRIDE + KOFF) // BLOCK_M) * BLOCK_M
+    q_hi = N
+    if HAS_WINDOW:
+        q_hi = tl.minimum(N, n_last * KSTRIDE + KOFF + WINDOW)
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        bh_q = b * Hq + h
+        q_base = Q + b * sqb + h * sqh
+        do_base = DO + b * sdob + h * sdoh
+        for start_m in range(q_lo, q_hi, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            m_ok = offs_m < N
+            row_mask = m_ok[:, None] & d_ok[None, :]
+            rows = offs_m.to(tl.int64)[:, None]
+            q = tl.load(q_base + rows * sqn + offs_d[None, :] * sqd, mask=row_mask, other=0.0)
+            do = tl.load(do_base + rows * sdon + offs_d[None, :] * sdod, mask=row_mask, other=0.0)
+            lse = tl.load(LSE + bh_q * N + offs_m, mask=m_ok, other=float("inf"))
+            delta = tl.load(DELTA + bh_q * N + offs_m, mask=m_ok, other=0.0)
+            qk = tl.dot(q, tl.trans(k), input_precision=PREC)  # [BLOCK_M, BLOCK_N]
+            z2 = score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM)
+            ok = _visible(offs_m, offs_n, N, NK, KSTRIDE, KOFF, WINDOW, HAS_WINDOW)
+            p = tl.where(ok, tl.exp2(z2 - lse[:, None]), 0.0)
+            dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC)
+            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+            dz = p * (dp - delta[:, None])
+            dqk = score_bwd(qk, dz, scale, n_ssa, b_ssa, TRANSFORM)
+            dk += tl.dot(tl.trans(dqk).to(q.dtype), q, input_precision=PREC)
+            if TRANSFORM == 1:
+                dn_e, db_e = score_bwd_params(qk, dz, scale, n_ssa, b_ssa)
+                dn_acc += tl.where(ok, dn_e, 0.0)
+                db_acc += tl.where(ok, db_e, 0.0)
+
+    tl.store(DK + b * sdkb + hk * sdkh + cols * sdkn + offs_d[None, :] * sdkd, dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + b * sdvb + hk * sdvh + cols * sdvn + offs_d[None, :] * sdvd, dv.to(DV.dtype.element_ty), mask=kv_mask)
+    if TRANSFORM == 1:
+        pid = pid_bh.to(tl.int64) * tl.num_programs(0) + pid_n
+        tl.store(DNB + 2 * pid, tl.sum(tl.sum(dn_acc, 1), 0))
+        tl.store(DNB + 2 * pid + 1, tl.sum(tl.sum(db_acc, 1), 0))
+
+
+# ----------------------------------------------------------------------------- launchers
+#: tuning hook: ``{"fwd" | "bwd": (BLOCK_M, BLOCK_N, num_warps, num_stages)}`` overrides
+#: the defaults below (benchmarks sweep it; BLOCK_* must be powers of two >= 16)
+TILE_OVERRIDE: dict = {}
+
+
+def _blocks(d: int, kind: str) -> Tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Small tiles in the interpreter (speed)."""
+    if kind in TILE_OVERRIDE:
+        return TILE_OVERRIDE[kind]
+    if interpreting():
+        return 16, 16, 1, 1
+    if kind == "fwd":
+        return (64, 64, 4, 3) if d <= 64 else (64, 32, 4, 2)
+    return (64, 64, 4, 2) if d <= 64 else (32, 32, 4, 1)
+
+
+def _range_fwd(q, k, v, n_t, b_t, tid, scale, kstride, koff, window):
+    bsz, hq, n_tok, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    o = torch.empty_like(q)
+    lse = torch.empty(bsz, hq, n_tok, device=q.device, dtype=torch.float32)
+    if nk == 0:  # no key at all (compressed branch with N < l): zero output, empty rows
+        o.zero_()
+        lse.fill_(math.inf)
+        return o, lse
+    bm, bn, warps, stages = _blocks(d, "fwd")
+    grid = (triton.cdiv(n_tok, bm), bsz * hq)
+    _range_fwd_kernel[grid](
+        q, k, v, o, lse, n_t, b_t,
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+        hq, n_tok, nk, d, hq // hkv,
+        scale, kstride, koff, window if window else 0,
+        TRANSFORM=tid, HAS_WINDOW=bool(window), PREC=dot_precision(q.dtype),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d(d), num_warps=warps, num_stages=stages,
+    )
+    return o, lse
+
+
+def _range_bwd(q, k, v, o, lse, do, n_t, b_t, tid, scale, kstride, koff, window):
+    bsz, hq, n_tok, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    if nk == 0:
+        return dq.zero_(), dk, dv, torch.zeros(2, device=q.device, dtype=torch.float32)
+    delta = (o.float() * do.float()).sum(-1).contiguous()  # [B, Hq, N]
+    bm, bn, warps, stages = _blocks(d, "bwd")
+    common = dict(TRANSFORM=tid, HAS_WINDOW=bool(window), PREC=dot_precision(q.dtype),
+                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d(d), num_warps=warps, num_stages=stages)
+    _range_bwd_kernel_dq[(triton.cdiv(n_tok, bm), bsz * hq)](
+        q, k, v, do, dq, lse, delta, n_t, b_t,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
+        hq, n_tok, nk, d, hq // hkv, scale, kstride, koff, window if window else 0, **common,
+    )
+    grid = (triton.cdiv(nk, bn), bsz * hkv)
+    dnb = torch.zeros(grid[0] * grid[1], 2, device=q.device, dtype=torch.float32)
+    _range_bwd_kernel_dkv[grid](
+        q, k, v, do, dk, dv, lse, delta, n_t, b_t, dnb,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+        hq, hkv, n_tok, nk, d, hq // hkv, scale, kstride, koff, window if window else 0, **common,
+    )
+    return dq, dk, dv, dnb.sum(0, dtype=torch.float64)
+
+
+class _BandedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, n, b, transform, scale, kstride, koff, window):
+        tid, n_t, b_t = ssa_scalars(transform, n, b, q.device)
+        o, lse = _range_fwd(q, k, v, n_t, b_t, tid, scale, kstride, koff, window)
+        ctx.save_for_backward(q, k, v, o, lse, n_t, b_t)
+        ctx.args = (tid, scale, kstride, koff, window)
+        ctx.n_meta = None if n is None else (n.shape, n.dtype)
+        ctx.b_meta = None if b is None else (b.shape, b.dtype)
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse, n_t, b_t = ctx.saved_tensors
+        tid, scale, kstride, koff, window = ctx.args
+        dq, dk, dv, dnb = _range_bwd(q, k, v, o, lse, do.contiguous(), n_t, b_t, tid, scale, kstride, koff, window)
+        dn = db = None
+        if ctx.n_meta is not None:
+            dn = dnb[0].reshape(ctx.n_meta[0]).to(ctx.n_meta[1])
+            db = dnb[1].reshape(ctx.b_meta[0]).to(ctx.b_meta[1])
+        return dq, dk, dv, dn, db, None, None, None, None, None
+
+
+def banded_attention(q, k, v, *, kstride: int, koff: int, window: Optional[int], transform="softmax",
+                     n=None, b=None, softmax_scale=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Attention where query ``t`` sees key ``j`` iff ``j*kstride + koff <= t`` and, with a
+    window, ``t - (j*kstride + koff) < window``. Returns ``(o, lse)`` (lse: fp32, log2
+    domain, ``+inf`` on rows that see nothing; not differentiable).
+
+    Args:
+        q: ``[B, Hq, N, D]``; k, v: ``[B, Hkv, NK, D]`` with ``Hq % Hkv == 0``.
+        kstride, koff, window: the visibility rule above (``window=None``: none).
+        transform, n, b: ``"softmax"`` or ``"ssa"`` with its ``[1]`` scalars (differentiable).
+        softmax_scale: default ``1/sqrt(D)``.
+    """
+    check_kernel_tensors({"q": q, "k": k, "v": v})
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(f"expected q [B,Hq,N,D] and k, v [B,Hkv,NK,D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"incompatible q {tuple(q.shape)} and k {tuple(k.shape)} (batch, head dim, GQA)")
+    if kstride < 1 or koff < 0 or (window is not None and window < 1):
+        raise ValueError(f"need kstride >= 1, koff >= 0, window >= 1 or None; got {kstride}, {koff}, {window}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    return _BandedAttention.apply(q, k, v, n, b, transform, scale, int(kstride), int(koff),
+                                  None if window is None else int(window))
+
+
+def window_attention(q, k, v, window: int, *, transform="softmax", n=None, b=None,
+                     softmax_scale=None) -> torch.Tensor:
+    """Sliding-window causal attention: query ``t`` sees keys ``t-window+1 .. t``."""
+    return banded_attention(q, k, v, kstride=1, koff=0, window=window, transform=transform,
+                            n=n, b=b, softmax_scale=softmax_scale)[0]
+
+
+def compressed_attention(q, k_cmp, v_cmp, block_len: int, stride: int, *, transform="softmax",
+                         n=None, b=None, softmax_scale=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Attention over compressed blocks; block ``i`` is visible once ``i*stride + block_len - 1 <= t``.
+
+    Returns ``(o, lse)``; ``lse`` (fp32, log2) is what the selection scores need.
+    """
+    return banded_attention(q, k_cmp, v_cmp, kstride=stride, koff=block_len - 1, window=None,
+                            transform=transform, n=n, b=b, softmax_scale=softmax_scale)

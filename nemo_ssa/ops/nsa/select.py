@@ -1,0 +1,205 @@
+"""NSA block selection in Triton: selection scores from the compressed branch, then top-n.
+
+Two kernels, both without gradient (the selection is an index choice):
+
+* ``_importance_kernel``: for a tile of queries, one kv head and a tile of selection
+  blocks, recompute the compressed branch's probabilities ``p = exp2(z2 - lse)`` from
+  its saved ``lse`` (log2 domain) for each query head of the GQA group, and accumulate
+  ``imp[t, j] = Σ_h Σ_i p[h, t, i] · M[i, j]`` with ``M`` the overlap fraction of
+  compressed block ``i`` inside selection block ``j`` (``naive.overlap_matrix``). Only
+  the compressed blocks overlapping the tile's selection blocks are visited, so the work
+  is one pass over the visible compressed keys per head, like the compressed forward.
+* ``_topn_kernel``: per query row, forced blocks (first, current, previous) get ``+inf``,
+  blocks that have not started ``-inf``, then ``top_n`` rounds of "take the maximum,
+  lowest index on ties" -- the same deterministic choice as ``naive.select_blocks``.
+
+Scores are fp32. The host processes queries in chunks so the ``[B, Hkv, T, Nsel]``
+score buffer stays below ``max_buffer_elems`` (256 MiB by default) at any N.
+Output: ``block_idx [B, Hkv, N, top_n]`` int32, valid indices ascending then ``-1``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from nemo_ssa.ops.common.transforms import score_fwd
+from nemo_ssa.ops.nsa._common import block_d, check_kernel_tensors, dot_precision, interpreting, next_pow2, ssa_scalars
+from nemo_ssa.ops.nsa.naive import NSAConfig, num_select_blocks
+
+__all__ = ["importance_scores", "topn_blocks", "select_blocks_triton"]
+
+
+@triton.jit
+def _importance_kernel(
+    Q, KC, LSE, IMP, NP, BP,
+    sqb, sqh, sqn, sqd,
+    skb, skh, skn, skd,
+    sib, sih, sin, sij,
+    Hq, Hkv, N, NC, NS, D, GROUP, T0, T1,
+    scale, CSTRIDE, CLEN, SBLK,
+    TRANSFORM: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)  # B * Hkv
+    pid_s = tl.program_id(2)
+    b = (pid_bh // Hkv).to(tl.int64)
+    hk = (pid_bh % Hkv).to(tl.int64)
+    n_ssa = tl.load(NP).to(tl.float32)
+    b_ssa = tl.load(BP).to(tl.float32)
+
+    offs_m = T0 + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # absolute query positions
+    m_ok = offs_m < T1
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    j0 = pid_s * BLOCK_S
+    offs_s = j0 + tl.arange(0, BLOCK_S)
+
+    # compressed blocks overlapping selection blocks [j0, j0 + BLOCK_S) ...
+    x = j0 * SBLK - CLEN
+    c_lo = tl.where(x >= 0, tl.maximum(x, 0) // CSTRIDE + 1, 0)
+    c_hi = tl.minimum(((j0 + BLOCK_S) * SBLK + CSTRIDE - 1) // CSTRIDE, NC)
+    # ... and visible to the last query of the tile (i*d + l - 1 <= t)
+    m_last = tl.minimum(T0 + pid_m * BLOCK_M + BLOCK_M, T1) - 1
+    c_vis = tl.where(m_last >= CLEN - 1, tl.maximum(m_last - CLEN + 1, 0) // CSTRIDE + 1, 0)
+    c_hi = tl.minimum(c_hi, c_vis)
+
+    imp = tl.zeros([BLOCK_M, BLOCK_S], dtype=tl.float32)
+    kc_base = KC + b * skb + hk * skh
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        q = tl.load(Q + b * sqb + h * sqh + offs_m.to(tl.int64)[:, None] * sqn + offs_d[None, :] * sqd,
+                    mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+        lse = tl.load(LSE + (b * Hq + h) * N + offs_m, mask=m_ok, other=float("inf"))
+        for start_c in range(c_lo, c_hi, BLOCK_C):
+            offs_c = start_c + tl.arange(0, BLOCK_C)
+            kc = tl.load(kc_base + offs_c.to(tl.int64)[:, None] * skn + offs_d[None, :] * skd,
+                         mask=(offs_c < NC)[:, None] & d_ok[None, :], other=0.0)
+            qk = tl.dot(q, tl.trans(kc), input_precision=PREC)  # [BLOCK_M, BLOCK_C]
+            z2 = score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM)
+            vis = ((offs_c * CSTRIDE + CLEN - 1)[None, :] <= offs_m[:, None]) & (offs_c < NC)[None, :]
+            p = tl.where(vis, tl.exp2(z2 - lse[:, None]), 0.0)
+            # overlap fraction of compressed block c inside selection block s: [BLOCK_C, BLOCK_S]
+            cs = (offs_c * CSTRIDE)[:, None]
+            ss = (offs_s * SBLK)[None, :]
+            ov = tl.minimum(cs + CLEN, ss + SBLK) - tl.maximum(cs, ss)
+            w = tl.where(ov > 0, ov.to(tl.float32), 0.0) / CLEN
+            imp += tl.dot(p, w, input_precision=PREC)
+
+    out = IMP + b * sib + hk * sih + (offs_m - T0).to(tl.int64)[:, None] * sin + offs_s[None, :] * sij
+    tl.store(out, imp, mask=m_ok[:, None] & (offs_s < NS)[None, :])
+
+
+@triton.jit
+def _topn_kernel(
+    IMP, IDX,
+    sib, sih, sin, sij,
+    sxb, sxh, sxn, sxs,
+    Hkv, NS, T0, T1, SBLK,
+    TOPN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hkv).to(tl.int64)
+    hk = (pid_bh % Hkv).to(tl.int64)
+    offs_m = T0 + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < T1
+    offs_s = tl.arange(0, BLOCK_S)
+    imp = tl.load(IMP + b * sib + hk * sih + (offs_m - T0).to(tl.int64)[:, None] * sin + offs_s[None, :] * sij,
+                  mask=m_ok[:, None] & (offs_s < NS)[None, :], other=0.0)
+    cur = offs_m // SBLK
+    s2 = offs_s[None, :]
+    eligible = (s2 <= cur[:, None]) & (s2 < NS)
+    forced = (s2 == 0) | (s2 == cur[:, None]) | (s2 == cur[:, None] - 1)
+    score = tl.where(eligible, tl.where(forced, float("inf"), imp), float("-inf"))
+    out = IDX + b * sxb + hk * sxh + (offs_m - T0).to(tl.int64) * sxn
+    for slot in tl.static_range(TOPN):
+        best = tl.max(score, 1)  # [BLOCK_M]
+        arg = tl.min(tl.where(score == best[:, None], s2, BLOCK_S), 1)  # lowest index on ties
+        tl.store(out + slot * sxs, tl.where(best > float("-inf"), arg, -1), mask=m_ok)
+        score = tl.where(s2 == arg[:, None], float("-inf"), score)
+
+
+# ------------------------------------------------------------------------------ launchers
+def _chunk_rows(bsz, hkv, ns, n_tok, max_buffer_elems, align):
+    rows = max(align, (max_buffer_elems // max(1, bsz * hkv * ns)) // align * align)
+    return min(rows, triton.cdiv(n_tok, align) * align)
+
+
+def importance_scores(q, k_cmp, lse_cmp, config: NSAConfig, *, transform="softmax", n=None, b=None,
+                      softmax_scale=None, t0: int = 0, t1: Optional[int] = None) -> torch.Tensor:
+    """Selection scores ``[B, Hkv, t1 - t0, Nsel]`` (fp32) for queries ``t0 .. t1-1``.
+
+    ``lse_cmp [B, Hq, N]`` is the compressed branch's log2-domain log-sum-exp
+    (``range_attn.compressed_attention``); ``k_cmp [B, Hkv, Nc, D]``.
+    """
+    check_kernel_tensors({"q": q, "k_cmp": k_cmp})
+    bsz, hq, n_tok, d = q.shape
+    hkv, nc = k_cmp.shape[1], k_cmp.shape[2]
+    t1 = n_tok if t1 is None else t1
+    ns = num_select_blocks(n_tok, config)
+    imp = torch.zeros(bsz, hkv, t1 - t0, ns, device=q.device, dtype=torch.float32)
+    if nc == 0 or t1 <= t0:
+        return imp
+    tid, n_t, b_t = ssa_scalars(transform, n, b, q.device)
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    bm, bc, bs = (16, 16, 16) if interpreting() else (64, 32, 16)
+    grid = (triton.cdiv(t1 - t0, bm), bsz * hkv, triton.cdiv(ns, bs))
+    _importance_kernel[grid](
+        q, k_cmp, lse_cmp.contiguous(), imp, n_t, b_t,
+        *q.stride(), *k_cmp.stride(), *imp.stride(),
+        hq, hkv, n_tok, nc, ns, d, hq // hkv, t0, t1,
+        scale, config.stride, config.block_len, config.select_block,
+        TRANSFORM=tid, PREC=dot_precision(q.dtype),
+        BLOCK_M=bm, BLOCK_C=bc, BLOCK_S=bs, BLOCK_D=block_d(d), num_warps=4 if not interpreting() else 1,
+    )
+    return imp
+
+
+def topn_blocks(importance: torch.Tensor, config: NSAConfig, t0: int = 0,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Top-n selection from scores ``[B, Hkv, T, Nsel]`` of queries ``t0 .. t0+T-1``.
+
+    Writes (into ``out`` when given, e.g. a row-slice of the full index tensor) and returns
+    ``[B, Hkv, T, top_n]`` int32 in *selection order* (forced blocks first, then by
+    decreasing score); :func:`select_blocks_triton` canonicalises to ascending order.
+    """
+    bsz, hkv, rows, ns = importance.shape
+    if out is None:
+        out = torch.empty(bsz, hkv, rows, config.top_n, device=importance.device, dtype=torch.int32)
+    if rows == 0:
+        return out
+    bs = max(16, next_pow2(ns))
+    bm = 4 if interpreting() else max(1, min(64, 8192 // bs))
+    grid = (triton.cdiv(rows, bm), bsz * hkv)
+    _topn_kernel[grid](
+        importance, out, *importance.stride(), *out.stride(),
+        hkv, ns, t0, t0 + rows, config.select_block,
+        TOPN=config.top_n, BLOCK_M=bm, BLOCK_S=bs, num_warps=1 if interpreting() else 4,
+    )
+    return out
+
+
+def select_blocks_triton(q, k_cmp, lse_cmp, config: NSAConfig, *, transform="softmax", n=None, b=None,
+                         softmax_scale=None, max_buffer_elems: int = 64 * 1024 * 1024) -> torch.Tensor:
+    """``block_idx [B, Hkv, N, top_n]`` (int32, ascending, ``-1`` padded) from the compressed
+    branch; no gradient. Equals ``naive.select_blocks(naive.selection_importance(p_cmp))``
+    up to near-ties of the fp32 scores."""
+    bsz, hq, n_tok, d = q.shape
+    hkv = k_cmp.shape[1]
+    ns = num_select_blocks(n_tok, config)
+    idx = torch.empty(bsz, hkv, n_tok, config.top_n, device=q.device, dtype=torch.int32)
+    rows = _chunk_rows(bsz, hkv, ns, n_tok, max_buffer_elems, align=64)
+    with torch.no_grad():
+        for t0 in range(0, n_tok, rows):
+            t1 = min(n_tok, t0 + rows)
+            imp = importance_scores(q, k_cmp, lse_cmp, config, transform=transform, n=n, b=b,
+                                    softmax_scale=softmax_scale, t0=t0, t1=t1)
+            topn_blocks(imp, config, t0=t0, out=idx[:, :, t0:t1])
+        key = torch.where(idx < 0, torch.full_like(idx, ns + 1), idx)
+        return torch.gather(idx, -1, torch.sort(key, dim=-1).indices)

@@ -1,0 +1,335 @@
+"""Selected-block attention in Triton, scheduled KV-block-major for small GQA groups.
+
+Query ``t`` (every head of its GQA group) attends to the tokens of the selection blocks
+``block_idx[b, hk, t, :]`` (``-1`` = empty slot), causally (key ``s <= t``).
+
+Why KV-major. Public NSA kernels are query-major: one program loads one query token's
+heads ``[G, D]`` and streams its ``top_n`` blocks. That needs ``G >= 16`` heads per
+group to fill a tensor-core tile; our model has ``G = 3`` (24 q / 8 kv heads), so those
+kernels pad to 16 rows and reload every K/V block once per query. Here the loop is
+inverted: a program owns one selection block ``j`` of one kv head and a chunk of up to
+``BLOCK_Q`` queries *that selected it*, gathered from an inverted index. K_j, V_j are
+loaded once and multiplied by ``BLOCK_Q`` queries x ``G`` heads; the tiles are dense
+whatever ``G`` is.
+
+Inverted index (host, torch, no host sync): the ``(t, slot)`` pairs of each
+``(b, hk, j)`` sorted by key, cut into chunks of ``BLOCK_Q``; one work item per chunk,
+grid sized by an upper bound (empty items exit at once).
+
+Softmax across blocks. A query's row is split over the programs of its ``top_n``
+blocks, so the forward runs two passes over the work items:
+  1. per (query, head, slot): the block-local log-sum-exp (fp32, log2) -> ``lse_part``;
+     the host merges the slots into the row ``lse``;
+  2. ``p = exp2(z2 - lse)`` is then exactly normalised, and ``p @ V_j`` is added into
+     an fp32 output accumulator with atomics.
+Backward recomputes ``p`` from ``lse`` (FA2 style, ``delta = rowsum(dO * O)``) and adds
+``dq`` rows, and the whole ``dk, dv`` tile of block ``j``, with fp32 atomics. Atomic
+accumulation makes the fp32 sums order-nondeterministic (differences at rounding level).
+SSA's ``dn, db``: per-item fp32 partials summed on the host.
+
+Layouts: ``q [B, Hq, N, D]``, ``k, v [B, Hkv, N, D]`` (any strides), ``block_idx``
+``[B, Hkv, N, top_n]`` int; output ``o`` in q's dtype, plus ``lse [B, Hq, N]``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from nemo_ssa.ops.common.transforms import score_bwd, score_bwd_params, score_fwd
+from nemo_ssa.ops.nsa._common import block_d, check_kernel_tensors, dot_precision, interpreting, next_pow2, ssa_scalars
+
+__all__ = ["selected_attention", "build_worklist", "WorkList"]
+
+LN2 = math.log(2.0)
+
+
+# ------------------------------------------------------------------------------ kernels
+@triton.jit
+def _item_tiles(ITEMS, TQ, TS, it, NS, Hkv, N, SBLK, BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Decode work item ``it`` -> (b, hk, rows t [BLOCK_Q], slots, row mask, key positions, key mask)."""
+    key = tl.load(ITEMS + 3 * it)
+    start = tl.load(ITEMS + 3 * it + 1)
+    cnt = tl.load(ITEMS + 3 * it + 2)
+    bh = key // NS
+    j = key % NS
+    b = (bh // Hkv).to(tl.int64)
+    hk = (bh % Hkv).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_Q)
+    r_ok = offs_r < cnt
+    t = tl.load(TQ + start.to(tl.int64) + offs_r, mask=r_ok, other=0)
+    slot = tl.load(TS + start.to(tl.int64) + offs_r, mask=r_ok, other=0)
+    offs_k = j * SBLK + tl.arange(0, BLOCK_S)
+    k_ok = (tl.arange(0, BLOCK_S) < SBLK) & (offs_k < N)
+    return cnt, b, hk, t, slot, r_ok, offs_k, k_ok
+
+
+@triton.jit
+def _sel_fwd_kernel(
+    Q, K, V, ITEMS, TQ, TS, LSE_PART, LSE, OACC, NP, BP,
+    sqb, sqh, sqn, sqd,
+    skb, skh, skn, skd,
+    svb, svh, svn, svd,
+    Hq, Hkv, N, NS, D, GROUP, TOPN,
+    scale, SBLK,
+    PASS: tl.constexpr, TRANSFORM: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    it = tl.program_id(0).to(tl.int64)
+    cnt, b, hk, t, slot, r_ok, offs_k, k_ok = _item_tiles(ITEMS, TQ, TS, it, NS, Hkv, N, SBLK, BLOCK_Q, BLOCK_S)
+    if cnt == 0:
+        return
+    n_ssa = tl.load(NP).to(tl.float32)
+    b_ssa = tl.load(BP).to(tl.float32)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    kv_mask = k_ok[:, None] & d_ok[None, :]
+    keys = offs_k.to(tl.int64)[:, None]
+    k = tl.load(K + b * skb + hk * skh + keys * skn + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
+    if PASS == 1:
+        v = tl.load(V + b * svb + hk * svh + keys * svn + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
+    valid = r_ok[:, None] & k_ok[None, :] & (offs_k[None, :] <= t[:, None])  # [BLOCK_Q, BLOCK_S]
+    rows = t.to(tl.int64)
+    row_mask = r_ok[:, None] & d_ok[None, :]
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        bh_q = b * Hq + h
+        q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqn + offs_d[None, :] * sqd, mask=row_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC)  # [BLOCK_Q, BLOCK_S]
+        z2 = tl.where(valid, score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM), float("-inf"))
+        if PASS == 0:
+            m = tl.max(z2, 1)
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            l = tl.sum(tl.exp2(z2 - m_safe[:, None]), 1)
+            lse_loc = tl.where(l > 0.0, m_safe + tl.log2(tl.where(l > 0.0, l, 1.0)), float("-inf"))
+            tl.store(LSE_PART + (bh_q * N + rows) * TOPN + slot, lse_loc, mask=r_ok)
+        else:
+            lse = tl.load(LSE + bh_q * N + rows, mask=r_ok, other=float("inf"))
+            p = tl.where(valid, tl.exp2(z2 - lse[:, None]), 0.0)
+            contrib = tl.dot(p.to(v.dtype), v, input_precision=PREC)  # [BLOCK_Q, BLOCK_D]
+            tl.atomic_add(OACC + (bh_q * N + rows)[:, None] * D + offs_d[None, :], contrib, mask=row_mask, sem="relaxed")
+
+
+@triton.jit
+def _sel_bwd_kernel(
+    Q, K, V, DO, ITEMS, TQ, TS, LSE, DELTA, DQACC, DKACC, DVACC, NP, BP, DNB,
+    sqb, sqh, sqn, sqd,
+    skb, skh, skn, skd,
+    svb, svh, svn, svd,
+    sdob, sdoh, sdon, sdod,
+    Hq, Hkv, N, NS, D, GROUP,
+    scale, SBLK,
+    TRANSFORM: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    it = tl.program_id(0).to(tl.int64)
+    cnt, b, hk, t, slot, r_ok, offs_k, k_ok = _item_tiles(ITEMS, TQ, TS, it, NS, Hkv, N, SBLK, BLOCK_Q, BLOCK_S)
+    if cnt == 0:
+        return
+    n_ssa = tl.load(NP).to(tl.float32)
+    b_ssa = tl.load(BP).to(tl.float32)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    kv_mask = k_ok[:, None] & d_ok[None, :]
+    keys = offs_k.to(tl.int64)[:, None]
+    k = tl.load(K + b * skb + hk * skh + keys * skn + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
+    v = tl.load(V + b * svb + hk * svh + keys * svn + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
+    valid = r_ok[:, None] & k_ok[None, :] & (offs_k[None, :] <= t[:, None])
+    rows = t.to(tl.int64)
+    row_mask = r_ok[:, None] & d_ok[None, :]
+    dk = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
+    dn_acc = tl.zeros([BLOCK_Q, BLOCK_S], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_Q, BLOCK_S], dtype=tl.float32)
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        bh_q = b * Hq + h
+        q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqn + offs_d[None, :] * sqd, mask=row_mask, other=0.0)
+        do = tl.load(DO + b * sdob + h * sdoh + rows[:, None] * sdon + offs_d[None, :] * sdod, mask=row_mask, other=0.0)
+        lse = tl.load(LSE + bh_q * N + rows, mask=r_ok, other=float("inf"))
+        delta = tl.load(DELTA + bh_q * N + rows, mask=r_ok, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC)  # [BLOCK_Q, BLOCK_S]
+        z2 = score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM)
+        p = tl.where(valid, tl.exp2(z2 - lse[:, None]), 0.0)
+        dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        dz = p * (dp - delta[:, None])
+        dqk = score_bwd(qk, dz, scale, n_ssa, b_ssa, TRANSFORM)
+        dq = tl.dot(dqk.to(k.dtype), k, input_precision=PREC)  # [BLOCK_Q, BLOCK_D]
+        tl.atomic_add(DQACC + (bh_q * N + rows)[:, None] * D + offs_d[None, :], dq, mask=row_mask, sem="relaxed")
+        dk += tl.dot(tl.trans(dqk).to(q.dtype), q, input_precision=PREC)
+        if TRANSFORM == 1:
+            dn_e, db_e = score_bwd_params(qk, dz, scale, n_ssa, b_ssa)
+            dn_acc += tl.where(valid, dn_e, 0.0)
+            db_acc += tl.where(valid, db_e, 0.0)
+    kv_rows = (b * Hkv + hk) * N + keys  # fp32 accumulators are contiguous [B, Hkv, N, D]
+    tl.atomic_add(DKACC + kv_rows * D + offs_d[None, :], dk, mask=kv_mask, sem="relaxed")
+    tl.atomic_add(DVACC + kv_rows * D + offs_d[None, :], dv, mask=kv_mask, sem="relaxed")
+    if TRANSFORM == 1:
+        tl.store(DNB + 2 * it, tl.sum(tl.sum(dn_acc, 1), 0))
+        tl.store(DNB + 2 * it + 1, tl.sum(tl.sum(db_acc, 1), 0))
+
+
+# ---------------------------------------------------------------------------- work list
+class WorkList(NamedTuple):
+    items: torch.Tensor  # [U, 3] int32: (b*Hkv*NS + hk*NS + j, start in tq/ts, count <= BLOCK_Q)
+    tq: torch.Tensor  # [P] int32 query position of each sorted (query, slot) pair
+    ts: torch.Tensor  # [P] int32 slot of each pair
+    block_q: int
+
+
+def build_worklist(block_idx: torch.Tensor, n_select_blocks: int, block_q: int) -> WorkList:
+    """Invert ``block_idx [B, Hkv, N, top_n]`` into per-block query chunks (no host sync).
+
+    Pairs are sorted by (b, hk, j) with a stable sort, so each block's queries stay in
+    ascending ``t`` order (neighbouring rows share cache lines). The grid is the upper
+    bound ``ceil(P / block_q) + B*Hkv*NS`` items; items past the real count have count 0.
+    """
+    bsz, hkv, n_tok, top_n = block_idx.shape
+    dev = block_idx.device
+    nb = bsz * hkv * n_select_blocks
+    flat = block_idx.reshape(bsz * hkv, n_tok * top_n).long()
+    bh = torch.arange(bsz * hkv, device=dev)[:, None]
+    key = torch.where(flat >= 0, bh * n_select_blocks + flat, torch.full_like(flat, nb)).reshape(-1)
+    _, order = torch.sort(key, stable=True)
+    pair = order % (n_tok * top_n)
+    tq = (pair // top_n).to(torch.int32)
+    ts = (pair % top_n).to(torch.int32)
+    counts = torch.bincount(key, minlength=nb + 1)[:nb]
+    starts = torch.cumsum(counts, 0) - counts
+    nchunk = (counts + block_q - 1) // block_q
+    cum = torch.cumsum(nchunk, 0)
+    upper = triton.cdiv(key.numel(), block_q) + nb
+    item = torch.arange(upper, device=dev)
+    kk = torch.searchsorted(cum, item, right=True)  # block of each item (nb = past the end)
+    valid = kk < nb
+    kc = kk.clamp(max=nb - 1)
+    chunk = item - (cum[kc] - nchunk[kc])
+    start = starts[kc] + chunk * block_q
+    cnt = torch.where(valid, (counts[kc] - chunk * block_q).clamp(0, block_q), torch.zeros_like(kk))
+    items = torch.stack([kc, start, cnt], dim=1).to(torch.int32).contiguous()
+    return WorkList(items, tq.contiguous(), ts.contiguous(), block_q)
+
+
+# ----------------------------------------------------------------------------- launchers
+#: tuning hook: ``{"block_q": int, "num_warps": int}`` overrides the defaults below
+TILE_OVERRIDE: dict = {}
+
+
+def _num_warps() -> int:
+    return 1 if interpreting() else TILE_OVERRIDE.get("num_warps", 4)
+
+
+def _block_q(d: int) -> int:
+    if "block_q" in TILE_OVERRIDE:
+        return TILE_OVERRIDE["block_q"]
+    if interpreting():
+        return 16
+    return 64 if d <= 64 else 32
+
+
+def _sel_fwd(q, k, v, wl: WorkList, n_t, b_t, tid, scale, sblk, ns, top_n):
+    bsz, hq, n_tok, d = q.shape
+    hkv = k.shape[1]
+    lse_part = torch.full((bsz, hq, n_tok, top_n), -math.inf, device=q.device, dtype=torch.float32)
+    lse = torch.empty(bsz, hq, n_tok, device=q.device, dtype=torch.float32)  # filled after pass 0
+    oacc = torch.zeros(bsz, hq, n_tok, d, device=q.device, dtype=torch.float32)
+    grid = (wl.items.shape[0],)
+    args = lambda: (  # noqa: E731
+        q, k, v, wl.items, wl.tq, wl.ts, lse_part, lse, oacc, n_t, b_t,
+        *q.stride(), *k.stride(), *v.stride(),
+        hq, hkv, n_tok, ns, d, hq // hkv, top_n, scale, sblk,
+    )
+    meta = dict(TRANSFORM=tid, PREC=dot_precision(q.dtype), BLOCK_Q=wl.block_q,
+                BLOCK_S=max(16, next_pow2(sblk)), BLOCK_D=block_d(d), num_warps=_num_warps())
+    _sel_fwd_kernel[grid](*args(), PASS=0, **meta)
+    # merge the per-slot log-sum-exps (log2 domain); a row with no block gets +inf (p = 0)
+    merged = torch.logsumexp(lse_part * LN2, dim=-1) / LN2
+    lse.copy_(torch.where(torch.isneginf(merged), torch.full_like(merged, math.inf), merged))
+    _sel_fwd_kernel[grid](*args(), PASS=1, **meta)
+    return oacc.to(q.dtype), lse
+
+
+def _sel_bwd(q, k, v, o, lse, do, wl: WorkList, n_t, b_t, tid, scale, sblk, ns):
+    bsz, hq, n_tok, d = q.shape
+    hkv = k.shape[1]
+    delta = (o.float() * do.float()).sum(-1).contiguous()
+    dq = torch.zeros(bsz, hq, n_tok, d, device=q.device, dtype=torch.float32)
+    dk = torch.zeros(bsz, hkv, n_tok, d, device=q.device, dtype=torch.float32)
+    dv = torch.zeros(bsz, hkv, n_tok, d, device=q.device, dtype=torch.float32)
+    grid = (wl.items.shape[0],)
+    dnb = torch.zeros(grid[0], 2, device=q.device, dtype=torch.float32)
+    _sel_bwd_kernel[grid](
+        q, k, v, do, wl.items, wl.tq, wl.ts, lse, delta, dq, dk, dv, n_t, b_t, dnb,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+        hq, hkv, n_tok, ns, d, hq // hkv, scale, sblk,
+        TRANSFORM=tid, PREC=dot_precision(q.dtype), BLOCK_Q=wl.block_q,
+        BLOCK_S=max(16, next_pow2(sblk)), BLOCK_D=block_d(d), num_warps=_num_warps(),
+    )
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dnb.sum(0, dtype=torch.float64)
+
+
+class _SelectedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, n, b, block_idx, transform, scale, sblk):
+        n_tok = q.shape[2]
+        ns = -(-n_tok // sblk)
+        tid, n_t, b_t = ssa_scalars(transform, n, b, q.device)
+        wl = build_worklist(block_idx, ns, _block_q(q.shape[-1]))
+        o, lse = _sel_fwd(q, k, v, wl, n_t, b_t, tid, scale, sblk, ns, block_idx.shape[-1])
+        ctx.save_for_backward(q, k, v, o, lse, n_t, b_t, wl.items, wl.tq, wl.ts)
+        ctx.args = (tid, scale, sblk, ns, wl.block_q)
+        ctx.n_meta = None if n is None else (n.shape, n.dtype)
+        ctx.b_meta = None if b is None else (b.shape, b.dtype)
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse, n_t, b_t, items, tq, ts = ctx.saved_tensors
+        tid, scale, sblk, ns, block_q = ctx.args
+        wl = WorkList(items, tq, ts, block_q)
+        dq, dk, dv, dnb = _sel_bwd(q, k, v, o, lse, do.contiguous(), wl, n_t, b_t, tid, scale, sblk, ns)
+        dn = db = None
+        if ctx.n_meta is not None:
+            dn = dnb[0].reshape(ctx.n_meta[0]).to(ctx.n_meta[1])
+            db = dnb[1].reshape(ctx.b_meta[0]).to(ctx.b_meta[1])
+        return dq, dk, dv, dn, db, None, None, None, None
+
+
+def selected_attention(q, k, v, block_idx, select_block: int, *, transform="softmax", n=None, b=None,
+                       softmax_scale=None, return_lse: bool = False):
+    """Causal attention of each query to the tokens of its selected blocks.
+
+    Args:
+        q: ``[B, Hq, N, D]``; k, v: ``[B, Hkv, N, D]`` (``Hq % Hkv == 0``).
+        block_idx: ``[B, Hkv, N, top_n]`` int selection-block indices (``-1`` = none),
+            shared by the query heads of a group; not differentiable. Indices in a row
+            must be distinct (as every selection produces); a repeated block would be
+            counted twice.
+        select_block: ``l'``, tokens per selection block.
+        transform, n, b: ``"softmax"`` or ``"ssa"`` with its ``[1]`` scalars.
+        softmax_scale: default ``1/sqrt(D)``.
+        return_lse: also return the row log-sum-exp (fp32, log2 domain).
+
+    Returns:
+        ``o [B, Hq, N, D]`` in q's dtype (and ``lse``). Rows with no block are 0.
+    """
+    check_kernel_tensors({"q": q, "k": k, "v": v})
+    bsz, hq, n_tok, d = q.shape
+    if k.shape != v.shape or k.dim() != 4 or k.shape[0] != bsz or k.shape[2] != n_tok or k.shape[3] != d:
+        raise ValueError(f"k, v must be [B, Hkv, N, D] matching q {tuple(q.shape)}; got {tuple(k.shape)}, {tuple(v.shape)}")
+    if hq % k.shape[1]:
+        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({k.shape[1]})")
+    if block_idx.dim() != 4 or tuple(block_idx.shape[:3]) != (bsz, k.shape[1], n_tok) or block_idx.is_floating_point():
+        raise ValueError(f"block_idx must be an int tensor [B, Hkv, N, top_n] = [{bsz}, {k.shape[1]}, {n_tok}, n]; "
+                         f"got {block_idx.dtype} {tuple(block_idx.shape)}")
+    if select_block < 1:
+        raise ValueError(f"select_block must be >= 1, got {select_block}")
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    o, lse = _SelectedAttention.apply(q, k, v, n, b, block_idx.to(q.device), transform, scale, int(select_block))
+    return (o, lse) if return_lse else o
