@@ -39,10 +39,10 @@ ATTENTIONS: Dict[str, AttentionInfo] = {
         AttentionInfo("ssa_reference", "ssa", "stable", "unfused torch SSA, fp32 scores: the anchor"),
         AttentionInfo("softmax_triton", "softmax", "stable", "fused Triton softmax: the SSA kernel with the identity transform"),
         AttentionInfo("ssa_triton", "ssa", "stable", "fused Triton SSA, stable design (tutorial-06 structure, split backward)"),
-        AttentionInfo("ssa_flex", "ssa", "planned", "SSA through FlexAttention (issue: FlexAttention path)"),
-        AttentionInfo("nsa", "nsa", "planned", "native sparse attention (issue: NSA)"),
-        AttentionInfo("elsa", "elsa", "planned", "two-pass scan attention, softmax (issue: ELSA)"),
-        AttentionInfo("elsa_ssa", "elsa", "planned", "two-pass scan attention, SSA transform (issue: ELSA)"),
+        AttentionInfo("ssa_flex", "ssa", "experimental", "SSA through FlexAttention (any mask; dn in a separate deterministic pass)"),
+        AttentionInfo("nsa", "nsa", "experimental", "native sparse attention: compressed + selected + window branches, gated"),
+        AttentionInfo("elsa", "elsa", "experimental", "exact attention as a two-pass scan over key partitions, softmax"),
+        AttentionInfo("elsa_ssa", "ssa", "experimental", "the same two-pass scan with the SSA transform"),
     ]
 }
 ALIASES = {"ssa": None}  # resolved by the policy's pinned kernel
@@ -65,6 +65,13 @@ class SSAPolicy:
 PINNED = SSAPolicy()
 
 SSA_OPTION_KEYS = ("n", "learnable_n", "b", "learnable_b", "force_contiguous_qkv")
+#: implementation knobs that do not change the math: passed through under every policy
+KERNEL_OPTION_KEYS: Dict[str, tuple] = {
+    "elsa": ("num_partitions",),
+    "elsa_ssa": ("num_partitions",),
+    "ssa_flex": ("dn_mode", "backend", "compile"),
+    "nsa": ("block_len", "stride", "select_block", "top_n", "window", "compress", "separate_kv"),
+}
 
 
 @dataclass
@@ -120,10 +127,13 @@ def resolve_attention(
     """
     if policy not in ("pinned", "free"):
         raise ValueError(f"policy={policy!r} is not supported (supported: 'pinned', 'free').")
-    options = dict(options or {})
-    unknown = sorted(set(options) - set(SSA_OPTION_KEYS))
+    options = {k: v for k, v in dict(options or {}).items() if v is not None}
+    kernel_keys = KERNEL_OPTION_KEYS.get(attention, ())
+    unknown = sorted(set(options) - set(SSA_OPTION_KEYS) - set(kernel_keys))
     if unknown:
-        raise ValueError(f"unknown attention option(s) {unknown}; supported: {list(SSA_OPTION_KEYS)}")
+        raise ValueError(f"unknown attention option(s) {unknown} for attention={attention}; supported: "
+                         f"{list(SSA_OPTION_KEYS) + list(kernel_keys)}")
+    kernel = {k: options.pop(k) for k in kernel_keys if k in options}
     warnings: List[str] = []
 
     def warn(msg: str) -> None:
@@ -156,7 +166,7 @@ def resolve_attention(
     if info.family != "ssa":
         if options:
             warn(f"attention={name}: SSA options {sorted(options)} do not apply and are ignored")
-        return ResolvedAttention(attention, name, info.family, policy, {}, warnings)
+        return ResolvedAttention(attention, name, info.family, policy, kernel, warnings)
 
     effective = {
         "n": pinned.n,
@@ -177,4 +187,5 @@ def resolve_attention(
             else:
                 warn(f"Overriding {key}={value} to the pinned SSA policy's {effective[key]} "
                      "(policy=free to experiment).")
+    effective.update(kernel)
     return ResolvedAttention(attention, name, info.family, policy, effective, warnings)

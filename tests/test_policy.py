@@ -9,7 +9,7 @@ from nemo_ssa.policy import ATTENTIONS, AttentionInfo, ResolvedAttention, SSAPol
 
 PINNED_OPTIONS = {"n": 1.5, "learnable_n": True, "b": 0.8, "learnable_b": False,
                   "force_contiguous_qkv": True}
-PLANNED = ["ssa_flex", "nsa", "elsa", "elsa_ssa"]
+EXPERIMENTAL = ["ssa_flex", "nsa", "elsa", "elsa_ssa"]
 
 
 @pytest.fixture
@@ -84,14 +84,30 @@ def test_softmax_ignores_ssa_options_with_warning(policy_log):
     assert resolve_attention("softmax").warnings == [] and warnings_logged(policy_log) == []
 
 
-@pytest.mark.parametrize("name", PLANNED)
-def test_planned_names_raise_not_implemented_with_available(name):
-    assert ATTENTIONS[name].status == "planned"
-    with pytest.raises(NotImplementedError) as err:
+@pytest.mark.parametrize("name", EXPERIMENTAL)
+def test_experimental_kernels_need_policy_free(name):
+    assert ATTENTIONS[name].status == "experimental"
+    with pytest.raises(NotImplementedError, match=f"'{name}' is marked experimental.*policy=free"):
         resolve_attention(name)
+    assert resolve_attention(name, policy="free").name == name
+
+
+def test_planned_names_raise_not_implemented_with_available(monkeypatch):
+    monkeypatch.setitem(ATTENTIONS, "ssa_future", AttentionInfo("ssa_future", "ssa", "planned", "later"))
+    with pytest.raises(NotImplementedError) as err:
+        resolve_attention("ssa_future")
     msg = str(err.value)
-    assert repr(name) in msg
+    assert "'ssa_future'" in msg
     assert "available now: softmax, ssa_reference, softmax_triton, ssa_triton" in msg
+
+
+def test_kernel_options_pass_through_and_are_checked():
+    r = resolve_attention("elsa_ssa", {"num_partitions": 2, "n": 3.0}, policy="free")
+    assert r.options["num_partitions"] == 2 and r.options["n"] == 3.0
+    r = resolve_attention("elsa", {"num_partitions": 4}, policy="free")
+    assert r.options == {"num_partitions": 4}
+    with pytest.raises(ValueError, match="num_partitions"):
+        resolve_attention("ssa_triton", {"num_partitions": 2})
 
 
 def test_experimental_refused_when_pinned_allowed_when_free(monkeypatch):

@@ -71,6 +71,7 @@ class _TransformedSoftmaxAttention(MegatronModule):
     #: mask types the op can apply (None = every type in _SUPPORTED_MASK_TYPES)
     supported_mask_types: Optional[tuple] = None
     supports_tensor_parallel: bool = True
+    supports_dropout: bool = True
 
     def __init__(
         self,
@@ -83,9 +84,11 @@ class _TransformedSoftmaxAttention(MegatronModule):
         cp_comm_type: Optional[str] = None,
         pg_collection=None,
         force_contiguous_qkv: bool = True,
+        kernel_options: Optional[dict] = None,
     ):
         super().__init__(config=config)
         name = self.attention_name
+        self.kernel_options = dict(kernel_options or {})
         if config.context_parallel_size != 1:
             raise NotImplementedError(
                 f"attention={name}: context_parallel_size={config.context_parallel_size} is not "
@@ -138,6 +141,11 @@ class _TransformedSoftmaxAttention(MegatronModule):
         self.dropout_p = float(
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
+        if self.dropout_p > 0.0 and not self.supports_dropout:
+            raise NotImplementedError(
+                f"attention={name}: attention_dropout={self.dropout_p} is not supported by this kernel "
+                "(supported: 0.0). Set attention_dropout=0.0, or use softmax / ssa_reference / ssa_triton."
+            )
         self._attend = get_attention_fn(*self.op_key)
         self._attend_varlen = get_attention_fn(*self.varlen_op_key) if self.varlen_op_key else None
 
@@ -236,7 +244,7 @@ class SoftmaxCoreAttention(_TransformedSoftmaxAttention):
     def _call_op(self, q, k, v, *, causal, keep_mask, dropout_p):
         return self._attend(
             q, k, v, causal=causal, softmax_scale=self.softmax_scale,
-            keep_mask=keep_mask, dropout_p=dropout_p,
+            keep_mask=keep_mask, dropout_p=dropout_p, **self.kernel_options,
         )
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
@@ -282,10 +290,11 @@ class SSACoreAttention(_TransformedSoftmaxAttention):
         b_init: float = 0.8,
         learnable_n: bool = True,
         learnable_b: bool = False,
+        kernel_options: Optional[dict] = None,
     ):
         super().__init__(
             config, layer_number, attn_mask_type, attention_type, attention_dropout,
-            softmax_scale, cp_comm_type, pg_collection, force_contiguous_qkv,
+            softmax_scale, cp_comm_type, pg_collection, force_contiguous_qkv, kernel_options,
         )
         if not b_init > 0:
             raise ValueError(f"attention={self.attention_name}: b must be > 0, got {b_init}")
@@ -323,7 +332,7 @@ class SSACoreAttention(_TransformedSoftmaxAttention):
     def _call_op(self, q, k, v, *, causal, keep_mask, dropout_p):
         return self._attend(
             q, k, v, self.n, self.b, causal=causal, softmax_scale=self.softmax_scale,
-            keep_mask=keep_mask, dropout_p=dropout_p,
+            keep_mask=keep_mask, dropout_p=dropout_p, **self.kernel_options,
         )
 
     def _op_args(self) -> tuple:
@@ -365,3 +374,33 @@ class SoftmaxTritonCoreAttention(SoftmaxCoreAttention):
     op_key = ("softmax", "triton")
     varlen_op_key = ("softmax", "triton_varlen")
     supported_mask_types = _TRITON_MASK_TYPES
+
+
+class SSAFlexCoreAttention(SSACoreAttention):
+    """``attention=ssa_flex`` (experimental): SSA through FlexAttention (nemo_ssa/ops/ssa/flex.py).
+
+    Every mask type (masks become a mask_mod); n and b stay tensors; dn/db come from a
+    separate deterministic pass. No dropout (FlexAttention has none).
+    """
+
+    attention_name = "ssa_flex"
+    op_key = ("ssa", "flex")
+    supports_dropout = False
+
+
+class ElsaCoreAttention(SoftmaxCoreAttention):
+    """``attention=elsa`` (experimental): exact softmax attention as a two-pass scan."""
+
+    attention_name = "elsa"
+    op_key = ("softmax", "elsa")
+    supported_mask_types = _TRITON_MASK_TYPES
+    supports_dropout = False
+
+
+class ElsaSSACoreAttention(SSACoreAttention):
+    """``attention=elsa_ssa`` (experimental): the ELSA scan with the SSA transform."""
+
+    attention_name = "elsa_ssa"
+    op_key = ("ssa", "elsa")
+    supported_mask_types = _TRITON_MASK_TYPES
+    supports_dropout = False

@@ -25,13 +25,16 @@ from megatron.core.transformer.transformer_block import (
 )
 
 from nemo_ssa.megatron.core_attention import (
+    ElsaCoreAttention,
+    ElsaSSACoreAttention,
     SoftmaxTritonCoreAttention,
+    SSAFlexCoreAttention,
     SSATritonCoreAttention,
     SoftmaxCoreAttention,
     SSAReferenceCoreAttention,
 )
 from nemo_ssa.megatron.layernorm import LayerNorm1P
-from nemo_ssa.policy import resolve_attention
+from nemo_ssa.policy import ATTENTIONS, KERNEL_OPTION_KEYS, resolve_attention
 
 #: implementation name -> core attention class
 CORE_ATTENTIONS = {
@@ -39,6 +42,9 @@ CORE_ATTENTIONS = {
     "ssa_reference": SSAReferenceCoreAttention,
     "softmax_triton": SoftmaxTritonCoreAttention,
     "ssa_triton": SSATritonCoreAttention,
+    "ssa_flex": SSAFlexCoreAttention,
+    "elsa": ElsaCoreAttention,
+    "elsa_ssa": ElsaSSACoreAttention,
 }
 
 
@@ -52,7 +58,10 @@ def core_attention_spec(attention: str, options: Optional[Dict[str, Any]] = None
     params: Dict[str, Any] = {}
     if "force_contiguous_qkv" in options:
         params["force_contiguous_qkv"] = options["force_contiguous_qkv"]
-    if attention.startswith("ssa"):
+    kernel = {k: options[k] for k in KERNEL_OPTION_KEYS.get(attention, ()) if k in options}
+    if kernel:
+        params["kernel_options"] = kernel
+    if ATTENTIONS[attention].family == "ssa":
         params.update(
             n_init=options.get("n", 1.5),
             b_init=options.get("b", 0.8),
@@ -93,8 +102,15 @@ def layer_spec(
     layer = copy.deepcopy(get_gpt_layer_local_spec(normalization="LayerNorm"))
     layer.submodules.input_layernorm = LayerNorm1P
     layer.submodules.pre_mlp_layernorm = LayerNorm1P
-    layer.submodules.self_attention.submodules.core_attention = core_attention_spec(
-        resolved.name, resolved.options
-    )
+    if resolved.name == "nsa":
+        # NSA replaces the self-attention internals (gates and compression read the
+        # layer input), not only the core attention
+        from nemo_ssa.megatron.nsa_attention import nsa_self_attention_spec
+
+        layer.submodules.self_attention = nsa_self_attention_spec(resolved.options or None)
+    else:
+        layer.submodules.self_attention.submodules.core_attention = core_attention_spec(
+            resolved.name, resolved.options
+        )
     num_layers = get_num_layers_to_build(config)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=LayerNorm1P)

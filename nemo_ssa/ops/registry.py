@@ -27,6 +27,9 @@ ATTENTION_FNS: Dict[Tuple[str, str], Union[str, Callable]] = {
     ("softmax", "triton"): "nemo_ssa.ops.ssa.flash:softmax_attention_triton",
     ("ssa", "triton_varlen"): "nemo_ssa.ops.ssa.flash:ssa_attention_triton_varlen",
     ("softmax", "triton_varlen"): "nemo_ssa.ops.ssa.flash:softmax_attention_triton_varlen",
+    ("ssa", "flex"): "nemo_ssa.ops.ssa.flex:ssa_attention_flex",
+    ("softmax", "elsa"): "nemo_ssa.ops.elsa.scan:elsa_softmax_attention",
+    ("ssa", "elsa"): "nemo_ssa.ops.elsa.scan:elsa_ssa_attention",
 }
 
 

@@ -129,3 +129,58 @@ def test_torch_compile_traces_a_module_using_the_kernel():
     step(q, k, v).backward()
     for a, b_ in zip(grads, [t.grad for t in (q, k, v)] + [mod.n.grad]):
         torch.testing.assert_close(a, b_, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- experimental kernels
+from nemo_ssa.megatron.core_attention import (  # noqa: E402
+    ElsaCoreAttention,
+    ElsaSSACoreAttention,
+    SSAFlexCoreAttention,
+)
+from test_core_attention import make_config  # noqa: E402
+
+
+@pytest.mark.parametrize("fused,ref", [(ElsaSSACoreAttention, SSAReferenceCoreAttention),
+                                       (ElsaCoreAttention, SoftmaxCoreAttention)], ids=["elsa_ssa", "elsa"])
+def test_elsa_two_pass_matches_the_unfused_module(fused, ref):
+    q, k, v = megatron_qkv(requires_grad=True, seed=4)
+    qr, kr, vr = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    mf = build(fused, kernel_options={"num_partitions": 2}, attention_dropout=0.0).eval()
+    mr = build(ref).eval()
+    out, out_r = mf(q, k, v, None), mr(qr, kr, vr, None)
+    torch.testing.assert_close(out, out_r, atol=2e-5, rtol=1e-4)
+    g = torch.randn_like(out)
+    out.backward(g)
+    out_r.backward(g)
+    for a, b_ in ((q, qr), (k, kr), (v, vr)):
+        torch.testing.assert_close(a.grad, b_.grad, atol=5e-5, rtol=1e-4)
+    if hasattr(mr, "n"):
+        torch.testing.assert_close(mf.n.grad, mr.n.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_flex_forward_matches_the_reference_on_cpu():
+    """FlexAttention has no CPU backward: forward only here (the GPU tests check grads)."""
+    q, k, v = megatron_qkv(seed=6)
+    with torch.no_grad():
+        out = build(SSAFlexCoreAttention, attention_dropout=0.0).eval()(q, k, v, None)
+        want = build(SSAReferenceCoreAttention).eval()(q, k, v, None)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cls", [SSAFlexCoreAttention, ElsaCoreAttention, ElsaSSACoreAttention],
+                         ids=["ssa_flex", "elsa", "elsa_ssa"])
+def test_kernels_without_dropout_refuse_it_at_construction(cls):
+    with pytest.raises(NotImplementedError, match=r"attention_dropout=0.1 is not supported.*supported: 0.0"):
+        build(cls, config=make_config(attention_dropout=0.1))
+
+
+def test_nsa_replaces_the_self_attention_submodule(megatron_cpu):
+    from nemo_ssa.megatron.nsa_attention import NSASelfAttention
+    from nemo_ssa.megatron.spec import layer_spec
+
+    cfg = make_config(num_layers=2)
+    spec = layer_spec(cfg, attention="nsa", attention_options={"window": 64}, policy="free")
+    sa = spec.layer_specs[0].submodules.self_attention
+    assert sa.module is NSASelfAttention and sa.params["nsa"].window == 64
+    with pytest.raises(NotImplementedError, match="experimental"):
+        layer_spec(cfg, attention="nsa")
