@@ -30,7 +30,8 @@ from typing import Callable, Dict, List
 import torch
 import torch.nn.functional as F
 
-ROWS = ("softmax_triton", "ssa_triton", "ssa_reference", "sdpa_flash", "sdpa_cudnn")
+ROWS = ("softmax_triton", "ssa_triton", "ssa_triton_poly", "ssa_reference", "sdpa_flash", "sdpa_cudnn")
+# ssa_triton_poly: ssa_triton with NEMO_SSA_POLY_LOG2=1 (half of the SSA log2 on FMA units)
 
 
 def _parse(argv=None):
@@ -155,7 +156,7 @@ def run(args) -> List[Dict]:
             try:
                 if name == "softmax_triton":
                     fn = lambda q, k, v: softmax_attention_triton(q, k, v, causal=causal)  # noqa: E731
-                elif name == "ssa_triton":
+                elif name in ("ssa_triton", "ssa_triton_poly"):
                     fn = lambda q, k, v: ssa_attention_triton(q, k, v, n, b, causal=causal)  # noqa: E731
                     extra = (n,)
                 elif name == "ssa_reference":
@@ -166,7 +167,15 @@ def run(args) -> List[Dict]:
                     mark = "*" if expanded else ""
                 else:
                     raise SystemExit(f"unknown row {name!r}; choose from {ROWS}")
-                r = _bench_row(name, fn, q, k, v, go, args.rep, extra)
+                old = os.environ.get("NEMO_SSA_POLY_LOG2")
+                os.environ["NEMO_SSA_POLY_LOG2"] = "1" if name == "ssa_triton_poly" else "0"
+                try:
+                    r = _bench_row(name, fn, q, k, v, go, args.rep, extra)
+                finally:
+                    if old is None:
+                        os.environ.pop("NEMO_SSA_POLY_LOG2", None)
+                    else:
+                        os.environ["NEMO_SSA_POLY_LOG2"] = old
                 r["note"] = mark
             except torch.cuda.OutOfMemoryError:
                 r = dict(fwd_ms=math.nan, fwdbwd_ms=math.nan, peak_mib=math.nan, note="OOM")

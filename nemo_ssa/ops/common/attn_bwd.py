@@ -15,9 +15,10 @@ Kernels (Triton tutorial 06 structure, FA2 split):
   masks) and accumulates ``dq`` in fp32 registers.
 * ``_attn_bwd_kernel_dkv``: one program per (key block, batch, kv head); loops over the
   GQA group's query heads and their query blocks, accumulating ``dk``, ``dv`` in
-  registers (no atomics: the group sum is a plain loop), plus per-key-row compensated
-  (Kahan) partial sums of ``dn``/``db`` written to a buffer ``[B, Hkv, Sk]`` (``[Hkv, Tk]``
-  when packed) that the host reduces in float64 -- bit-identical run to run.
+  registers (no atomics: the group sum is a plain loop).
+* ``dn``/``db`` come from the dQ kernel, one partial per query row (``M``'s layout),
+  using the exact row delta ``sum_j p dp`` (see the README); the host reduces the buffer
+  in float64 -- bit-identical run to run.
 
 Per element (``s = scale*qk``, ``t = 1 + b|s|``; ``dp = do . v`` times the dropout
 mask / (1 - p_drop)):
@@ -49,6 +50,7 @@ import triton.language as tl
 from nemo_ssa.ops.common.transforms import (
     TRANSFORM_SSA,
     grad_consts,
+    log2_mode,
     score_bwd_parts,
     transform_consts,
     transform_id,
@@ -211,12 +213,12 @@ def _attn_bwd_preprocess(
 
 @triton.jit
 def _bwd_dq_inner(
-    dq, q, do, m_row, delta_row,
+    dq, dn_r, db_r, gn_r, gb_r, de_r, q, do, m_row, delta_row,
     k_base, v_base, s_ks, s_kd, s_vs, s_vd, s_ks64, s_vs64,
     offs_m, lo, hi, k_len, off_c,
     c0, c1, seed, rbase, RSTRIDE, dropout_p, inv_keep,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, TRANSFORM: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, TRANSFORM: tl.constexpr, DPARAMS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FAST_LOG2: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
@@ -252,15 +254,23 @@ def _bwd_dq_inner(
         dz = p * (dp - delta_row[:, None])
         if TRANSFORM == 1:
             ds = dz * rinv
+            if DPARAMS:
+                # per query row (log2 units for dn, without n*scale for db): the sums with
+                # the delta used above, plus what the exact delta = sum_j p dp needs
+                dn_r += tl.sum(dz * smag, axis=1)
+                db_r += tl.sum(ds * qk, axis=1)
+                gn_r += tl.sum(p * smag, axis=1)
+                gb_r += tl.sum(p * (rinv * qk), axis=1)
+                de_r += tl.sum(p * dp, axis=1)
         else:
             ds = dz
         dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq, input_precision=INPUT_PRECISION)
-    return dq
+    return dq, dn_r, db_r, gn_r, gb_r, de_r
 
 
 @triton.jit
 def _attn_bwd_kernel_dq(
-    Q, K, V, DO, DQ, M, Delta, NP, BP, RNG, CU_Q, CU_K,
+    Q, K, V, DO, DQ, M, Delta, NP, BP, RNG, CU_Q, CU_K, DN, DB,
     s_qz, s_qh, s_qs, s_qd,
     s_kz, s_kh, s_ks, s_kd,
     s_vz, s_vh, s_vs, s_vd,
@@ -271,7 +281,7 @@ def _attn_bwd_kernel_dq(
     scale, dropout_p, RNG_SZ, RNG_SH, RNG_SS,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    TRANSFORM: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
+    TRANSFORM: tl.constexpr, DPARAMS: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FAST_LOG2: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -308,7 +318,7 @@ def _attn_bwd_kernel_dq(
         n = 0.0
         b = 0.0
     c0, c1 = transform_consts(scale, n, b, TRANSFORM)
-    g_s, _, _ = grad_consts(scale, n, b, TRANSFORM)
+    g_s, g_n, g_b = grad_consts(scale, n, b, TRANSFORM)
     if HAS_DROPOUT:
         seed = tl.load(RNG)
         rbase = tl.load(RNG + 1) + z64 * RNG_SZ + hq64 * RNG_SH + q_start * RNG_SS
@@ -323,14 +333,32 @@ def _attn_bwd_kernel_dq(
     full, hi = kv_range_for_q_block(start_m, q_len, k_len, BLOCK_M, BLOCK_N, CAUSAL)
     off_c = k_len - q_len
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    dq = _bwd_dq_inner(dq, q, do, m_row, delta_row, k_base, v_base, s_ks, s_kd, s_vs, s_vd,
-                       s_ks + zero64, s_vs + zero64, offs_m, 0, full, k_len, off_c, c0, c1, seed, rbase, RNG_SS, dropout_p,
-                       inv_keep, HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, TRANSFORM,
-                       HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2)
-    dq = _bwd_dq_inner(dq, q, do, m_row, delta_row, k_base, v_base, s_ks, s_kd, s_vs, s_vd,
-                       s_ks + zero64, s_vs + zero64, offs_m, full, hi, k_len, off_c, c0, c1, seed, rbase, RNG_SS, dropout_p,
-                       inv_keep, HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, TRANSFORM,
-                       HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2)
+    dn_r = tl.zeros([BLOCK_M], dtype=tl.float32)
+    db_r = tl.zeros([BLOCK_M], dtype=tl.float32)
+    gn_r = tl.zeros([BLOCK_M], dtype=tl.float32)
+    gb_r = tl.zeros([BLOCK_M], dtype=tl.float32)
+    de_r = tl.zeros([BLOCK_M], dtype=tl.float32)
+    dq, dn_r, db_r, gn_r, gb_r, de_r = _bwd_dq_inner(
+        dq, dn_r, db_r, gn_r, gb_r, de_r, q, do, m_row, delta_row, k_base, v_base, s_ks, s_kd, s_vs, s_vd,
+        s_ks + zero64, s_vs + zero64, offs_m, 0, full, k_len, off_c, c0, c1, seed, rbase, RNG_SS, dropout_p,
+        inv_keep, HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, TRANSFORM, DPARAMS,
+        HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2)
+    dq, dn_r, db_r, gn_r, gb_r, de_r = _bwd_dq_inner(
+        dq, dn_r, db_r, gn_r, gb_r, de_r, q, do, m_row, delta_row, k_base, v_base, s_ks, s_kd, s_vs, s_vd,
+        s_ks + zero64, s_vs + zero64, offs_m, full, hi, k_len, off_c, c0, c1, seed, rbase, RNG_SS, dropout_p,
+        inv_keep, HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, TRANSFORM, DPARAMS,
+        HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2)
+    if TRANSFORM == 1:
+        if DPARAMS:
+            # delta_row = do . o comes from the *stored* o (rounded to the input dtype,
+            # computed from p rounded for the PV dot): fine for dq/dk, but dn, db are
+            # small sums with a -sum_i delta_i * sum_j p_ij g_ij term that amplifies its
+            # error. de_r = sum_j p dp (fp32, exact p) is the true delta of this row.
+            corr = delta_row - de_r
+            dn_row = (dn_r + corr * gn_r) * g_n
+            db_row = (db_r + corr * gb_r) * g_b
+            tl.store(DN + m_off, dn_row, mask=row_ok)
+            tl.store(DB + m_off, db_row, mask=row_ok)
     dq = dq * g_s
     tl.store(DQ + z64 * s_dqz + hq64 * s_dqh + row * s_dqs
              + tl.arange(0, BLOCK_M)[:, None] * s_dqs + offs_d[None, :] * s_dqd,
@@ -339,13 +367,13 @@ def _attn_bwd_kernel_dq(
 
 @triton.jit
 def _bwd_dkv_inner(
-    dk, dv, dn_acc, dn_c, db_acc, db_c, k, v,
+    dk, dv, k, v,
     q_base, do_base, m_base, d_base, s_qs, s_qd, s_dos, s_dod, s_ms,
     s_qh64, s_doh64, s_mh64, s_qs64, s_dos64,
     offs_n, lo, n_blk, q_len, k_len, off_c,
     c0, c1, seed, rbase, RNG_SH, RSTRIDE, dropout_p, inv_keep, GROUP,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, TRANSFORM: tl.constexpr, DPARAMS: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, TRANSFORM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FAST_LOG2: tl.constexpr,
 ):
     """Query blocks ``lo + i*BLOCK_M`` (``i < n_blk``) of each of the GROUP query heads.
@@ -390,25 +418,15 @@ def _bwd_dkv_inner(
         dzT = pT * (dpT - delta_row[None, :])  # [BLOCK_N, BLOCK_M]
         if TRANSFORM == 1:
             dsT = dzT * rinvT
-            if DPARAMS:
-                # Kahan-compensated per-key-row sums (dn in log2 units, db without n*scale)
-                y = tl.sum(dzT * smagT, axis=1) - dn_c
-                t = dn_acc + y
-                dn_c = (t - dn_acc) - y
-                dn_acc = t
-                y = tl.sum(dsT * qkT, axis=1) - db_c
-                t = db_acc + y
-                db_c = (t - db_acc) - y
-                db_acc = t
         else:
             dsT = dzT
         dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=INPUT_PRECISION)
-    return dk, dv, dn_acc, dn_c, db_acc, db_c
+    return dk, dv
 
 
 @triton.jit
 def _attn_bwd_kernel_dkv(
-    Q, K, V, DO, DK, DV, M, Delta, NP, BP, RNG, CU_Q, CU_K, DN, DB,
+    Q, K, V, DO, DK, DV, M, Delta, NP, BP, RNG, CU_Q, CU_K,
     s_qz, s_qh, s_qs, s_qd,
     s_kz, s_kh, s_ks, s_kd,
     s_vz, s_vh, s_vs, s_vd,
@@ -416,12 +434,11 @@ def _attn_bwd_kernel_dkv(
     s_dkz, s_dkh, s_dks, s_dkd,
     s_dvz, s_dvh, s_dvs, s_dvd,
     s_mz, s_mh, s_ms,
-    s_pz, s_ph,
     HKV, GROUP, SEQ_Q, SEQ_K,
     scale, dropout_p, RNG_SZ, RNG_SH, RNG_SS,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    TRANSFORM: tl.constexpr, DPARAMS: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
+    TRANSFORM: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FAST_LOG2: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -452,7 +469,7 @@ def _attn_bwd_kernel_dkv(
         n = 0.0
         b = 0.0
     c0, c1 = transform_consts(scale, n, b, TRANSFORM)
-    g_s, g_n, g_b = grad_consts(scale, n, b, TRANSFORM)
+    g_s, _, _ = grad_consts(scale, n, b, TRANSFORM)
     if HAS_DROPOUT:
         seed = tl.load(RNG)
         rng_off = tl.load(RNG + 1)
@@ -464,10 +481,6 @@ def _attn_bwd_kernel_dkv(
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dn_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    dn_c = tl.zeros([BLOCK_N], dtype=tl.float32)
-    db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    db_c = tl.zeros([BLOCK_N], dtype=tl.float32)
     lo, mid = q_range_for_kv_block(start_n, q_len, k_len, BLOCK_M, BLOCK_N, CAUSAL)
     off_c = k_len - q_len
     # the GQA group's query heads, in a fixed order (deterministic, no atomics)
@@ -479,19 +492,19 @@ def _attn_bwd_kernel_dkv(
     rbase = rng_off + z64 * RNG_SZ + hq0 * RNG_SH + q_start * RNG_SS
     n_masked = (mid - lo) // BLOCK_M
     n_full = (q_len - mid + BLOCK_M - 1) // BLOCK_M
-    dk, dv, dn_acc, dn_c, db_acc, db_c = _bwd_dkv_inner(
-        dk, dv, dn_acc, dn_c, db_acc, db_c, k, v,
+    dk, dv = _bwd_dkv_inner(
+        dk, dv, k, v,
         q_base, do_base, m_base, d_base, s_qs, s_qd, s_dos, s_dod, s_ms,
         s_qh + zero64, s_doh + zero64, s_mh + zero64, s_qs + zero64, s_dos + zero64,
         offs_n, lo, n_masked, q_len, k_len, off_c, c0, c1, seed, rbase, RNG_SH + zero64, RNG_SS, dropout_p,
-        inv_keep, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, TRANSFORM, DPARAMS,
+        inv_keep, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, TRANSFORM,
         HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2)
-    dk, dv, dn_acc, dn_c, db_acc, db_c = _bwd_dkv_inner(
-        dk, dv, dn_acc, dn_c, db_acc, db_c, k, v,
+    dk, dv = _bwd_dkv_inner(
+        dk, dv, k, v,
         q_base, do_base, m_base, d_base, s_qs, s_qd, s_dos, s_dod, s_ms,
         s_qh + zero64, s_doh + zero64, s_mh + zero64, s_qs + zero64, s_dos + zero64,
         offs_n, mid, n_full, q_len, k_len, off_c, c0, c1, seed, rbase, RNG_SH + zero64, RNG_SS, dropout_p,
-        inv_keep, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, False, CAUSAL, TRANSFORM, DPARAMS,
+        inv_keep, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, False, CAUSAL, TRANSFORM,
         HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2)
 
     dk = dk * g_s
@@ -499,15 +512,17 @@ def _attn_bwd_kernel_dkv(
              + offs_nb[:, None] * s_dks + offs_d[None, :] * s_dkd, dk.to(DK.dtype.element_ty), mask=ld)
     tl.store(DV + z64 * s_dvz + hkv64 * s_dvh + col * s_dvs
              + offs_nb[:, None] * s_dvs + offs_d[None, :] * s_dvd, dv.to(DV.dtype.element_ty), mask=ld)
-    if DPARAMS:
-        p_off = z64 * s_pz + hkv64 * s_ph + col + offs_nb
-        tl.store(DN + p_off, (dn_acc - dn_c) * g_n, mask=offs_n < k_len)
-        tl.store(DB + p_off, (db_acc - db_c) * g_b, mask=offs_n < k_len)
 
 
 # ----------------------------------------------------------------------------------------
 # Host side: configs, layout helpers, launcher
 # ----------------------------------------------------------------------------------------
+
+
+# Evaluated once at import, as a plain bool: ``is_interpreter()`` runs in code that
+# torch.compile traces (validation in ``flash_attention``), and dynamo must never see a
+# Triton kernel object there (torch 2.11: "TritonKernelVariable() has no type").
+_INTERPRETED: bool = type(_attn_bwd_kernel_dq).__name__ == "InterpretedFunction"
 
 
 def is_interpreter() -> bool:
@@ -516,7 +531,7 @@ def is_interpreter() -> bool:
     Triton reads ``TRITON_INTERPRET`` when ``@triton.jit`` decorates a function, i.e. when
     this module is first imported; the env var must be set before that.
     """
-    return type(_attn_bwd_kernel_dq).__name__ == "InterpretedFunction"
+    return _INTERPRETED
 
 
 def use_fast_math(device: torch.device) -> bool:
@@ -759,14 +774,11 @@ def attention_bwd(
     dk = new_output_like(k)
     dv = new_output_like(v)
     delta = new_output_like(M)
-    if dparams:
-        part_shape = (hkv, k.shape[0]) if varlen else (bz, hkv, sk)
-        dn_part = new_output(part_shape, torch.float32, dev)
-        db_part = new_output(part_shape, torch.float32, dev)
-        ps = (0, dn_part.stride(0)) if varlen else (dn_part.stride(0), dn_part.stride(1))
+    if dparams:  # one partial per query row (M's layout), written by the dQ kernel
+        dn_part = new_output_like(M)
+        db_part = new_output_like(M)
     else:
         dn_part = db_part = M  # never written (DPARAMS is off)
-        ps = (0, 0)
     ms = _stat_strides(M, varlen)
 
     pre_bm = 16 if is_interpreter() else max(16, min(128, 8192 // block_d))
@@ -775,29 +787,30 @@ def attention_bwd(
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_bm, VARLEN=varlen,
     )
     common = dict(HEAD_DIM=d, BLOCK_D=block_d, TRANSFORM=tid, CAUSAL=bool(causal), VARLEN=varlen,
-                  HAS_DROPOUT=has_dropout, INPUT_PRECISION=input_precision, FAST_LOG2=bool(fast_math))
-    dq_args = (q, k, v, do, dq, M, delta, n_ptr, b_ptr, rng, cu_q, cu_k,
+                  HAS_DROPOUT=has_dropout, INPUT_PRECISION=input_precision,
+                  FAST_LOG2=log2_mode(fast_math) if is_ssa else int(bool(fast_math)))
+    dq_args = (q, k, v, do, dq, M, delta, n_ptr, b_ptr, rng, cu_q, cu_k, dn_part, db_part,
                *_zhsd(q, varlen), *_zhsd(k, varlen), *_zhsd(v, varlen), *_zhsd(do, varlen),
                *_zhsd(dq, varlen), *ms, hq, group, sq, sk, float(scale), float(dropout_p), rz, rh, rs)
     if tune:
         kern = _autotuned("dq", _attn_bwd_kernel_dq, _BWD_TUNE_DQ, ("BLOCK_M", "BLOCK_N"),
-                          ["HQ", "GROUP", "SEQ_Q", "SEQ_K", "HEAD_DIM", "TRANSFORM", "CAUSAL", "VARLEN", "HAS_DROPOUT"])
-        kern[lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), bz * hq)](*dq_args, **common)
+                          ["HQ", "GROUP", "SEQ_Q", "SEQ_K", "HEAD_DIM", "TRANSFORM", "DPARAMS", "CAUSAL", "VARLEN", "HAS_DROPOUT"])
+        kern[lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), bz * hq)](*dq_args, DPARAMS=dparams, **common)
     else:
         _attn_bwd_kernel_dq[(triton.cdiv(sq, cfg.block_m_dq), bz * hq)](
-            *dq_args, BLOCK_M=cfg.block_m_dq, BLOCK_N=cfg.block_n_dq,
+            *dq_args, BLOCK_M=cfg.block_m_dq, BLOCK_N=cfg.block_n_dq, DPARAMS=dparams,
             num_warps=cfg.warps_dq, num_stages=cfg.stages_dq, **common)
-    kv_args = (q, k, v, do, dk, dv, M, delta, n_ptr, b_ptr, rng, cu_q, cu_k, dn_part, db_part,
+    kv_args = (q, k, v, do, dk, dv, M, delta, n_ptr, b_ptr, rng, cu_q, cu_k,
                *_zhsd(q, varlen), *_zhsd(k, varlen), *_zhsd(v, varlen), *_zhsd(do, varlen),
-               *_zhsd(dk, varlen), *_zhsd(dv, varlen), *ms, *ps, hkv, group, sq, sk,
+               *_zhsd(dk, varlen), *_zhsd(dv, varlen), *ms, hkv, group, sq, sk,
                float(scale), float(dropout_p), rz, rh, rs)
     if tune:
         kern = _autotuned("dkv", _attn_bwd_kernel_dkv, _BWD_TUNE_KV, ("BLOCK_M", "BLOCK_N"),
-                          ["HKV", "GROUP", "SEQ_Q", "SEQ_K", "HEAD_DIM", "TRANSFORM", "DPARAMS", "CAUSAL", "VARLEN", "HAS_DROPOUT"])
-        kern[lambda meta: (triton.cdiv(sk, meta["BLOCK_N"]), bz * hkv)](*kv_args, DPARAMS=dparams, **common)
+                          ["HKV", "GROUP", "SEQ_Q", "SEQ_K", "HEAD_DIM", "TRANSFORM", "CAUSAL", "VARLEN", "HAS_DROPOUT"])
+        kern[lambda meta: (triton.cdiv(sk, meta["BLOCK_N"]), bz * hkv)](*kv_args, **common)
     else:
         _attn_bwd_kernel_dkv[(triton.cdiv(sk, cfg.block_n_kv), bz * hkv)](
-            *kv_args, BLOCK_M=cfg.block_m_kv, BLOCK_N=cfg.block_n_kv, DPARAMS=dparams,
+            *kv_args, BLOCK_M=cfg.block_m_kv, BLOCK_N=cfg.block_n_kv,
             num_warps=cfg.warps_kv, num_stages=cfg.stages_kv, **common)
     if dparams:
         # fixed-size buffer, fixed order, float64: bit-identical run to run

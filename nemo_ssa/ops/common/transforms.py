@@ -42,6 +42,8 @@ pure elementwise maps.
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -51,6 +53,9 @@ __all__ = [
     "TRANSFORM_IDS",
     "transform_id",
     "log2_fast",
+    "log2_poly",
+    "log2_mode",
+    "poly_log2_enabled",
     "transform_consts",
     "grad_consts",
     "score_fwd",
@@ -77,13 +82,34 @@ def transform_id(name: str) -> int:
 
 
 @triton.jit
-def log2_fast(x, FAST: tl.constexpr):
-    """``log2(x)`` for fp32 tiles; ``FAST`` uses the PTX ``lg2.approx.f32`` MUFU op.
+def log2_poly(x):
+    """``log2(x)``, ``x > 0`` normal fp32, on the FMA/ALU pipes only (no MUFU).
 
-    ``lg2.approx`` has ~2^-22 relative error, ample for attention logits, and is one MUFU
-    instruction. ``FAST`` must be False under ``TRITON_INTERPRET=1`` and on non-NVIDIA
-    backends (inline PTX); launchers decide.
+    Range reduction through the exponent bits (``x = m 2^e``, ``m`` in ``[sqrt(1/2),
+    sqrt(2))``), then Cephes ``logf``'s degree-8 minimax for ``ln(1 + f)`` (~1e-7
+    relative), times ``log2 e``. About 20 FMA/ALU ops instead of one MUFU ``lg2``.
     """
+    bits = x.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 126  # x = m * 2^e, m in [0.5, 1)
+    m = ((bits & 0x007FFFFF) | 0x3F000000).to(tl.float32, bitcast=True)
+    small = m < 0.70710678118654752
+    e = tl.where(small, e - 1, e)
+    f = tl.where(small, m + m - 1.0, m - 1.0)
+    z = f * f
+    y = 7.0376836292e-2 * f - 1.1514610310e-1
+    y = y * f + 1.1676998740e-1
+    y = y * f - 1.2420140846e-1
+    y = y * f + 1.4249322787e-1
+    y = y * f - 1.6668057665e-1
+    y = y * f + 2.0000714765e-1
+    y = y * f - 2.4999993993e-1
+    y = y * f + 3.3333331174e-1
+    y = y * f * z - 0.5 * z
+    return (f + y) * 1.4426950408889634 + e.to(tl.float32)
+
+
+@triton.jit
+def _log2_mufu(x, FAST: tl.constexpr):
     if FAST:
         y = tl.inline_asm_elementwise(
             "lg2.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
@@ -91,6 +117,43 @@ def log2_fast(x, FAST: tl.constexpr):
     else:
         y = tl.log2(x)
     return y
+
+
+@triton.jit
+def log2_fast(x, FAST: tl.constexpr):
+    """``log2(x)`` for fp32 2-D tiles. ``FAST`` (a bool or an int mode):
+
+    * 0 / False: ``tl.log2``; 1 / True: PTX ``lg2.approx.f32`` (one MUFU op, ~2^-22
+      relative error, ample for attention logits);
+    * 2 / 3 (``NEMO_SSA_POLY_LOG2=1``, see ``log2_mode``): every other column of the tile
+      through ``log2_poly`` (FMA pipes) and the rest through mode 0 / 1 -- the SSA
+      transform is MUFU-bound (``lg2`` + ``exp2`` per score), this moves half the ``lg2``
+      work to the otherwise idle FMA units (cf. FA3's partial ``exp2`` emulation).
+
+    The mode must be the same in the forward and the backward (bit-identical ``z2``);
+    modes 1 and 3 use inline PTX (not under ``TRITON_INTERPRET=1``); launchers decide.
+    """
+    if FAST >= 2:
+        x3 = tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2])
+        xa, xb = tl.split(x3)
+        y3 = tl.join(log2_poly(xa), _log2_mufu(xb, FAST == 3))
+        y = tl.reshape(y3, [x.shape[0], x.shape[1]])
+    else:
+        y = _log2_mufu(x, FAST)
+    return y
+
+
+def poly_log2_enabled() -> bool:
+    """``NEMO_SSA_POLY_LOG2=1``: split the SSA ``log2`` between MUFU and a polynomial
+    (A/B switch for GPU timing; read at every launch, fwd and bwd must agree)."""
+    return os.environ.get("NEMO_SSA_POLY_LOG2", "0") not in ("", "0")
+
+
+def log2_mode(fast_math: bool, poly: bool = None) -> int:
+    """The ``FAST_LOG2`` constexpr: ``int(fast_math) + 2 * poly``."""
+    if poly is None:
+        poly = poly_log2_enabled()
+    return int(bool(fast_math)) + (2 if poly else 0)
 
 
 @triton.jit

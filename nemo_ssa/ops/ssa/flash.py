@@ -69,7 +69,7 @@ from nemo_ssa.ops.common.attn_bwd import (
     seq_info,
     use_fast_math,
 )
-from nemo_ssa.ops.common.transforms import score_fwd_hoisted, transform_consts, transform_id
+from nemo_ssa.ops.common.transforms import log2_mode, score_fwd_hoisted, transform_consts, transform_id
 from nemo_ssa.ops.ssa.naive import TRANSFORMS, _check_scalar_param
 
 __all__ = [
@@ -304,7 +304,8 @@ def _flash_fwd(
             *_zhsd(q, varlen), *_zhsd(k, varlen), *_zhsd(v, varlen), *_zhsd(o, varlen),
             *_stat_strides(M, varlen), hq, hq // hkv, sq, sk, float(scale), float(dropout_p), rz, rh, rs)
     meta = dict(HEAD_DIM=d, BLOCK_D=block_d, TRANSFORM=tid, CAUSAL=bool(causal), VARLEN=varlen,
-                HAS_DROPOUT=has_dropout, INPUT_PRECISION=input_precision, FAST_LOG2=bool(fast_math))
+                HAS_DROPOUT=has_dropout, INPUT_PRECISION=input_precision,
+                FAST_LOG2=log2_mode(fast_math) if tid == 1 else int(bool(fast_math)))
     if config is None and autotune_enabled():
         kern = _autotuned("fwd", _attn_fwd_kernel, _FWD_TUNE, ("BLOCK_M", "BLOCK_N"),
                           ["HQ", "GROUP", "SEQ_Q", "SEQ_K", "HEAD_DIM", "TRANSFORM", "CAUSAL", "VARLEN", "HAS_DROPOUT"])
