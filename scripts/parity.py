@@ -60,12 +60,14 @@ def _label(attention: str, seed: int, resumed: bool = False) -> str:
     return f"{attention}-s{seed}" + ("-resumed" if resumed else "")
 
 
-def _parse_run(spec: str) -> Tuple[str, int]:
+def _parse_run(spec: str) -> Tuple[str, int, List[str]]:
+    """``ATTENTION:SEED[:OVERRIDE,OVERRIDE...]`` (overrides go to this run's pretrain.py)."""
+    parts = spec.split(":", 2)
     try:
-        name, seed = spec.rsplit(":", 1)
-        return name, int(seed)
-    except ValueError:
-        raise SystemExit(f"--runs wants ATTENTION:SEED, got {spec!r}") from None
+        name, seed = parts[0], int(parts[1])
+    except (ValueError, IndexError):
+        raise SystemExit(f"--runs wants ATTENTION:SEED[:OVERRIDES], got {spec!r}") from None
+    return name, seed, [o for o in (parts[2].split(",") if len(parts) > 2 else []) if o]
 
 
 def _parse_resume(spec: str) -> Tuple[str, int, int]:
@@ -124,9 +126,9 @@ def train(args) -> int:
     jobs: List[Job] = []
     common = list(args.extra or [])
     for spec in args.runs:
-        name, seed = _parse_run(spec)
+        name, seed, own = _parse_run(spec)
         root = os.path.join(args.scratch, _label(name, seed))
-        jobs.append(Job(_label(name, seed), [_pretrain_cmd(name, seed, args.steps, root, common)],
+        jobs.append(Job(_label(name, seed), [_pretrain_cmd(name, seed, args.steps, root, common + own)],
                         os.path.join(root, f"{name}-s{seed}")))
         jobs[-1].seed = seed
     for spec in args.resume_check or []:
@@ -316,7 +318,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="train the runs on the visible GPUs (one device command)")
-    t.add_argument("--runs", nargs="+", required=True, metavar="ATTENTION:SEED")
+    t.add_argument("--runs", nargs="+", required=True, metavar="ATTENTION:SEED[:OVERRIDES]",
+                   help="e.g. elsa_ssa:1234:policy=free,attention.options.num_partitions=2")
     t.add_argument("--resume-check", nargs="*", metavar="ATTENTION:SEED:STEP")
     t.add_argument("--steps", type=int, default=1000)
     t.add_argument("--out", required=True, help="where the small result files go (e.g. $OUT/parity)")

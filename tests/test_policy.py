@@ -9,7 +9,7 @@ from nemo_ssa.policy import ATTENTIONS, AttentionInfo, ResolvedAttention, SSAPol
 
 PINNED_OPTIONS = {"n": 1.5, "learnable_n": True, "b": 0.8, "learnable_b": False,
                   "force_contiguous_qkv": True}
-EXPERIMENTAL = ["ssa_flex", "nsa", "elsa", "elsa_ssa"]
+EXPERIMENTAL = ["nsa", "elsa", "elsa_ssa"]
 
 
 @pytest.fixture
@@ -98,7 +98,7 @@ def test_planned_names_raise_not_implemented_with_available(monkeypatch):
         resolve_attention("ssa_future")
     msg = str(err.value)
     assert "'ssa_future'" in msg
-    assert "available now: softmax, ssa_reference, softmax_triton, ssa_triton" in msg
+    assert "available now: softmax, ssa_reference, softmax_triton, ssa_triton, ssa_flex" in msg
 
 
 def test_kernel_options_pass_through_and_are_checked():

@@ -1,4 +1,4 @@
-"""SSA attention through PyTorch FlexAttention (``attention=ssa_flex``; experimental).
+"""SSA attention through PyTorch FlexAttention (``attention=ssa_flex``).
 
 What it computes: exactly ``ssa_attention_naive`` (see ``naive.py`` / ``README.md``)::
 
