@@ -72,6 +72,8 @@ class _TransformedSoftmaxAttention(MegatronModule):
     supported_mask_types: Optional[tuple] = None
     supports_tensor_parallel: bool = True
     supports_dropout: bool = True
+    #: (min, max) head dim the op supports; None = any
+    supported_head_dims: Optional[tuple] = None
 
     def __init__(
         self,
@@ -129,6 +131,13 @@ class _TransformedSoftmaxAttention(MegatronModule):
         self.num_heads_per_partition = config.num_attention_heads // tp
         self.num_groups_per_partition = config.num_query_groups // tp
         self.head_dim = config.kv_channels
+        if self.supported_head_dims is not None:
+            lo, hi = self.supported_head_dims
+            if not lo <= self.head_dim <= hi:
+                raise NotImplementedError(
+                    f"attention={name}: head dim {self.head_dim} (kv_channels) is not supported by this "
+                    f"kernel (supported: {lo} <= head dim <= {hi}); use attention=ssa_reference / softmax."
+                )
 
         # Megatron's scaling rules (DotProductAttention): default 1/sqrt(hn), or the given
         # softmax_scale. apply_query_key_layer_scaling divides the QK^T scale by the layer
@@ -365,6 +374,7 @@ class SSATritonCoreAttention(SSACoreAttention):
     op_key = ("ssa", "triton")
     varlen_op_key = ("ssa", "triton_varlen")
     supported_mask_types = _TRITON_MASK_TYPES
+    supported_head_dims = (16, 256)
 
 
 class SoftmaxTritonCoreAttention(SoftmaxCoreAttention):
@@ -374,6 +384,7 @@ class SoftmaxTritonCoreAttention(SoftmaxCoreAttention):
     op_key = ("softmax", "triton")
     varlen_op_key = ("softmax", "triton_varlen")
     supported_mask_types = _TRITON_MASK_TYPES
+    supported_head_dims = (16, 256)
 
 
 class SSAFlexCoreAttention(SSACoreAttention):
@@ -394,6 +405,7 @@ class ElsaCoreAttention(SoftmaxCoreAttention):
     attention_name = "elsa"
     op_key = ("softmax", "elsa")
     supported_mask_types = _TRITON_MASK_TYPES
+    supported_head_dims = (16, 256)
     supports_dropout = False
 
 
@@ -403,4 +415,5 @@ class ElsaSSACoreAttention(SSACoreAttention):
     attention_name = "elsa_ssa"
     op_key = ("ssa", "elsa")
     supported_mask_types = _TRITON_MASK_TYPES
+    supported_head_dims = (16, 256)
     supports_dropout = False

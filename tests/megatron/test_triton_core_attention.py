@@ -184,3 +184,11 @@ def test_nsa_replaces_the_self_attention_submodule(megatron_cpu):
     assert sa.module is NSASelfAttention and sa.params["nsa"].window == 64
     with pytest.raises(NotImplementedError, match="experimental"):
         layer_spec(cfg, attention="nsa")
+
+
+@pytest.mark.parametrize("cls", [SSATritonCoreAttention, SoftmaxTritonCoreAttention, ElsaCoreAttention,
+                                 ElsaSSACoreAttention], ids=["ssa_triton", "softmax_triton", "elsa", "elsa_ssa"])
+def test_unsupported_head_dim_refused_at_construction(cls):
+    cfg = make_config(hidden_size=32, num_attention_heads=4, attention_dropout=0.0)  # head dim 8
+    with pytest.raises(NotImplementedError, match=r"head dim 8 .*supported: 16 <= head dim <= 256"):
+        build(cls, config=cfg)

@@ -27,7 +27,7 @@ def tiny_corpus(tmp_path_factory):
     return build_corpus(str(out), source="stdlib", vocab_size=512, max_bytes=400_000, quiet=True)
 
 
-def _recipe(corpus, attention="ssa", max_steps=6, dropout=0.0, run_dir="/tmp/unused"):
+def _recipe(corpus, attention="ssa", max_steps=6, dropout=0.0, run_dir="/tmp/unused", hidden=32):
     from recipes import nemotron_114m
     from nemo_ssa.nemo.cpu_loop import shrink_for_cpu
 
@@ -36,7 +36,7 @@ def _recipe(corpus, attention="ssa", max_steps=6, dropout=0.0, run_dir="/tmp/unu
         tokenizer_dir=corpus.tokenizer_dir, max_steps=max_steps, warmup_steps=1, lr=2e-3,
         seed=1234,
     )
-    shrink_for_cpu(recipe, arch=dict(num_layers=2, hidden_size=32, ffn_hidden_size=64,
+    shrink_for_cpu(recipe, arch=dict(num_layers=2, hidden_size=hidden, ffn_hidden_size=64,
                                      num_attention_heads=4, num_query_groups=2),
                    seq_length=32, micro_batch_size=2, global_batch_size=4)
     recipe.model.config.hidden_dropout = dropout
@@ -47,7 +47,7 @@ def _recipe(corpus, attention="ssa", max_steps=6, dropout=0.0, run_dir="/tmp/unu
 def _train(corpus, run_dir, **kw):
     from nemo_ssa.nemo.cpu_loop import train_on_cpu
 
-    recipe_kw = {k: kw.pop(k) for k in ("attention", "dropout") if k in kw}
+    recipe_kw = {k: kw.pop(k) for k in ("attention", "dropout", "hidden") if k in kw}
     max_steps = kw.pop("max_steps", 6)
     recipe = _recipe(corpus, max_steps=max_steps, run_dir=str(run_dir), **recipe_kw)
     return train_on_cpu(recipe, str(run_dir), max_steps=max_steps, quiet=True, **kw)
@@ -177,3 +177,20 @@ def test_story_refuses_one_run_dir_for_several_runs(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "pretrain.py"), "compare_to=[nope]"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "compare_to names attention 'nope'" in proc.stderr + proc.stdout
+
+
+def test_checkpoint_of_the_reference_resumes_under_the_triton_kernel(tiny_corpus, tmp_path):
+    """ssa_reference and ssa_triton share parameter names: a run checkpointed with one
+    continues under the other (here the Triton kernel runs in the CPU interpreter) on the
+    same curve as the uninterrupted reference run, up to kernel rounding."""
+    full = _train(tiny_corpus, tmp_path / "full", attention="ssa_reference", max_steps=3, hidden=64)
+    first = _train(tiny_corpus, tmp_path / "mix", attention="ssa_reference", max_steps=3, stop_after=2,
+                   ckpt_every=2, hidden=64)
+    assert first.checkpoint.endswith("step_0000002")
+    second = _train(tiny_corpus, tmp_path / "mix", attention="ssa_triton", max_steps=3, resume=True,
+                    warmup=False, hidden=64)
+    assert second.steps == 3 and len(second.losses) == 1
+    assert abs(second.losses[0] - full.losses[2]) < 1e-4, (second.losses, full.losses)
+    for layer, value in full.ssa_n.items():
+        assert abs(second.ssa_n[layer] - value) < 1e-5
+    assert all(v != 1.5 for v in second.ssa_n.values())
