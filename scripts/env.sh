@@ -30,7 +30,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
         || { echo "[env] install from $lock failed" >&2; exit 1; }
     "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e "$root" 2>&1 \
         | grep -v "^WARNING: Location" >&2 || true
-    "$venv/bin/python" -c "import nemo_ssa" || { echo "[env] editable install of nemo_ssa failed" >&2; exit 1; }
+    # from another directory, so the check sees the installed package, not the checkout's cwd
+    (cd / && "$venv/bin/python" -c "import nemo_ssa") || { echo "[env] editable install of nemo_ssa failed" >&2; exit 1; }
     echo "$want" > "$stamp"
     echo "[env] ready in $(( $(date +%s) - start )) s" >&2
 fi
