@@ -136,6 +136,78 @@ def dropout_keep(seed, rbase, offs_q, offs_k, RSTRIDE, dropout_p, TRANSPOSED: tl
 
 
 @triton.jit
+def tile_ptrs(X, z64, h64, row, s_z, s_h, s_s, s_d, offs_r, offs_d):
+    """Pointers of the ``[len(offs_r), len(offs_d)]`` tile at rows ``row + offs_r`` of head
+    ``h64`` of batch ``z64`` (int64 block base, in-tile offsets)."""
+    return X + z64 * s_z + h64 * s_h + row * s_s + offs_r[:, None] * s_s + offs_d[None, :] * s_d
+
+
+@triton.jit
+def load_params(NP, BP, TRANSFORM: tl.constexpr):
+    """SSA ``(n, b)`` as fp32 from 1-element tensors of any float dtype; ``0.0`` otherwise."""
+    if TRANSFORM == 1:
+        n = tl.load(NP).to(tl.float32)
+        b = tl.load(BP).to(tl.float32)
+    else:
+        n = 0.0
+        b = 0.0
+    return n, b
+
+
+@triton.jit
+def dropout_state(RNG, dropout_p, HAS_DROPOUT: tl.constexpr):
+    """``(seed, Philox offset, 1 / (1 - dropout_p))`` from ``rng_state``; ``(0, 0, 1.0)``
+    without dropout."""
+    if HAS_DROPOUT:
+        seed = tl.load(RNG)
+        rng_off = tl.load(RNG + 1)
+        inv_keep = 1.0 / (1.0 - dropout_p)
+    else:
+        seed = 0
+        rng_off = 0
+        inv_keep = 1.0
+    return seed, rng_off, inv_keep
+
+
+@triton.jit
+def load_kv_tile(ptrs, cols, k_len, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 MASKED: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """A key/value tile, ``[BLOCK_D, BLOCK_N]`` (``TRANSPOSED``) or ``[BLOCK_N, BLOCK_D]``;
+    keys ``cols >= k_len`` are masked only on the ``MASKED`` stage."""
+    if TRANSPOSED:
+        if MASKED:
+            t = tl.load(ptrs, mask=(cols < k_len)[None, :] & (offs_d < HEAD_DIM)[:, None], other=0.0)
+        elif BLOCK_D == HEAD_DIM:
+            t = tl.load(ptrs)
+        else:
+            t = tl.load(ptrs, mask=(offs_d < HEAD_DIM)[:, None], other=0.0)
+    else:
+        if MASKED:
+            t = tl.load(ptrs, mask=(cols < k_len)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+        elif BLOCK_D == HEAD_DIM:
+            t = tl.load(ptrs)
+        else:
+            t = tl.load(ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+    return t
+
+
+@triton.jit
+def mask_scores(z2, offs_m, offs_n, k_len, off_c, CAUSAL: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """``-inf`` where key ``offs_n`` is past ``k_len`` or (``CAUSAL``) after query row
+    ``offs_m`` (bottom-right aligned by ``off_c``); ``z2`` is ``[M, N]`` or (``TRANSPOSED``)
+    ``[N, M]``."""
+    if TRANSPOSED:
+        valid = (offs_n < k_len)[:, None]
+        if CAUSAL:
+            valid = valid & (offs_n[:, None] <= offs_m[None, :] + off_c)
+    else:
+        valid = (offs_n < k_len)[None, :]
+        if CAUSAL:
+            valid = valid & (offs_n[None, :] <= offs_m[:, None] + off_c)
+    return tl.where(valid, z2, float("-inf"))
+
+
+@triton.jit
 def kv_range_for_q_block(start_m, q_len, k_len, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          CAUSAL: tl.constexpr):
     """Key range of a query block: ``[0, full)`` needs no mask, ``[full, hi)`` does.
@@ -229,23 +301,12 @@ def _bwd_dq_inner(
         cols = start_n + offs_n
         k_ptrs = k_base + start_n * s_ks64 + kT_off  # int64 block base, int32 in-tile offsets
         v_ptrs = v_base + start_n * s_vs64 + vT_off
-        if MASKED:
-            ld = (cols < k_len)[None, :] & (offs_d < HEAD_DIM)[:, None]
-            kT = tl.load(k_ptrs, mask=ld, other=0.0)
-            vT = tl.load(v_ptrs, mask=ld, other=0.0)
-        elif BLOCK_D == HEAD_DIM:
-            kT = tl.load(k_ptrs)
-            vT = tl.load(v_ptrs)
-        else:
-            kT = tl.load(k_ptrs, mask=(offs_d < HEAD_DIM)[:, None], other=0.0)
-            vT = tl.load(v_ptrs, mask=(offs_d < HEAD_DIM)[:, None], other=0.0)
+        kT = load_kv_tile(k_ptrs, cols, k_len, offs_d, HEAD_DIM, BLOCK_D, MASKED, True)
+        vT = load_kv_tile(v_ptrs, cols, k_len, offs_d, HEAD_DIM, BLOCK_D, MASKED, True)
         qk = tl.dot(q, kT, input_precision=INPUT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
         z2, smag, rinv = score_bwd_parts(qk, c0, c1, TRANSFORM, FAST_LOG2)
         if MASKED:
-            valid = (cols < k_len)[None, :]
-            if CAUSAL:
-                valid = valid & (cols[None, :] <= offs_m[:, None] + off_c)
-            z2 = tl.where(valid, z2, float("-inf"))
+            z2 = mask_scores(z2, offs_m, cols, k_len, off_c, CAUSAL, False)
         p = tl.math.exp2(z2 - m_row[:, None])  # masked or M = +inf rows -> exactly 0
         dp = tl.dot(do, vT, input_precision=INPUT_PRECISION)  # [BLOCK_M, BLOCK_N]
         if HAS_DROPOUT:
@@ -303,30 +364,18 @@ def _attn_bwd_kernel_dq(
     row_ok = offs_m < q_len
     ld = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
 
-    q = tl.load(Q + z64 * s_qz + hq64 * s_qh + row * s_qs
-                + tl.arange(0, BLOCK_M)[:, None] * s_qs + offs_d[None, :] * s_qd, mask=ld, other=0.0)
-    do = tl.load(DO + z64 * s_doz + hq64 * s_doh + row * s_dos
-                 + tl.arange(0, BLOCK_M)[:, None] * s_dos + offs_d[None, :] * s_dod, mask=ld, other=0.0)
+    offs_mb = tl.arange(0, BLOCK_M)
+    q = tl.load(tile_ptrs(Q, z64, hq64, row, s_qz, s_qh, s_qs, s_qd, offs_mb, offs_d), mask=ld, other=0.0)
+    do = tl.load(tile_ptrs(DO, z64, hq64, row, s_doz, s_doh, s_dos, s_dod, offs_mb, offs_d), mask=ld, other=0.0)
     m_off = z64 * s_mz + hq64 * s_mh + (q_start + offs_m) * s_ms
     m_row = tl.load(M + m_off, mask=row_ok, other=float("inf"))
     delta_row = tl.load(Delta + m_off, mask=row_ok, other=0.0)
 
-    if TRANSFORM == 1:
-        n = tl.load(NP).to(tl.float32)  # 1-element tensors, any float dtype
-        b = tl.load(BP).to(tl.float32)
-    else:
-        n = 0.0
-        b = 0.0
+    n, b = load_params(NP, BP, TRANSFORM)
     c0, c1 = transform_consts(scale, n, b, TRANSFORM)
     g_s, g_n, g_b = grad_consts(scale, n, b, TRANSFORM)
-    if HAS_DROPOUT:
-        seed = tl.load(RNG)
-        rbase = tl.load(RNG + 1) + z64 * RNG_SZ + hq64 * RNG_SH + q_start * RNG_SS
-        inv_keep = 1.0 / (1.0 - dropout_p)
-    else:
-        seed = 0
-        rbase = 0
-        inv_keep = 1.0
+    seed, rng_off, inv_keep = dropout_state(RNG, dropout_p, HAS_DROPOUT)
+    rbase = rng_off + z64 * RNG_SZ + hq64 * RNG_SH + q_start * RNG_SS
 
     k_base = K + z64 * s_kz + hkv64 * s_kh + k_start * s_ks
     v_base = V + z64 * s_vz + hkv64 * s_vh + k_start * s_vs
@@ -360,8 +409,7 @@ def _attn_bwd_kernel_dq(
             tl.store(DN + m_off, dn_row, mask=row_ok)
             tl.store(DB + m_off, db_row, mask=row_ok)
     dq = dq * g_s
-    tl.store(DQ + z64 * s_dqz + hq64 * s_dqh + row * s_dqs
-             + tl.arange(0, BLOCK_M)[:, None] * s_dqs + offs_d[None, :] * s_dqd,
+    tl.store(tile_ptrs(DQ, z64, hq64, row, s_dqz, s_dqh, s_dqs, s_dqd, offs_mb, offs_d),
              dq.to(DQ.dtype.element_ty), mask=ld)
 
 
@@ -402,10 +450,7 @@ def _bwd_dkv_inner(
         qkT = tl.dot(k, qT, input_precision=INPUT_PRECISION)  # [BLOCK_N, BLOCK_M] fp32
         z2T, smagT, rinvT = score_bwd_parts(qkT, c0, c1, TRANSFORM, FAST_LOG2)
         if MASKED:
-            valid = (offs_n < k_len)[:, None]
-            if CAUSAL:
-                valid = valid & (offs_n[:, None] <= offs_m[None, :] + off_c)
-            z2T = tl.where(valid, z2T, float("-inf"))
+            z2T = mask_scores(z2T, offs_m, offs_n, k_len, off_c, CAUSAL, True)
         pT = tl.math.exp2(z2T - m_row[None, :])  # masked, padding, empty rows (M = +inf) -> 0
         dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)  # [BLOCK_N, BLOCK_M]
         if HAS_DROPOUT:
@@ -457,27 +502,13 @@ def _attn_bwd_kernel_dkv(
     offs_d = tl.arange(0, BLOCK_D)
     col = k_start + start_n  # int64 first key row of the block
     ld = (offs_n < k_len)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    k = tl.load(K + z64 * s_kz + hkv64 * s_kh + col * s_ks
-                + offs_nb[:, None] * s_ks + offs_d[None, :] * s_kd, mask=ld, other=0.0)
-    v = tl.load(V + z64 * s_vz + hkv64 * s_vh + col * s_vs
-                + offs_nb[:, None] * s_vs + offs_d[None, :] * s_vd, mask=ld, other=0.0)
+    k = tl.load(tile_ptrs(K, z64, hkv64, col, s_kz, s_kh, s_ks, s_kd, offs_nb, offs_d), mask=ld, other=0.0)
+    v = tl.load(tile_ptrs(V, z64, hkv64, col, s_vz, s_vh, s_vs, s_vd, offs_nb, offs_d), mask=ld, other=0.0)
 
-    if TRANSFORM == 1:
-        n = tl.load(NP).to(tl.float32)  # 1-element tensors, any float dtype
-        b = tl.load(BP).to(tl.float32)
-    else:
-        n = 0.0
-        b = 0.0
+    n, b = load_params(NP, BP, TRANSFORM)
     c0, c1 = transform_consts(scale, n, b, TRANSFORM)
     g_s, _, _ = grad_consts(scale, n, b, TRANSFORM)
-    if HAS_DROPOUT:
-        seed = tl.load(RNG)
-        rng_off = tl.load(RNG + 1)
-        inv_keep = 1.0 / (1.0 - dropout_p)
-    else:
-        seed = 0
-        rng_off = 0
-        inv_keep = 1.0
+    seed, rng_off, inv_keep = dropout_state(RNG, dropout_p, HAS_DROPOUT)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -508,10 +539,10 @@ def _attn_bwd_kernel_dkv(
         HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2)
 
     dk = dk * g_s
-    tl.store(DK + z64 * s_dkz + hkv64 * s_dkh + col * s_dks
-             + offs_nb[:, None] * s_dks + offs_d[None, :] * s_dkd, dk.to(DK.dtype.element_ty), mask=ld)
-    tl.store(DV + z64 * s_dvz + hkv64 * s_dvh + col * s_dvs
-             + offs_nb[:, None] * s_dvs + offs_d[None, :] * s_dvd, dv.to(DV.dtype.element_ty), mask=ld)
+    tl.store(tile_ptrs(DK, z64, hkv64, col, s_dkz, s_dkh, s_dks, s_dkd, offs_nb, offs_d),
+             dk.to(DK.dtype.element_ty), mask=ld)
+    tl.store(tile_ptrs(DV, z64, hkv64, col, s_dvz, s_dvh, s_dvs, s_dvd, offs_nb, offs_d),
+             dv.to(DV.dtype.element_ty), mask=ld)
 
 
 # ----------------------------------------------------------------------------------------

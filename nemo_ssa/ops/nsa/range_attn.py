@@ -81,6 +81,31 @@ def _visible(offs_m, offs_n, N, NK, KSTRIDE, KOFF, WINDOW, HAS_WINDOW: tl.conste
 
 
 @triton.jit
+def _q_block_setup(pid_m, pid_bh, NP, BP, Hq, N, D, GROUP, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Batch / query head / kv head (int64), the SSA scalars and the row/dim offsets and
+    masks of query block ``pid_m`` of program ``pid_bh`` (over ``B * Hq``)."""
+    b = (pid_bh // Hq).to(tl.int64)
+    h = (pid_bh % Hq).to(tl.int64)
+    hk = h // GROUP
+    n_ssa = tl.load(NP).to(tl.float32)
+    b_ssa = tl.load(BP).to(tl.float32)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    m_ok = offs_m < N
+    return b, h, hk, n_ssa, b_ssa, offs_m, offs_d, d_ok, m_ok
+
+
+@triton.jit
+def _load_kv_block(k_base, v_base, offs_n, NK, offs_d, d_ok, skn, skd, svn, svd):
+    """Key and value rows ``offs_n`` (``< NK``) as ``[BLOCK_N, BLOCK_D]`` tiles."""
+    kv_mask = (offs_n < NK)[:, None] & d_ok[None, :]
+    k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * skn + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
+    v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * svn + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
 def _range_fwd_kernel(
     Q, K, V, O, LSE, NP, BP,
     sqb, sqh, sqn, sqd,
@@ -94,16 +119,8 @@ def _range_fwd_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = (pid_bh // Hq).to(tl.int64)
-    h = (pid_bh % Hq).to(tl.int64)
-    hk = h // GROUP
-    n_ssa = tl.load(NP).to(tl.float32)
-    b_ssa = tl.load(BP).to(tl.float32)
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    m_ok = offs_m < N
+    b, h, hk, n_ssa, b_ssa, offs_m, offs_d, d_ok, m_ok = _q_block_setup(
+        pid_m, pid_bh, NP, BP, Hq, N, D, GROUP, BLOCK_M, BLOCK_D)
     q_ptrs = Q + b * sqb + h * sqh + offs_m.to(tl.int64)[:, None] * sqn + offs_d[None, :] * sqd
     q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     k_base = K + b * skb + hk * skh
@@ -116,10 +133,7 @@ def _range_fwd_kernel(
     lo, hi = _key_range(pid_m * BLOCK_M, m_last, NK, KSTRIDE, KOFF, WINDOW, HAS_WINDOW, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < NK
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * skn + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * svn + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
+        k, v = _load_kv_block(k_base, v_base, offs_n, NK, offs_d, d_ok, skn, skd, svn, svd)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC)  # [BLOCK_M, BLOCK_N] fp32
         z2 = score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM)
         ok = _visible(offs_m, offs_n, N, NK, KSTRIDE, KOFF, WINDOW, HAS_WINDOW)
@@ -155,16 +169,8 @@ def _range_bwd_kernel_dq(
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = (pid_bh // Hq).to(tl.int64)
-    h = (pid_bh % Hq).to(tl.int64)
-    hk = h // GROUP
-    n_ssa = tl.load(NP).to(tl.float32)
-    b_ssa = tl.load(BP).to(tl.float32)
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    m_ok = offs_m < N
+    b, h, hk, n_ssa, b_ssa, offs_m, offs_d, d_ok, m_ok = _q_block_setup(
+        pid_m, pid_bh, NP, BP, Hq, N, D, GROUP, BLOCK_M, BLOCK_D)
     row_mask = m_ok[:, None] & d_ok[None, :]
     rows = offs_m.to(tl.int64)[:, None]
     q = tl.load(Q + b * sqb + h * sqh + rows * sqn + offs_d[None, :] * sqd, mask=row_mask, other=0.0)
@@ -179,9 +185,7 @@ def _range_bwd_kernel_dq(
     lo, hi = _key_range(pid_m * BLOCK_M, m_last, NK, KSTRIDE, KOFF, WINDOW, HAS_WINDOW, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_mask = (offs_n < NK)[:, None] & d_ok[None, :]
-        k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * skn + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * svn + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
+        k, v = _load_kv_block(k_base, v_base, offs_n, NK, offs_d, d_ok, skn, skd, svn, svd)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC)
         z2 = score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM)
         ok = _visible(offs_m, offs_n, N, NK, KSTRIDE, KOFF, WINDOW, HAS_WINDOW)

@@ -69,6 +69,22 @@ def _item_tiles(ITEMS, TQ, TS, it, NS, Hkv, N, SBLK, BLOCK_Q: tl.constexpr, BLOC
 
 
 @triton.jit
+def _item_kv_setup(K, NP, BP, b, hk, skb, skh, skn, skd, t, r_ok, offs_k, k_ok, D, BLOCK_D: tl.constexpr):
+    """The SSA scalars, the item's key tile and the masks/rows shared by its query heads."""
+    n_ssa = tl.load(NP).to(tl.float32)
+    b_ssa = tl.load(BP).to(tl.float32)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    kv_mask = k_ok[:, None] & d_ok[None, :]
+    keys = offs_k.to(tl.int64)[:, None]
+    k = tl.load(K + b * skb + hk * skh + keys * skn + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
+    valid = r_ok[:, None] & k_ok[None, :] & (offs_k[None, :] <= t[:, None])  # [BLOCK_Q, BLOCK_S]
+    rows = t.to(tl.int64)
+    row_mask = r_ok[:, None] & d_ok[None, :]
+    return n_ssa, b_ssa, offs_d, kv_mask, keys, k, valid, rows, row_mask
+
+
+@triton.jit
 def _sel_fwd_kernel(
     Q, K, V, ITEMS, TQ, TS, LSE_PART, LSE, OACC, NP, BP,
     sqb, sqh, sqn, sqd,
@@ -83,18 +99,10 @@ def _sel_fwd_kernel(
     cnt, b, hk, t, slot, r_ok, offs_k, k_ok = _item_tiles(ITEMS, TQ, TS, it, NS, Hkv, N, SBLK, BLOCK_Q, BLOCK_S)
     if cnt == 0:
         return
-    n_ssa = tl.load(NP).to(tl.float32)
-    b_ssa = tl.load(BP).to(tl.float32)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    kv_mask = k_ok[:, None] & d_ok[None, :]
-    keys = offs_k.to(tl.int64)[:, None]
-    k = tl.load(K + b * skb + hk * skh + keys * skn + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
+    n_ssa, b_ssa, offs_d, kv_mask, keys, k, valid, rows, row_mask = _item_kv_setup(
+        K, NP, BP, b, hk, skb, skh, skn, skd, t, r_ok, offs_k, k_ok, D, BLOCK_D)
     if PASS == 1:
         v = tl.load(V + b * svb + hk * svh + keys * svn + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
-    valid = r_ok[:, None] & k_ok[None, :] & (offs_k[None, :] <= t[:, None])  # [BLOCK_Q, BLOCK_S]
-    rows = t.to(tl.int64)
-    row_mask = r_ok[:, None] & d_ok[None, :]
     for g in range(GROUP):
         h = hk * GROUP + g
         bh_q = b * Hq + h
@@ -130,17 +138,9 @@ def _sel_bwd_kernel(
     cnt, b, hk, t, slot, r_ok, offs_k, k_ok = _item_tiles(ITEMS, TQ, TS, it, NS, Hkv, N, SBLK, BLOCK_Q, BLOCK_S)
     if cnt == 0:
         return
-    n_ssa = tl.load(NP).to(tl.float32)
-    b_ssa = tl.load(BP).to(tl.float32)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    kv_mask = k_ok[:, None] & d_ok[None, :]
-    keys = offs_k.to(tl.int64)[:, None]
-    k = tl.load(K + b * skb + hk * skh + keys * skn + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
+    n_ssa, b_ssa, offs_d, kv_mask, keys, k, valid, rows, row_mask = _item_kv_setup(
+        K, NP, BP, b, hk, skb, skh, skn, skd, t, r_ok, offs_k, k_ok, D, BLOCK_D)
     v = tl.load(V + b * svb + hk * svh + keys * svn + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
-    valid = r_ok[:, None] & k_ok[None, :] & (offs_k[None, :] <= t[:, None])
-    rows = t.to(tl.int64)
-    row_mask = r_ok[:, None] & d_ok[None, :]
     dk = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
     dn_acc = tl.zeros([BLOCK_Q, BLOCK_S], dtype=tl.float32)

@@ -61,12 +61,17 @@ from nemo_ssa.ops.common.attn_bwd import (
     default_input_precision,
     dropout_keep,
     dropout_rng_layout,
+    dropout_state,
     is_interpreter,
     kv_range_for_q_block,
+    load_kv_tile,
+    load_params,
     make_rng_state,
+    mask_scores,
     new_output,
     new_output_like,
     seq_info,
+    tile_ptrs,
     use_fast_math,
 )
 from nemo_ssa.ops.common.transforms import log2_mode, score_fwd_hoisted, transform_consts, transform_id
@@ -109,19 +114,11 @@ def _attn_fwd_inner(
         cols = start_n + offs_n
         k_ptrs = k_base + start_n * s_ks64 + kT_off  # int64 block base, int32 in-tile offsets
         v_ptrs = v_base + start_n * s_vs64 + v_off
-        if MASKED:
-            kT = tl.load(k_ptrs, mask=(cols < k_len)[None, :] & (offs_d < HEAD_DIM)[:, None], other=0.0)
-        elif BLOCK_D == HEAD_DIM:
-            kT = tl.load(k_ptrs)
-        else:
-            kT = tl.load(k_ptrs, mask=(offs_d < HEAD_DIM)[:, None], other=0.0)
+        kT = load_kv_tile(k_ptrs, cols, k_len, offs_d, HEAD_DIM, BLOCK_D, MASKED, True)
         qk = tl.dot(q, kT, input_precision=INPUT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
         z2 = score_fwd_hoisted(qk, c0, c1, TRANSFORM, FAST_LOG2)
         if MASKED:
-            valid = (cols < k_len)[None, :]
-            if CAUSAL:
-                valid = valid & (cols[None, :] <= offs_m[:, None] + off_c)
-            z2 = tl.where(valid, z2, float("-inf"))
+            z2 = mask_scores(z2, offs_m, cols, k_len, off_c, CAUSAL, False)
             m_new = tl.maximum(m_i, tl.max(z2, 1))
             # rows that have seen no key yet keep m = -inf; subtract 0 instead (p = 0)
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -132,12 +129,7 @@ def _attn_fwd_inner(
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if MASKED:
-            v = tl.load(v_ptrs, mask=(cols < k_len)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
-        elif BLOCK_D == HEAD_DIM:
-            v = tl.load(v_ptrs)
-        else:
-            v = tl.load(v_ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+        v = load_kv_tile(v_ptrs, cols, k_len, offs_d, HEAD_DIM, BLOCK_D, MASKED, False)
         if HAS_DROPOUT:
             keep = dropout_keep(seed, rbase, offs_m, cols, RSTRIDE, dropout_p, False)
             p = tl.where(keep, p, 0.0)  # l_i keeps the undropped normaliser
@@ -182,24 +174,12 @@ def _attn_fwd_kernel(
     row = q_start + start_m  # int64
     row_ok = offs_m < q_len
     ld = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    q = tl.load(Q + z64 * s_qz + hq64 * s_qh + row * s_qs
-                + offs_mb[:, None] * s_qs + offs_d[None, :] * s_qd, mask=ld, other=0.0)
+    q = tl.load(tile_ptrs(Q, z64, hq64, row, s_qz, s_qh, s_qs, s_qd, offs_mb, offs_d), mask=ld, other=0.0)
 
-    if TRANSFORM == 1:
-        n = tl.load(NP).to(tl.float32)  # 1-element tensors, any float dtype
-        b = tl.load(BP).to(tl.float32)
-    else:
-        n = 0.0
-        b = 0.0
+    n, b = load_params(NP, BP, TRANSFORM)
     c0, c1 = transform_consts(scale, n, b, TRANSFORM)
-    if HAS_DROPOUT:
-        seed = tl.load(RNG)
-        rbase = tl.load(RNG + 1) + z64 * RNG_SZ + hq64 * RNG_SH + q_start * RNG_SS
-        inv_keep = 1.0 / (1.0 - dropout_p)
-    else:
-        seed = 0
-        rbase = 0
-        inv_keep = 1.0
+    seed, rng_off, inv_keep = dropout_state(RNG, dropout_p, HAS_DROPOUT)
+    rbase = rng_off + z64 * RNG_SZ + hq64 * RNG_SH + q_start * RNG_SS
 
     k_base = K + z64 * s_kz + hkv64 * s_kh + k_start * s_ks
     v_base = V + z64 * s_vz + hkv64 * s_vh + k_start * s_vs
@@ -223,8 +203,8 @@ def _attn_fwd_kernel(
     l_safe = tl.where(empty, 1.0, l_i)
     o = acc * (inv_keep / l_safe)[:, None]
     m_out = tl.where(empty, float("inf"), m_i + tl.math.log2(l_safe))
-    tl.store(O + z64 * s_oz + hq64 * s_oh + row * s_os
-             + offs_mb[:, None] * s_os + offs_d[None, :] * s_od, o.to(O.dtype.element_ty), mask=ld)
+    tl.store(tile_ptrs(O, z64, hq64, row, s_oz, s_oh, s_os, s_od, offs_mb, offs_d),
+             o.to(O.dtype.element_ty), mask=ld)
     tl.store(M + z64 * s_mz + hq64 * s_mh + (q_start + offs_m) * s_ms, m_out, mask=row_ok)
 
 
@@ -476,6 +456,22 @@ def _resolve(q, d, softmax_scale, input_precision, fast_math):
     return scale, prec, fast
 
 
+def _flash_call(q, k, v, n, b, cu_q, cu_k, max_q, max_k, *, transform, causal, softmax_scale, dropout_p,
+                dropout_seed, dropout_offset, force_contiguous_qkv, input_precision, fast_math) -> Tensor:
+    """Shared host-side tail of ``flash_attention`` / ``flash_attention_varlen`` (after
+    validation): optional contiguous copy, scalar resolution, dropout RNG, custom-op call."""
+    if force_contiguous_qkv:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    scale, prec, fast = _resolve(q, q.shape[-1], softmax_scale, input_precision, fast_math)
+    dropout_p = float(dropout_p)
+    rng = make_rng_state(q.device, dropout_seed, dropout_offset) if dropout_p > 0.0 else None
+    ssa = transform == "ssa"
+    o, _ = torch.ops.nemo_ssa.flash_attn_fwd(
+        q, k, v, n if ssa else None, b if ssa else None, rng, cu_q, cu_k, transform, bool(causal), scale,
+        dropout_p, max_q, max_k, prec, fast)
+    return o
+
+
 def flash_attention(
     q: Tensor,
     k: Tensor,
@@ -524,15 +520,10 @@ def flash_attention(
     """
     _validate_flash(q, k, v, transform=transform, n=n, b=b, keep_mask=keep_mask, dropout_p=dropout_p,
                     softmax_scale=softmax_scale, varlen=False, input_precision=input_precision)
-    if force_contiguous_qkv:
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    scale, prec, fast = _resolve(q, q.shape[-1], softmax_scale, input_precision, fast_math)
-    dropout_p = float(dropout_p)
-    rng = make_rng_state(q.device, dropout_seed, dropout_offset) if dropout_p > 0.0 else None
-    o, _ = torch.ops.nemo_ssa.flash_attn_fwd(
-        q, k, v, n if transform == "ssa" else None, b if transform == "ssa" else None, rng, None, None,
-        transform, bool(causal), scale, dropout_p, q.shape[2], k.shape[2], prec, fast)
-    return o
+    return _flash_call(q, k, v, n, b, None, None, q.shape[2], k.shape[2], transform=transform, causal=causal,
+                       softmax_scale=softmax_scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                       dropout_offset=dropout_offset, force_contiguous_qkv=force_contiguous_qkv,
+                       input_precision=input_precision, fast_math=fast_math)
 
 
 def flash_attention_fwd(
@@ -602,16 +593,11 @@ def flash_attention_varlen(
         raise ValueError("num_seqs * Hq exceeds the grid limit 65535")
     if int(max_seqlen_q) <= 0 or int(max_seqlen_k) <= 0:
         raise ValueError("max_seqlen_q / max_seqlen_k must be positive ints")
-    if force_contiguous_qkv:
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    scale, prec, fast = _resolve(q, q.shape[-1], softmax_scale, input_precision, fast_math)
-    dropout_p = float(dropout_p)
-    rng = make_rng_state(q.device, dropout_seed, dropout_offset) if dropout_p > 0.0 else None
-    o, _ = torch.ops.nemo_ssa.flash_attn_fwd(
-        q, k, v, n if transform == "ssa" else None, b if transform == "ssa" else None, rng,
-        cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), transform, bool(causal), scale,
-        dropout_p, int(max_seqlen_q), int(max_seqlen_k), prec, fast)
-    return o
+    return _flash_call(q, k, v, n, b, cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32),
+                       int(max_seqlen_q), int(max_seqlen_k), transform=transform, causal=causal,
+                       softmax_scale=softmax_scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                       dropout_offset=dropout_offset, force_contiguous_qkv=force_contiguous_qkv,
+                       input_precision=input_precision, fast_math=fast_math)
 
 
 def ssa_attention_triton(q, k, v, n, b, *, causal=False, softmax_scale=None, keep_mask=None,
