@@ -13,7 +13,7 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
         --target /tmp/nemo-ssa-site .whl/*.whl && export PYTHONPATH=/tmp/nemo-ssa-site:${PYTHONPATH:-}
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-common="attention=ssa train=gpu_9min train.warmup_steps=5 train.limit_val_batches=1"
+common="attention=ssa compare_to=[] train=gpu_9min train.warmup_steps=5 train.limit_val_batches=1"
 run() {  # name, extra args...
     local name=$1; shift
     python3 scripts/pretrain.py $common "$@" > "runs/ck-$name.log" 2>&1
