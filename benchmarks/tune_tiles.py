@@ -1,0 +1,206 @@
+"""Measure candidate tile configs of the Triton attention kernels on one GPU; print the best.
+
+The static tile tables (``ops/ssa/flash.py`` ``_FWD_16``, ``ops/common/attn_bwd.py``
+``_BWD_16``, ``ops/elsa/routing.py`` ``FWD_TILES``) started as register/shared-memory
+estimates from offline sm_90 compiles. This script times every candidate on the real
+shapes so the tables can be filled with measured winners:
+
+    python benchmarks/tune_tiles.py --out tune.md              # all kernels, all shapes
+    python benchmarks/tune_tiles.py --kernels bwd --shapes model
+
+Kernels: ``flash_fwd`` (single-pass flash forward), ``bwd_dq`` / ``bwd_dkv`` (the two
+backward kernels; each swept with the other at its table value, so the winner of one
+does not depend on the other's timing), ``elsa_fwd`` (ELSA phase 1, one partition at the
+benchmark length). Transform: SSA (the heavier epilogue; softmax shares the tables).
+
+Compiling ~40-70 candidates per kernel and shape serially takes minutes, so a pool of
+worker processes first compiles every candidate once (populating Triton's on-disk cache;
+their timings are discarded), then this process times all of them alone on the GPU
+(``triton.testing.do_bench``, median). Candidates that fail to compile or launch (shared
+memory, registers) are reported as ``fail``. Output: per (kernel, shape) the best config
+and its speed-up over the current table entry, then the full table (``--out`` .md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import multiprocessing as mp
+import os
+import sys
+import time
+from typing import Dict, List, Optional, Tuple
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+SHAPES = {
+    # label: (B, Hq, Hkv, N, D) -- the model's attention, and the issue-4/7 benchmark shapes
+    "model": (4, 24, 8, 4096, 32),
+    "elsa16k-d32": (1, 24, 8, 16384, 32),
+    "d64": (1, 16, 16, 16384, 64),
+    "d128": (2, 8, 8, 8192, 128),
+}
+FWD_CANDS = [(bm, bn, w, s) for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
+DQ_CANDS = [(bm, bn, w, s) for bm in (32, 64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (1, 2, 3)]
+KV_CANDS = [(bm, bn, w, s) for bm in (16, 32, 64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (1, 2, 3)]
+KERNELS = ("flash_fwd", "bwd_dq", "bwd_dkv", "elsa_fwd")
+
+
+def _cands(kernel: str):
+    return {"flash_fwd": FWD_CANDS, "elsa_fwd": FWD_CANDS, "bwd_dq": DQ_CANDS, "bwd_dkv": KV_CANDS}[kernel]
+
+
+class _Case:
+    """Inputs of one shape and the callables that run one kernel with one candidate."""
+
+    def __init__(self, shape: str, causal: bool = True):
+        import torch
+
+        from nemo_ssa.ops.common import attn_bwd
+        from nemo_ssa.ops.ssa import flash
+
+        self.torch, self.flash, self.attn_bwd = torch, flash, attn_bwd
+        B, Hq, Hkv, N, D = SHAPES[shape]
+        g = torch.Generator(device="cuda").manual_seed(0)
+        mk = lambda h: torch.randn(B, h, N, D, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+        self.q, self.k, self.v, self.do = mk(Hq), mk(Hkv), mk(Hkv), mk(Hq)
+        self.n = torch.tensor([1.5], device="cuda")
+        self.b = torch.tensor([0.8], device="cuda")
+        self.causal, self.D = causal, D
+        self.o, self.M = flash.flash_attention_fwd(self.q, self.k, self.v, transform="ssa", n=self.n, b=self.b,
+                                                   causal=causal)
+        self.bwd_table = attn_bwd.bwd_config(D, causal, torch.bfloat16)
+        self.fwd_table = flash.fwd_config(D, causal, torch.bfloat16)
+
+    def table(self, kernel: str) -> Tuple[int, int, int, int]:
+        if kernel == "flash_fwd":
+            return tuple(self.fwd_table)
+        if kernel == "bwd_dq":
+            return tuple(self.bwd_table[:4])
+        if kernel == "bwd_dkv":
+            return tuple(self.bwd_table[4:])
+        from nemo_ssa.ops.elsa import routing
+
+        return tuple(routing.FWD_TILES["16bit"][routing.block_d(self.D)])
+
+    def fn(self, kernel: str, cand: Tuple[int, int, int, int]):
+        torch, flash, ab = self.torch, self.flash, self.attn_bwd
+        if kernel == "flash_fwd":
+            cfg = flash.FwdConfig(*cand)
+            return lambda: flash.flash_attention_fwd(self.q, self.k, self.v, transform="ssa", n=self.n, b=self.b,
+                                                     causal=self.causal, config=cfg)
+        if kernel in ("bwd_dq", "bwd_dkv"):
+            t = self.bwd_table
+            cfg = ab.BwdConfig(*cand, *t[4:]) if kernel == "bwd_dq" else ab.BwdConfig(*t[:4], *cand)
+            return lambda: ab.attention_bwd(self.do, self.q, self.k, self.v, self.o, self.M, transform="ssa",
+                                            n=self.n, b=self.b, causal=self.causal, config=cfg)
+        from nemo_ssa.ops.elsa import routing
+        from nemo_ssa.ops.elsa.scan import elsa_forward
+        from nemo_ssa.ops.common.transforms import transform_id
+
+        def run():
+            old = routing.TILE_OVERRIDE
+            routing.TILE_OVERRIDE = cand
+            try:
+                with torch.no_grad():
+                    return elsa_forward(self.q, self.k, self.v, self.n, self.b, transform=transform_id("ssa"),
+                                        causal=self.causal, scale=1.0 / math.sqrt(self.D), num_partitions=1)
+            finally:
+                routing.TILE_OVERRIDE = old
+        return run
+
+
+def _compile_worker(jobs: List[Tuple[str, str, Tuple[int, int, int, int]]]) -> int:
+    """Run each (shape, kernel, candidate) once: fills Triton's disk cache."""
+    import torch
+
+    cases: Dict[str, _Case] = {}
+    ok = 0
+    for shape, kernel, cand in jobs:
+        try:
+            if shape not in cases:
+                cases[shape] = _Case(shape)
+            cases[shape].fn(kernel, cand)()
+            torch.cuda.synchronize()
+            ok += 1
+        except Exception:  # noqa: BLE001 -- a candidate that cannot run is reported by the timing pass
+            torch.cuda.synchronize()
+    return ok
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kernels", default=",".join(KERNELS))
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    ap.add_argument("--rep", type=int, default=30, help="do_bench rep (ms) per candidate")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    import torch
+    import triton
+    import triton.testing
+
+    if not torch.cuda.is_available():
+        print("tune_tiles.py needs a CUDA device", file=sys.stderr)
+        return 2
+    kernels = [k for k in args.kernels.split(",") if k]
+    shapes = [s for s in args.shapes.split(",") if s]
+    jobs = [(s, k, c) for s in shapes for k in kernels for c in _cands(k)]
+    t0 = time.time()
+    if args.workers > 1:
+        chunks = [jobs[i::args.workers] for i in range(args.workers)]
+        with mp.get_context("spawn").Pool(args.workers) as pool:
+            ok = sum(pool.map(_compile_worker, chunks))
+        print(f"precompiled {ok}/{len(jobs)} candidates in {time.time() - t0:.0f} s ({args.workers} workers)", flush=True)
+
+    results: List[Dict] = []
+    best: Dict[Tuple[str, str], Dict] = {}
+    for s in shapes:
+        case = _Case(s)
+        for k in kernels:
+            table = case.table(k)
+            timed = {}
+            for c in _cands(k) + ([table] if table not in _cands(k) else []):
+                try:
+                    ms = float(triton.testing.do_bench(case.fn(k, c), warmup=5, rep=args.rep, return_mode="median"))
+                except Exception as e:  # noqa: BLE001
+                    ms = math.nan
+                    torch.cuda.synchronize()
+                timed[c] = ms
+                results.append(dict(shape=s, kernel=k, cand=c, ms=ms, table=(c == table)))
+            good = {c: ms for c, ms in timed.items() if ms == ms}
+            if not good:
+                print(f"{s:12s} {k:9s} no candidate ran", flush=True)
+                continue
+            bc = min(good, key=good.get)
+            tms = timed.get(table, math.nan)
+            best[(s, k)] = dict(cand=bc, ms=good[bc], table=table, table_ms=tms)
+            print(f"{s:12s} {k:9s} best {bc} {good[bc]:.3f} ms | table {table} {tms:.3f} ms | "
+                  f"x{tms / good[bc]:.2f}", flush=True)
+        del case
+        torch.cuda.empty_cache()
+
+    lines = [f"# tune_tiles: {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
+             f"bf16 causal SSA | {time.strftime('%Y-%m-%d')}", "",
+             "| shape | kernel | best (BM, BN, warps, stages) | ms | table entry | table ms | speed-up |",
+             "|---|---|---|---|---|---|---|"]
+    for (s, k), r in best.items():
+        lines.append(f"| {s} | {k} | {r['cand']} | {r['ms']:.3f} | {r['table']} | {r['table_ms']:.3f} | "
+                     f"{r['table_ms'] / r['ms']:.2f} |")
+    lines += ["", "All candidates (ms; nan = failed to compile/launch):", "", "| shape | kernel | cand | ms |",
+              "|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['shape']} | {r['kernel']} | {r['cand']}{' (table)' if r['table'] else ''} | {r['ms']:.3f} |")
+    text = "\n".join(lines)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    print("\n".join(lines[:4 + len(best)]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
