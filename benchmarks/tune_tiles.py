@@ -43,9 +43,9 @@ SHAPES = {
     "d64": (1, 16, 16, 16384, 64),
     "d128": (2, 8, 8, 8192, 128),
 }
-FWD_CANDS = [(bm, bn, w, s) for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
-DQ_CANDS = [(bm, bn, w, s) for bm in (32, 64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (1, 2, 3)]
-KV_CANDS = [(bm, bn, w, s) for bm in (16, 32, 64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (1, 2, 3)]
+FWD_CANDS = [(bm, bn, w, s) for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
+DQ_CANDS = [(bm, bn, w, s) for bm in (32, 64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (1, 2)]
+KV_CANDS = [(bm, bn, w, s) for bm in (16, 32, 64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (1, 2)]
 KERNELS = ("flash_fwd", "bwd_dq", "bwd_dkv", "elsa_fwd")
 
 
