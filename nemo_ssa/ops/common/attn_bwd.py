@@ -594,14 +594,16 @@ def _d_bucket(head_dim: int) -> int:
 
 
 # (BLOCK_D bucket, causal, "16bit" | "fp32") -> BwdConfig(dq: BM, BN, warps, stages,
-# dkv: BM, BN, warps, stages). Chosen without a GPU from sm_90 compiles (ptxas -v, SSA,
-# the heavier transform): the largest tiles that neither spill registers nor exceed
-# shared memory -- a starting point, not a measurement. fp32 uses IEEE dots (FMA
-# units, exactness tests only), hence the small tiles. NEMO_SSA_AUTOTUNE=1 tunes instead.
-_BWD_16 = {32: BwdConfig(128, 64, 8, 3, 32, 128, 8, 3),   # regs dq 178 / dkv 211
-           64: BwdConfig(64, 64, 8, 2, 32, 64, 8, 2),     # 186 / 210
-           128: BwdConfig(64, 64, 8, 2, 32, 64, 8, 2),    # 255 / 255, no spills
-           256: BwdConfig(32, 32, 4, 2, 32, 32, 8, 2)}    # 235 / 247
+# dkv: BM, BN, warps, stages). 16-bit rows 32/64/128: the measured winners of
+# benchmarks/tune_tiles.py (H100, bf16, causal SSA, 2026-11-22; docs/results/2026-11-22-tuning):
+# 4 warps beat 8 everywhere, 1.1-1.55x over the compile-time estimates they replace. The
+# D=32 row is the best for both the model shape (B4 N4K) and N=16K. 256 and fp32 are still
+# compile-time estimates (largest tiles without spills; fp32 uses IEEE dots on FMA units,
+# hence small tiles). NEMO_SSA_AUTOTUNE=1 tunes instead.
+_BWD_16 = {32: BwdConfig(64, 32, 4, 2, 64, 64, 4, 2),
+           64: BwdConfig(64, 64, 4, 2, 64, 64, 4, 1),
+           128: BwdConfig(64, 64, 4, 2, 32, 64, 4, 2),
+           256: BwdConfig(32, 32, 4, 2, 32, 32, 8, 2)}    # estimate: regs 235 / 247
 _BWD_32 = {32: BwdConfig(32, 32, 4, 2, 32, 32, 8, 2),
            64: BwdConfig(32, 32, 4, 2, 16, 16, 4, 2),
            128: BwdConfig(32, 32, 8, 2, 16, 16, 4, 2),

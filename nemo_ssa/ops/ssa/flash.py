@@ -220,15 +220,16 @@ class FwdConfig(NamedTuple):
     num_stages: int
 
 
-# (BLOCK_D bucket, causal, "16bit" | "fp32") -> FwdConfig. Chosen without a GPU from sm_90
-# compiles (ptxas -v, SSA): the largest tiles without register spills that fit shared
-# memory (regs/thread in the comments) -- starting points for H100/H200, not measurements.
-# fp32 runs IEEE dots on FMA units (exactness tests only): small tiles. Tune with
-# NEMO_SSA_AUTOTUNE=1 (candidates: _FWD_TUNE).
-_FWD_16 = {32: FwdConfig(128, 64, 8, 3),   # 130 regs
-           64: FwdConfig(128, 64, 8, 3),   # 149
-           128: FwdConfig(128, 64, 8, 3),  # 214, 128 KiB smem
-           256: FwdConfig(64, 32, 8, 2)}   # 181
+# (BLOCK_D bucket, causal, "16bit" | "fp32") -> FwdConfig. 16-bit rows 32/64/128: measured
+# winners of benchmarks/tune_tiles.py (H100, bf16, causal SSA, 2026-11-22;
+# docs/results/2026-11-22-tuning), 1.25-1.36x over the compile-time estimates they replace
+# (D=32: best for both B4 N4K and N=16K). 256 and fp32: compile-time estimates (largest
+# tiles without spills; fp32 runs IEEE dots on FMA units, exactness tests only, small
+# tiles). Tune with NEMO_SSA_AUTOTUNE=1 (candidates: _FWD_TUNE).
+_FWD_16 = {32: FwdConfig(64, 128, 4, 3),
+           64: FwdConfig(64, 64, 4, 2),
+           128: FwdConfig(64, 64, 4, 3),
+           256: FwdConfig(64, 32, 8, 2)}   # estimate: 181 regs
 _FWD_32 = {32: FwdConfig(64, 32, 4, 2), 64: FwdConfig(32, 32, 4, 2),
            128: FwdConfig(32, 32, 8, 2), 256: FwdConfig(16, 16, 4, 2)}
 FWD_CONFIGS: Dict[Tuple[int, bool, str], FwdConfig] = {}
