@@ -2,7 +2,8 @@
 
 Tiny shapes with 16x16 tiles, so N = 63 already spans 4 query blocks, 4 key tiles and up to
 3 partitions. Forward and every gradient are compared with the float64 reference
-``attention_naive``; the (m, l, acc) merge is checked on its own.
+``attention_naive``; the (m, l, acc) merge is checked on its own, in torch and through the
+phase-2 kernel (``merge_finalize_partials``).
 bf16 kernels are GPU-only here (the interpreter's bf16 ``tl.dot`` is wrong), fp16 covers the
 16-bit path. GPU bounds live in ``test_elsa_gpu.py``.
 
@@ -35,7 +36,7 @@ from nemo_ssa.ops.elsa import (
 from nemo_ssa.ops.elsa import routing
 from nemo_ssa.ops.elsa.introspect import elsa_structure
 from nemo_ssa.ops.elsa.monoid import partial_of
-from nemo_ssa.ops.elsa.scan import elsa_forward, kernels_interpreted
+from nemo_ssa.ops.elsa.scan import elsa_forward, kernels_interpreted, merge_finalize_partials
 from nemo_ssa.ops.ssa.naive import attention_naive
 from nemo_ssa.testing import assert_within_2x_eager, case_id, make_qkv, poison_, rel_err
 
@@ -228,6 +229,10 @@ def _ref(q, k, v, tr, n, b, causal, grad_out=None):
 @needs_kernels
 @pytest.mark.parametrize("case", CASE_PARAMS)
 def test_forward_and_grads_match_reference(case):
+    _assert_fwd_bwd_match_reference(case)
+
+
+def _assert_fwd_bwd_match_reference(case):
     B, Hq, Hkv, Sq, Sk, D, causal, P, tr = case
     q, k, v = _qkv(B, Hq, Hkv, Sq, Sk, D, requires_grad=True)
     n, b = _params(requires_grad=True)
@@ -322,7 +327,7 @@ def test_structure_summaries_round_trip(causal, Sq, Sk, P):
     assert rel_err(st.o, ref) <= 2e-6
     if causal and Sq == Sk:  # 16-row blocks, partitions = key tiles [0,1), [1,2), [2,4)
         assert st.live_per_q_block == [1, 2, 3, 3]
-        assert st.phase1_computed < st.phase1_grid  # future partitions skipped
+        assert st.phase1_launched == 9 * 2 < st.phase1_rectangle  # future partitions not launched
     if causal and Sq > Sk:
         assert st.live_per_q_block[0] == 0  # rows 0..15 see no key: nothing computed
     assert "K-partitions" in st.describe()
@@ -330,6 +335,133 @@ def test_structure_summaries_round_trip(causal, Sq, Sk, P):
     st.acc[0, 0, 0, -1, 0] += 1.0
     with pytest.raises(AssertionError):
         st.verify()
+
+
+def test_compact_grid_host_count_matches_live_set():
+    """Closed-form live pairs (``first_live_q_block``, the kernel's decode) == enumeration."""
+    for (bm, bn), Sq, Sk, P in [((16, 16), 63, 63, 3), ((16, 16), 20, 70, 5), ((16, 16), 90, 40, 3),
+                                ((16, 32), 100, 33, 2), ((32, 16), 1, 100, 7), ((16, 16), 300, 17, 2),
+                                ((64, 32), 1000, 4000, 64), ((128, 64), 4000, 1000, 7)]:
+        plan = routing.ElsaPlan(bm, bn, 16, 1, 1, 16, 1, -(-Sq // bm), -(-Sk // bn),
+                                num_partitions(1, 1, Sq, Sk, 16, block_m=bm, block_n=bn, sms=8, forced=P))
+        live = {(qb, p) for qb in range(plan.n_q_blocks) for p in range(plan.num_partitions)
+                if plan.partition_keys(p, Sk)[0] <= min((qb + 1) * bm, Sq) - 1 + Sk - Sq}
+        closed = {(qb, p) for p in range(plan.num_partitions)
+                  for qb in range(plan.first_live_q_block(p, Sq, Sk), plan.n_q_blocks)}
+        assert closed == live, (bm, bn, Sq, Sk, P)
+        counts = [plan.live_partitions(qb, Sq, Sk, True) for qb in range(plan.n_q_blocks)]
+        assert sorted(live) == [(qb, p) for qb, c in enumerate(counts) for p in range(c)]  # prefixes
+        assert plan.phase1_grid(2, 3, Sq, Sk, causal=True, fused=False) == (sum(counts), 6)
+        assert plan.phase1_grid(2, 3, Sq, Sk, causal=True, fused=True) == (plan.n_q_blocks, plan.num_partitions, 6)
+        assert plan.phase1_grid(2, 3, Sq, Sk, causal=False, fused=False) == (plan.n_q_blocks, plan.num_partitions, 6)
+
+
+# (B, Hq, Hkv, Sq, Sk, D, causal, forced partitions, transform): several partitions, Sq != Sk
+COMPACT_CASES = [
+    (1, 2, 1, 40, 60, 32, True, 4, "ssa"),  # Sq < Sk: live per block [3, 4, 4]
+    (2, 2, 1, 90, 40, 16, True, 3, "softmax"),  # Sq > Sk: 3 blocks see no key: no program
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", [pytest.param(c, id=_cid(c)) for c in COMPACT_CASES])
+def test_causal_phase1_launches_only_live_pairs(case):
+    """Causal, P > 1: the phase-1 grid is the live (query block, partition) pairs, no more."""
+    B, Hq, Hkv, Sq, Sk, D, causal, P, tr = case
+    q, k, v = _qkv(B, Hq, Hkv, Sq, Sk, D)
+    n, b = _params()
+    kw = dict(n=n, b=b) if tr == "ssa" else {}
+    st = elsa_structure(q, k, v, transform=tr, causal=True, num_partitions=P, **kw).verify()
+    live = [st.plan.live_partitions(qb, Sq, Sk, True) for qb in range(st.plan.n_q_blocks)]
+    assert st.num_partitions == P and st.phase1_grid == (sum(live), B * Hq)
+    assert st.phase1_launched == sum(live) * B * Hq < st.phase1_rectangle
+    assert f"launched {st.phase1_launched} (live pairs) of {st.phase1_rectangle}" in st.describe()
+    ref, _ = _ref(q, k, v, tr, n, b, True)
+    assert rel_err(st.o, ref) <= 2e-6
+    _assert_fwd_bwd_match_reference(case)  # and through autograd (fused routing not involved)
+
+
+# ----------------------------------------------------------------------------------------
+# the phase-2 kernel on caller partials (context-parallel / split-K merge)
+# ----------------------------------------------------------------------------------------
+
+
+def _partials_with_identities(P, B, H, S, D):
+    """fp32 partials ``[P, B, H, S(, D)]``; some identities, and row S-1 all-identity."""
+    m, l, acc = _rand_partials(P, B * H * S, D, n_identity=5, dtype=torch.float32)
+    m, l, acc = m.view(P, B, H, S), l.view(P, B, H, S), acc.view(P, B, H, S, D)
+    m[:, :, :, -1], l[:, :, :, -1], acc[:, :, :, -1] = float("-inf"), 0.0, 0.0
+    m[1:, 0, 0, 0], l[1:, 0, 0, 0], acc[1:, 0, 0, 0] = float("-inf"), 0.0, 0.0  # one live partial
+    return m, l, acc
+
+
+def _assert_matches_torch_merge(o, M, m, l, acc):
+    o_ref, M_ref = finalize_partials(*merge_partials(m.double(), l.double(), acc.double(), dim=0))
+    assert torch.equal(torch.isinf(M), torch.isinf(M_ref)) and not torch.isnan(M).any()
+    fin = torch.isfinite(M_ref)
+    assert torch.allclose(M[fin].double(), M_ref[fin], rtol=1e-6, atol=1e-6)
+    assert (o[~fin] == 0).all() and (M[~fin] == float("inf")).all()  # all-identity rows
+    assert rel_err(o, o_ref) <= (2e-6 if o.dtype == torch.float32 else 1e-3)
+
+
+@needs_kernels
+@pytest.mark.parametrize("P,D", [(1, 16), (3, 24), (5, 40)], ids=["P1-D16", "P3-D24", "P5-D40"])
+def test_merge_finalize_partials_kernel_matches_torch_monoid(P, D):
+    B, H, S = 2, 2, 20
+    m, l, acc = _partials_with_identities(P, B, H, S, D)
+    o, M = merge_finalize_partials(m.to(DEV), l.to(DEV), acc.to(DEV))
+    assert o.shape == (B, H, S, D) and o.dtype == torch.float32 and M.shape == (B, H, S)
+    _assert_matches_torch_merge(o.cpu(), M.cpu(), m, l, acc)
+    assert (M[:, :, -1] == float("inf")).all() and (o[:, :, -1] == 0).all()
+    # every partial the identity: identity out, never NaN
+    e = identity_partial((P, 1, 1, 3), D, device=DEV)
+    o_e, M_e = merge_finalize_partials(*e)
+    assert (o_e == 0).all() and (M_e == float("inf")).all()
+
+
+@needs_kernels
+def test_merge_finalize_partials_strided_and_out_dtype():
+    P, B, H, S, D = 3, 1, 2, 17, 32
+    m, l, acc = _partials_with_identities(P, B, H, S, D)
+    # ELSA's own summary layout [B, H, P, S(, D)] seen as [P, B, H, S(, D)]; l with other strides
+    m_s = m.permute(1, 2, 0, 3).contiguous().to(DEV).permute(2, 0, 1, 3)
+    acc_s = acc.permute(1, 2, 0, 3, 4).contiguous().to(DEV).permute(2, 0, 1, 3, 4)
+    assert not m_s.is_contiguous() and not acc_s.is_contiguous()
+    for l_s in (l.permute(1, 2, 0, 3).contiguous().to(DEV).permute(2, 0, 1, 3), l.to(DEV)):
+        o, M = merge_finalize_partials(m_s, l_s, acc_s)
+        _assert_matches_torch_merge(o.cpu(), M.cpu(), m, l, acc)
+    o16, M16 = merge_finalize_partials(m_s, l_s, acc_s, out_dtype=torch.float16)
+    assert o16.dtype == torch.float16 and torch.equal(M16, M)
+    _assert_matches_torch_merge(o16.cpu(), M16.cpu(), m, l, acc)
+
+
+@needs_kernels
+def test_merge_finalize_partials_split_k_decode():
+    """Split-K decode: per-chunk partials of one query row, merged by the kernel == attention."""
+    B, H, Sk, D = 1, 2, 50, 32
+    q, k, v = _qkv(B, H, H, 1, Sk, D)
+    z2 = (q.double() @ k.double().transpose(-1, -2)) * D ** -0.5 * LOG2E  # [B, H, 1, Sk]
+    cuts = [0, 13, 13, 30, 50]  # an empty chunk: identity partial
+    parts = [partial_of(z2[..., a:c], v.double()[..., a:c, :]) if c > a else
+             identity_partial((B, H, 1), D, dtype=F64, device=DEV) for a, c in zip(cuts, cuts[1:])]
+    m, l, acc = (torch.stack(t).float() for t in zip(*parts))  # [P, B, H, 1(, D)]
+    o, M = merge_finalize_partials(m, l, acc)
+    ref = attention_naive(q.double(), k.double(), v.double(), transform="softmax")
+    assert rel_err(o, ref) <= 2e-6
+    lse2 = torch.logsumexp(z2 / LOG2E, dim=-1) * LOG2E
+    assert torch.allclose(M.double(), lse2, rtol=1e-6)
+
+
+def test_merge_finalize_partials_validation():
+    m, l, acc = identity_partial((2, 1, 1, 4), 16, device=DEV)
+    with pytest.raises(ValueError, match="float32"):
+        merge_finalize_partials(m.double(), l, acc)
+    with pytest.raises(ValueError, match=r"acc \[P, B, H, S, D\]"):
+        merge_finalize_partials(m, l, acc[..., 0])
+    with pytest.raises(ValueError, match="D <= 256"):
+        merge_finalize_partials(*identity_partial((2, 1, 1, 4), 300, device=DEV))
+    with pytest.raises(ValueError, match="out_dtype"):
+        merge_finalize_partials(m, l, acc, out_dtype=torch.float64)
 
 
 @needs_kernels

@@ -5,8 +5,11 @@ memory (also when routing would pick one partition), in NaN-poisoned fp32 buffer
 returns them together with the phase-2 result. ``ElsaStructure.verify`` then checks:
 
 * the partition count and ranges (balanced, tile aligned, covering all keys once);
+* phase 1 launched exactly one program per live (query block, partition, batch-head)
+  triple (the grid actually passed to Triton, not a formula): causal partitions in a
+  block's future are not in the grid at all;
 * exactly the live (query block, partition) summaries were written (not NaN) and the
-  skipped ones (causal: partitions in a block's future) were never touched;
+  skipped ones were never touched (with the count above: one program per live pair);
 * phase 2 equals ``finalize(merge_partials(...))`` of those summaries computed in torch,
   i.e. the output really is the merge of partials that round-tripped through memory.
 
@@ -24,7 +27,7 @@ import torch
 from nemo_ssa.ops.common.transforms import transform_id
 from nemo_ssa.ops.elsa.monoid import finalize_partials, merge_partials
 from nemo_ssa.ops.elsa.routing import ElsaPlan, make_plan
-from nemo_ssa.ops.elsa.scan import _validate_elsa, allocate_summaries, elsa_forward
+from nemo_ssa.ops.elsa.scan import _validate_elsa, allocate_summaries, elsa_forward, launch
 
 __all__ = ["ElsaStructure", "elsa_structure"]
 
@@ -36,6 +39,7 @@ class ElsaStructure:
     causal: bool
     dtype: torch.dtype
     live_per_q_block: List[int]
+    phase1_grid: tuple  # the phase-1 grid launched: (live pairs, B*Hq) or (q blocks, P, B*Hq)
     m: torch.Tensor  # [B, Hq, P, Sq] fp32, NaN where phase 1 did not write
     l: torch.Tensor
     acc: torch.Tensor  # [B, Hq, P, Sq, D]
@@ -47,15 +51,21 @@ class ElsaStructure:
         return self.plan.num_partitions
 
     @property
-    def phase1_grid(self) -> int:
-        B, Hq = self.shape[:2]
-        return self.plan.n_q_blocks * self.plan.num_partitions * B * Hq
+    def phase1_launched(self) -> int:
+        """Phase-1 programs launched (the product of the grid passed to Triton)."""
+        return math.prod(self.phase1_grid)
 
     @property
-    def phase1_computed(self) -> int:
-        """(query block, partition, batch-head) programs that did work (the rest exit at once)."""
+    def phase1_live(self) -> int:
+        """Live (query block, partition, batch-head) triples: ``sum(live_per_q_block) * B * Hq``."""
         B, Hq = self.shape[:2]
         return sum(self.live_per_q_block) * B * Hq
+
+    @property
+    def phase1_rectangle(self) -> int:
+        """The full (query blocks x partitions x B*Hq) rectangle, live or not."""
+        B, Hq = self.shape[:2]
+        return self.plan.n_q_blocks * self.plan.num_partitions * B * Hq
 
     def expected_written(self) -> torch.Tensor:
         """Bool ``[P, Sq]``: summaries phase 1 must write (same for every batch and head)."""
@@ -72,6 +82,9 @@ class ElsaStructure:
         assert ranges[0][0] == 0 and ranges[-1][1] == Sk, ranges
         assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), ranges
         assert all(lo < hi for lo, hi in ranges), f"empty partition in {ranges}"
+        assert self.phase1_launched == self.phase1_live, (
+            f"phase 1 launched {self.phase1_launched} programs (grid {self.phase1_grid}) for "
+            f"{self.phase1_live} live (query block, partition, batch-head) triples")
 
         written = ~torch.isnan(self.m.cpu())  # [B, Hq, P, Sq]
         expect = self.expected_written().expand_as(written)
@@ -102,8 +115,9 @@ class ElsaStructure:
         dname = str(self.dtype).replace("torch.", "")
         return (f"elsa {dname} B={B} Hq={Hq} Hkv={Hkv} Sq={Sq} Sk={Sk} D={D} "
                 f"{'causal' if self.causal else 'full'} | tiles {self.plan.block_m}x{self.plan.block_n} "
-                f"| K-partitions={self.plan.num_partitions} | phase1 programs {self.phase1_computed}"
-                f"/{self.phase1_grid} live | phase2 reads HBM summaries acc{tuple(self.acc.shape)}")
+                f"| K-partitions={self.plan.num_partitions} | phase1 programs launched "
+                f"{self.phase1_launched} (live pairs) of {self.phase1_rectangle} (q blocks x P x B*Hq) "
+                f"| phase2 reads HBM summaries acc{tuple(self.acc.shape)}")
 
 
 def elsa_structure(q, k, v, *, transform: str = "softmax", n=None, b=None, causal: bool = False,
@@ -122,16 +136,19 @@ def elsa_structure(q, k, v, *, transform: str = "softmax", n=None, b=None, causa
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
     plan = make_plan(B, Hq, Sq, Sk, D, q.dtype, q.device, forced=num_partitions)
     bufs = allocate_summaries(plan, B, Hq, Sq, D, q.device, fill=float("nan"))
+    specs: list = []
     with torch.no_grad():
         o, lse, plan2, (ms, ls, accs) = elsa_forward(
             q, k, v, n, b, transform=transform_id(transform), causal=causal, scale=scale,
-            num_partitions=plan.num_partitions, fp32_precision=fp32_precision, two_pass=True, summaries=bufs)
+            num_partitions=plan.num_partitions, fp32_precision=fp32_precision, two_pass=True, summaries=bufs,
+            _collect=specs)
+        launch(specs, q.device)  # recorded first, so the report shows the grid really launched
     assert plan2 == plan
     P = plan.num_partitions
     live = [plan.live_partitions(qb, Sq, Sk, causal) for qb in range(plan.n_q_blocks)]
     return ElsaStructure(
         plan=plan, shape=(B, Hq, Hkv, Sq, Sk, D), causal=bool(causal), dtype=q.dtype,
-        live_per_q_block=live,
+        live_per_q_block=live, phase1_grid=tuple(specs[0][1]),
         m=ms.view(B, Hq, P, Sq), l=ls.view(B, Hq, P, Sq), acc=accs.view(B, Hq, P, Sq, D),
         o=o, lse=lse,
     )
@@ -159,7 +176,7 @@ def main(argv=None) -> int:
                     st = elsa_structure(q, k, v, causal=causal, num_partitions=args.partitions).verify()
                     print(st.describe(), flush=True)
     print("VERIFY: TWO-PASS PARALLEL SCAN CONFIRMED (summaries round-trip through global memory, "
-          "phase 2 == merge of phase-1 partials, future partitions never written)")
+          "phase 2 == merge of phase-1 partials, future partitions neither launched nor written)")
     return 0
 
 

@@ -22,7 +22,10 @@ log2 log-sum-exp saved for backward are ``o = acc / l`` and ``M = m + log2(l)``,
 ``nemo_ssa.ops.common`` backward kernels (``p = 2^(z2 - M) = 0`` on such rows).
 
 This is the merge that ELSA's phase 2, context-parallel attention (one partial per rank)
-and split-K decode need; everything here is plain torch and runs anywhere.
+and split-K decode need; everything here is plain torch and runs anywhere. The GPU path
+is ``nemo_ssa.ops.elsa.merge_finalize_partials(m, l, acc)`` (``scan.py``): ELSA's phase-2
+Triton kernel on stacked ``[P, B, H, S(, D)]`` fp32 partials, returning
+``finalize_partials(*merge_partials(m, l, acc, dim=0))`` in one pass.
 """
 
 from __future__ import annotations

@@ -37,12 +37,13 @@ __all__ = [
 
 # ---------------------------------------------------------------------------------------
 # Tunables. (BLOCK_M, BLOCK_N, num_warps, num_stages), keyed by dtype class, then BLOCK_D.
-# Starting points: Triton tutorial 06 / fla shapes, filtered by an offline sm_90a compile
-# (ptxas -v) to configs without register spills for softmax *and* SSA; not timed yet.
-# The lead tunes on H100/H200 (benchmarks/bench_elsa.py); every entry is independent.
+# 16-bit 32/64/128: measured winners of benchmarks/tune_tiles.py (H100, bf16, causal SSA,
+# one partition, 2026-11-22; docs/results/2026-11-22-tuning), 1.12-1.36x over the
+# compile-time estimates they replace (16 follows 32). 256 and fp32: offline sm_90a
+# compiles (ptxas -v), configs without register spills for softmax *and* SSA, not timed.
 FWD_TILES = {
-    "16bit": {16: (128, 64, 4, 3), 32: (128, 64, 4, 3), 64: (128, 64, 8, 3),
-              128: (128, 64, 8, 3), 256: (64, 32, 8, 2)},
+    "16bit": {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 128, 4, 3),
+              128: (64, 64, 4, 3), 256: (64, 32, 8, 2)},
     # fp32 IEEE dots run on CUDA cores (FMA): the q/k/v fragments live in registers, so
     # tiles are smaller and warps more (4 warps spill at 64x64 for D >= 64)
     "fp32": {16: (64, 64, 4, 2), 32: (64, 64, 8, 2), 64: (64, 32, 8, 2),
@@ -173,6 +174,31 @@ class ElsaPlan:
             last_row = min((q_block + 1) * self.block_m, sq) - 1
             kv_hi = max(0, min(sk, last_row + sk - sq + 1))
         return sum(1 for p in range(self.num_partitions) if self.partition_keys(p, sk)[0] < kv_hi)
+
+    def first_live_q_block(self, p: int, sq: int, sk: int) -> int:
+        """Causal: the first query block that sees a key of partition ``p``.
+
+        Closed form, mirrored by the phase-1 kernel's ``COMPACT`` decode: row
+        ``start_p + sq - sk`` is the first whose window ``j <= i + sk - sq`` reaches the
+        partition's first key; partitions are never empty, so blocks from there on are live.
+        """
+        return max(self.partition_keys(p, sk)[0] + sq - sk, 0) // self.block_m
+
+    def compact_phase1(self, causal: bool, fused: bool) -> bool:
+        """Phase 1 launches only the live (query block, partition) pairs (causal summaries).
+
+        With the fused one-partition epilogue every block must run (blocks without a
+        visible key write ``o = 0``); without causal masking every pair is live.
+        """
+        return bool(causal) and not fused
+
+    def phase1_grid(self, B: int, Hq: int, sq: int, sk: int, causal: bool, fused: bool) -> tuple:
+        """Phase-1 launch grid: ``(live pairs, B*Hq)`` if ``compact_phase1``, else the
+        rectangle ``(query blocks, P, B*Hq)``."""
+        if self.compact_phase1(causal, fused):
+            pairs = sum(self.n_q_blocks - self.first_live_q_block(p, sq, sk) for p in range(self.num_partitions))
+            return (pairs, B * Hq)
+        return (self.n_q_blocks, self.num_partitions, B * Hq)
 
 
 def make_plan(B: int, Hq: int, Sq: int, Sk: int, D: int, dtype: torch.dtype, device, forced=None) -> ElsaPlan:

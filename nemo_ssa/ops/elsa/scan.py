@@ -4,22 +4,29 @@ Computes ``o = softmax(z) @ v`` with ``z`` the softmax or SSA transform of
 ``s = scale * q k^T`` (``nemo_ssa/ops/common/transforms.py``), exactly (no approximation),
 as the product of the associative (m, l, acc) monoid (``monoid.py``) over the keys:
 
-* phase 1 (``_elsa_fwd_partial_kernel``): one program per (query block, key partition,
-  batch x query head) folds the partition's key tiles into a register-resident partial
-  (m, l, acc) and writes it to global memory in fp32;
+* phase 1 (``_elsa_fwd_partial_kernel``): one program per live (query block, key
+  partition, batch x query head) folds the partition's key tiles into a register-resident
+  partial (m, l, acc) and writes it to global memory in fp32. Causal: the grid holds only
+  the live pairs (``(live pairs, B*Hq)``, decoded in closed form; ``ElsaPlan.phase1_grid``),
+  so partitions in a block's future are not launched at all;
 * phase 2 (``_elsa_merge_kernel``): one program per (row block, batch x query head) merges
-  the partials of all partitions (tree max, then a fixed-order scaled sum) and writes
+  the partials of the live partitions (tree max, then a fixed-order scaled sum) and writes
   ``o`` (input dtype) and the per-row log2 log-sum-exp ``M = m + log2(l)`` (fp32,
   ``+inf`` for rows that see no key).
 
 With one partition (short inputs, ``routing.num_partitions``) phase 2 is only the
 finalisation ``acc / l`` and is fused into the phase-1 epilogue (no summary round trip).
 
+``merge_finalize_partials(m, l, acc)`` runs the phase-2 kernel on caller partials
+``[P, B, H, S(, D)]`` (any strides) and returns ``(o, M)``: the GPU form of
+``finalize_partials(*merge_partials(..., dim=0))`` (``monoid.py``) for context-parallel
+attention (one partial per rank) and split-K decode (one partial per key split).
+
 Layouts: ``q [B, Hq, Sq, D]``, ``k, v [B, Hkv, Sk, D]`` with any strides (GQA: query head
 ``h`` reads kv head ``h // (Hq // Hkv)``); ``o [B, Hq, Sq, D]`` contiguous;
 ``M [B, Hq, Sq]`` fp32. Causal masking is bottom-right aligned (query ``i`` sees key
 ``j`` iff ``j <= i + Sk - Sq``); partitions that start after a query block's last visible
-key are never computed nor read. Offsets are int64. Any ``Sq``, ``Sk`` (masked tails),
+key are neither launched nor read. Offsets are int64. Any ``Sq``, ``Sk`` (masked tails),
 head dims 16..256 (padded to a power of two and masked). fp32 inputs use IEEE fp32 dots
 by default (``fp32_precision``).
 
@@ -43,13 +50,14 @@ import triton.language as tl
 
 from nemo_ssa.ops.common.transforms import score_fwd_hoisted, transform_consts, transform_id
 from nemo_ssa.ops.elsa.backward import elsa_bwd_op, fast_log2
-from nemo_ssa.ops.elsa.routing import ElsaPlan, make_plan
+from nemo_ssa.ops.elsa.routing import ElsaPlan, block_d, make_plan, merge_tiles
 
 __all__ = [
     "elsa_attention",
     "elsa_softmax_attention",
     "elsa_ssa_attention",
     "elsa_forward",
+    "merge_finalize_partials",
     "FP32_PRECISIONS",
     "SUPPORTED_DTYPES",
     "kernels_interpreted",
@@ -133,15 +141,41 @@ def _elsa_fwd_partial_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     HQ, GROUP, SQ, SK, N_TILES, NUM_PART, scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    TRANSFORM: tl.constexpr, CAUSAL: tl.constexpr, FINALIZE: tl.constexpr,
+    TRANSFORM: tl.constexpr, CAUSAL: tl.constexpr, FINALIZE: tl.constexpr, COMPACT: tl.constexpr,
     PRECISION: tl.constexpr, FAST_LOG2: tl.constexpr,
 ):
-    """Phase 1: partial (m, l, acc) of one query block over one key partition."""
-    pid_m = tl.program_id(0)
-    pid_p = tl.program_id(1)
-    pid_bh = tl.program_id(2)
-    # heaviest (causal: latest) query blocks first; neighbours share one K/V partition in L2
-    qb = tl.cdiv(SQ, BLOCK_M) - 1 - pid_m
+    """Phase 1: partial (m, l, acc) of one query block over one key partition.
+
+    Launch order: partition-major, latest (causal: heaviest) query block first, so that
+    neighbouring programs share one K/V partition in L2. ``COMPACT`` (causal summaries):
+    the 2-D grid ``(live pairs, B*Hq)`` holds only the (query block, partition) pairs
+    with a visible key, in that same order; the pair is decoded in closed form (mirrored
+    on the host by ``ElsaPlan.first_live_q_block`` / ``phase1_grid``). Otherwise the grid
+    is the rectangle ``(query blocks, P, B*Hq)`` and every program has work.
+    """
+    n_qb = tl.cdiv(SQ, BLOCK_M)
+    if COMPACT:
+        # partition p is seen by query blocks >= qb0_p, the block of row start_p + SQ - SK
+        # (the first row whose causal window reaches p's first key); its programs are
+        # qb = n_qb - 1 .. qb0_p. Find p by a scalar prefix sum over the (few) partitions
+        # (scalar: a tl.cumsum over a P-vector cost 25-45 more registers on sm_90a).
+        pid = tl.program_id(0)
+        pid_p = 0
+        cum = 0  # programs of partitions 0..p
+        before = 0  # programs of partitions < pid_p
+        for p in range(0, NUM_PART):
+            first_row = ((p * N_TILES) // NUM_PART) * BLOCK_N + (SQ - SK)
+            n_live_qb = n_qb - tl.maximum(first_row, 0) // BLOCK_M
+            cum += n_live_qb
+            done = cum <= pid  # partition p lies entirely before this program
+            pid_p += done.to(tl.int32)
+            before += tl.where(done, n_live_qb, 0)
+        qb = n_qb - 1 - (pid - before)
+        pid_bh = tl.program_id(1)
+    else:
+        pid_p = tl.program_id(1)
+        pid_bh = tl.program_id(2)
+        qb = n_qb - 1 - tl.program_id(0)
     off_b = pid_bh // HQ
     off_h = pid_bh % HQ
     off_hk = off_h // GROUP
@@ -157,9 +191,8 @@ def _elsa_fwd_partial_kernel(
     # partition pid_p = key tiles [pid_p*T//P, (pid_p+1)*T//P): balanced, tile aligned
     lo = ((pid_p * N_TILES) // NUM_PART) * BLOCK_N
     hi = tl.minimum(((pid_p + 1) * N_TILES // NUM_PART) * BLOCK_N, kv_hi)
-    if not FINALIZE:
-        if lo >= kv_hi:  # partition entirely in this block's future: never computed
-            return
+    # every launched program has lo < kv_hi, except FINALIZE blocks whose rows see no key
+    # (Sq > Sk): they fold nothing and write o = 0, M = +inf
 
     rows = row0 + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     offs_n = tl.arange(0, BLOCK_N)
@@ -219,6 +252,8 @@ def _elsa_fwd_partial_kernel(
 @triton.jit
 def _elsa_merge_kernel(
     MS, LS, ACCS, O, LSE,
+    stride_mp, stride_mb, stride_mh, stride_mm,  # m and l: [P, B, Hq, Sq], any strides
+    stride_ap, stride_ab, stride_ah, stride_am, stride_ad,  # acc: [P, B, Hq, Sq, D]
     stride_ob, stride_oh, stride_om, stride_od,
     HQ, SQ, SK, N_TILES, NUM_PART,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, KEY_TILE: tl.constexpr,
@@ -230,6 +265,8 @@ def _elsa_merge_kernel(
     reduction over the partition axis), ``l* = sum_p l_p 2^(m_p - m*)``, ``acc*`` likewise
     (a fixed-order sum: deterministic). A partition is read for a row only if it starts
     before the row's last visible key, i.e. only summaries phase 1 wrote.
+    ``merge_finalize_partials`` reuses this kernel on caller partials (``CAUSAL=False``,
+    one "key" per partition: every partition live).
     """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -250,8 +287,15 @@ def _elsa_merge_kernel(
     parts = tl.arange(0, P_POW2)  # [P_POW2]
     starts = ((parts * N_TILES) // NUM_PART) * KEY_TILE
     live = (parts[:, None] < NUM_PART) & (starts[:, None] < kv_hi_row[None, :]) & row_ok[None, :]
-    base = pid_bh.to(tl.int64) * NUM_PART * SQ
-    m_all = tl.load(MS + base + parts[:, None].to(tl.int64) * SQ + rows[None, :],
+    # scalar pointers at (batch, head, partition 0), advanced per partition below; row
+    # offsets int64, in-row head-dim offsets int32 (no loop-carried 64-bit pointer tiles)
+    ms_p = MS + off_b.to(tl.int64) * stride_mb + off_h.to(tl.int64) * stride_mh
+    ls_p = LS + off_b.to(tl.int64) * stride_mb + off_h.to(tl.int64) * stride_mh
+    accs_p = ACCS + off_b.to(tl.int64) * stride_ab + off_h.to(tl.int64) * stride_ah
+    m_rows = rows.to(tl.int64) * stride_mm  # [BLOCK_M]
+    a_rows = rows.to(tl.int64) * stride_am  # [BLOCK_M]
+    d_offs = offs_d * stride_ad  # [BLOCK_D]
+    m_all = tl.load(ms_p + m_rows[None, :] + parts[:, None].to(tl.int64) * stride_mp,
                     mask=live, other=float("-inf"))  # [P_POW2, BLOCK_M]
     m_star = tl.max(m_all, 0)  # [BLOCK_M]
     m_use = tl.where(m_star == float("-inf"), 0.0, m_star)
@@ -262,14 +306,16 @@ def _elsa_merge_kernel(
     for p in range(0, n_live):
         start_p = ((p * N_TILES) // NUM_PART) * KEY_TILE
         ok = row_ok & (start_p < kv_hi_row)
-        srow = base + p * SQ + rows  # [BLOCK_M] int64
-        m_p = tl.load(MS + srow, mask=ok, other=float("-inf"))
-        l_p = tl.load(LS + srow, mask=ok, other=0.0)
-        a_p = tl.load(ACCS + srow[:, None] * HEAD_DIM + offs_d[None, :],
+        m_p = tl.load(ms_p + m_rows, mask=ok, other=float("-inf"))
+        l_p = tl.load(ls_p + m_rows, mask=ok, other=0.0)
+        a_p = tl.load(accs_p + a_rows[:, None] + d_offs[None, :],
                       mask=ok[:, None] & dmask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
         f = tl.where(m_p == float("-inf"), 0.0, tl.math.exp2(m_p - m_use))  # identity -> 0
         l_acc += l_p * f
         acc += a_p * f[:, None]
+        ms_p += stride_mp
+        ls_p += stride_mp
+        accs_p += stride_ap
 
     empty = l_acc == 0.0
     l_safe = tl.where(empty, 1.0, l_acc)
@@ -352,10 +398,19 @@ def elsa_forward(
     if _collect is not None:
         _collect.extend(specs)
         return o, lse, plan, summaries
-    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+    launch(specs, q.device)
+    return o, lse, plan, summaries
+
+
+def launch(specs, device) -> None:
+    """Run recorded ``(kernel, grid, args, kwargs)`` launches on ``device`` (``_collect`` output)."""
+    with torch.cuda.device(device) if torch.device(device).type == "cuda" else contextlib.nullcontext():
         for kernel, grid, args, kwargs in specs:
             kernel[grid](*args, **kwargs)
-    return o, lse, plan, summaries
+
+
+def _p_pow2(p: int) -> int:
+    return max(2, triton.next_power_of_2(p))
 
 
 def _launch_specs(q, k, v, np_, bp_, o, lse, ms, ls, accs, plan: ElsaPlan, *, transform, causal, scale,
@@ -363,27 +418,44 @@ def _launch_specs(q, k, v, np_, bp_, o, lse, ms, ls, accs, plan: ElsaPlan, *, tr
     """``[(kernel, grid, args, kwargs)]``: phase 1, then phase 2 unless fused."""
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
+    P = plan.num_partitions
     specs = [(
         _elsa_fwd_partial_kernel,
-        (plan.n_q_blocks, plan.num_partitions, B * Hq),
+        plan.phase1_grid(B, Hq, Sq, Sk, causal=causal, fused=finalize),
         (q, k, v, np_, bp_, o, lse, ms, ls, accs,
          *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-         Hq, Hq // Hkv, Sq, Sk, plan.n_key_tiles, plan.num_partitions, float(scale)),
+         Hq, Hq // Hkv, Sq, Sk, plan.n_key_tiles, P, float(scale)),
         dict(HEAD_DIM=D, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d,
              TRANSFORM=int(transform), CAUSAL=bool(causal), FINALIZE=finalize,
+             COMPACT=plan.compact_phase1(causal, fused=finalize),
              PRECISION=precision, FAST_LOG2=fast,
              num_warps=plan.num_warps, num_stages=plan.num_stages),
     )]
     if not finalize:
-        specs.append((
-            _elsa_merge_kernel,
-            (triton.cdiv(Sq, plan.merge_block_m), B * Hq),
-            (ms, ls, accs, o, lse, *o.stride(), Hq, Sq, Sk, plan.n_key_tiles, plan.num_partitions),
-            dict(HEAD_DIM=D, BLOCK_M=plan.merge_block_m, KEY_TILE=plan.block_n, BLOCK_D=plan.block_d,
-                 P_POW2=max(2, triton.next_power_of_2(plan.num_partitions)), CAUSAL=bool(causal),
-                 num_warps=plan.merge_warps),
-        ))
+        # summaries [B*Hq, P, Sq(, D)] seen as [P, B, Hq, Sq(, D)] (the merge kernel's layout)
+        ms4, ls4 = (t.view(B, Hq, P, Sq).permute(2, 0, 1, 3) for t in (ms, ls))
+        accs5 = accs.view(B, Hq, P, Sq, D).permute(2, 0, 1, 3, 4)
+        specs.append(_merge_spec(ms4, ls4, accs5, o, lse, sk=Sk, n_tiles=plan.n_key_tiles, key_tile=plan.block_n,
+                                 causal=causal, block_m=plan.merge_block_m, num_warps=plan.merge_warps))
     return specs
+
+
+def _merge_spec(m, l, acc, o, lse, *, sk, n_tiles, key_tile, causal, block_m, num_warps):
+    """Phase-2 launch for partials ``m, l [P, B, H, S]`` (same strides), ``acc [P, B, H, S, D]``.
+
+    ``o [B, H, S, D]`` (any strides), ``lse`` contiguous ``[B, H, S]``. Partition ``p`` starts
+    at key ``(p * n_tiles // P) * key_tile``; with ``causal`` a row reads only partitions
+    starting before its last visible key (``sk`` keys, bottom-right aligned).
+    """
+    P, B, H, S, D = acc.shape
+    assert m.stride() == l.stride() and lse.is_contiguous()
+    return (
+        _elsa_merge_kernel,
+        (triton.cdiv(S, block_m), B * H),
+        (m, l, acc, o, lse, *m.stride(), *acc.stride(), *o.stride(), H, S, sk, n_tiles, P),
+        dict(HEAD_DIM=D, BLOCK_M=block_m, KEY_TILE=key_tile, BLOCK_D=block_d(D), P_POW2=_p_pow2(P),
+             CAUSAL=bool(causal), num_warps=num_warps),
+    )
 
 
 # ======================================================================================
@@ -532,3 +604,59 @@ def elsa_softmax_attention(q, k, v, **kw) -> torch.Tensor:
 def elsa_ssa_attention(q, k, v, n, b, **kw) -> torch.Tensor:
     """``elsa_attention(q, k, v, transform="ssa", n=n, b=b, **kw)`` (registry SSA convention)."""
     return elsa_attention(q, k, v, transform="ssa", n=n, b=b, **kw)
+
+
+def merge_finalize_partials(
+    m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, *, out_dtype: torch.dtype = torch.float32,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Merge stacked (m, l, acc) partials and finalise them with ELSA's phase-2 Triton kernel.
+
+    The kernel equivalent of ``finalize_partials(*merge_partials(m, l, acc, dim=0))``
+    (``monoid.py``): what context-parallel attention (one partial per rank, all-gathered)
+    and split-K decode (one partial per key split) call to combine their pieces on the GPU.
+    Partials are in the log2 domain (``m = max z2``, ``l = sum 2^(z2 - m)``,
+    ``acc = sum 2^(z2 - m) v``); identities ``(-inf, 0, 0)`` contribute nothing, and rows
+    where every partial is the identity give ``o = 0``, ``M = +inf``. Deterministic:
+    fixed partition order. Not differentiable (no autograd).
+
+    Args:
+        m, l: ``[P, B, H, S]`` float32, any strides (copied once if ``m`` and ``l`` differ
+            in strides), CUDA (CPU only under ``TRITON_INTERPRET=1``).
+        acc: ``[P, B, H, S, D]`` float32, any strides, ``1 <= D <= 256``.
+        out_dtype: dtype of ``o`` (float32, float16 or bfloat16; e.g. the attention's).
+
+    Returns:
+        ``(o [B, H, S, D] out_dtype, M [B, H, S] float32)`` with ``M = m* + log2(l*)`` (the
+        per-row log2 log-sum-exp that ``nemo_ssa.ops.common`` backward kernels take).
+    """
+    for name, t in (("m", m), ("l", l), ("acc", acc)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+            raise ValueError(f"merge_finalize_partials: `{name}` must be a float32 tensor, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)}")
+    if m.dim() != 4 or l.shape != m.shape or acc.dim() != 5 or acc.shape[:4] != m.shape:
+        raise ValueError(f"merge_finalize_partials needs m, l [P, B, H, S] and acc [P, B, H, S, D]; got "
+                         f"m {tuple(m.shape)}, l {tuple(l.shape)}, acc {tuple(acc.shape)}")
+    P, B, H, S, D = acc.shape
+    if min(P, B, H, S, D) < 1:
+        raise ValueError(f"merge_finalize_partials: empty partials acc {tuple(acc.shape)}")
+    if D > MAX_HEAD_DIM:
+        raise ValueError(f"merge_finalize_partials supports D <= {MAX_HEAD_DIM}, got D={D}")
+    if B * H > 65535:
+        raise ValueError(f"merge_finalize_partials supports B * H <= 65535 (grid limit), got {B * H}")
+    if out_dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"out_dtype must be one of {SUPPORTED_DTYPES}, got {out_dtype}")
+    if not (m.device == l.device == acc.device):
+        raise ValueError(f"m, l, acc must be on one device, got {m.device}, {l.device}, {acc.device}")
+    if m.device.type != "cuda" and not kernels_interpreted():
+        raise ValueError(f"the merge kernel runs on CUDA tensors, or on CPU when TRITON_INTERPRET=1 was set "
+                         f"before nemo_ssa.ops.elsa was imported; got device {m.device}")
+    if m.stride() != l.stride():
+        m, l = m.contiguous(), l.contiguous()
+    o = torch.empty(B, H, S, D, dtype=out_dtype, device=m.device)
+    lse = torch.empty(B, H, S, dtype=torch.float32, device=m.device)
+    block_m, warps = merge_tiles(D)
+    # partition p "starts at key p" of P keys: every partition is live for every row
+    spec = _merge_spec(m, l, acc, o, lse, sk=P, n_tiles=P, key_tile=1, causal=False,
+                       block_m=block_m, num_warps=warps)
+    launch([spec], m.device)
+    return o, lse
