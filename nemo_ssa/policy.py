@@ -1,6 +1,7 @@
 """The pinned SSA training policy (seed 000), in one place.
 
-Every SSA variant trains with n = 1.5 learnable, b = 0.8 fixed and contiguous q/k/v;
+Every SSA variant (every attention with the SSA transform, ``nsa_ssa`` included) trains
+with n = 1.5 learnable, b = 0.8 fixed and contiguous q/k/v;
 ``attention=ssa`` resolves to the policy's pinned kernel; kernels marked experimental
 are refused. Any override of those parameters is warned about and reset.
 ``ssa_reference`` is always allowed (it is the baseline every comparison needs).
@@ -28,6 +29,16 @@ class AttentionInfo:
     family: str  # "softmax" | "ssa" | "nsa" | "elsa"
     status: str  # "stable" | "experimental" | "planned"
     description: str
+    #: score transform, "softmax" | "ssa"; "" = the family's ("ssa" for the ssa family).
+    #: Attentions with the SSA transform get the SSA options and the pinned policy's
+    #: values, whatever their family (``nsa_ssa`` is an NSA schedule with SSA scores).
+    transform: str = ""
+
+    def __post_init__(self):
+        if not self.transform:
+            object.__setattr__(self, "transform", "ssa" if self.family == "ssa" else "softmax")
+        if self.transform not in ("softmax", "ssa"):
+            raise ValueError(f"attention {self.name!r}: transform must be 'softmax' or 'ssa', got {self.transform!r}")
 
 
 #: Every attention name users can pass as ``attention=<name>``. Names say the
@@ -39,8 +50,10 @@ ATTENTIONS: Dict[str, AttentionInfo] = {
         AttentionInfo("ssa_reference", "ssa", "stable", "unfused torch SSA, fp32 scores: the anchor"),
         AttentionInfo("softmax_triton", "softmax", "stable", "fused Triton softmax: the SSA kernel with the identity transform"),
         AttentionInfo("ssa_triton", "ssa", "stable", "fused Triton SSA, stable design (tutorial-06 structure, split backward)"),
-        AttentionInfo("ssa_flex", "ssa", "experimental", "SSA through FlexAttention (any mask; dn in a separate deterministic pass)"),
+        AttentionInfo("ssa_flex", "ssa", "stable", "SSA through FlexAttention (any mask; dn in a separate deterministic pass)"),
         AttentionInfo("nsa", "nsa", "experimental", "native sparse attention: compressed + selected + window branches, gated"),
+        AttentionInfo("nsa_ssa", "nsa", "experimental", "native sparse attention with the SSA transform in every branch",
+                      transform="ssa"),
         AttentionInfo("elsa", "elsa", "experimental", "exact attention as a two-pass scan over key partitions, softmax"),
         AttentionInfo("elsa_ssa", "ssa", "experimental", "the same two-pass scan with the SSA transform"),
     ]
@@ -65,12 +78,16 @@ class SSAPolicy:
 PINNED = SSAPolicy()
 
 SSA_OPTION_KEYS = ("n", "learnable_n", "b", "learnable_b", "force_contiguous_qkv")
-#: implementation knobs that do not change the math: passed through under every policy
+#: NSA's sizes and structure (``nemo_ssa.ops.nsa.NSAConfig`` fields)
+NSA_OPTION_KEYS = ("block_len", "stride", "select_block", "top_n", "window", "compress", "separate_kv")
+#: per-attention options passed through under every policy: implementation knobs that do
+#: not change the math, and NSA's sizes (experimental, so only reachable with policy=free)
 KERNEL_OPTION_KEYS: Dict[str, tuple] = {
     "elsa": ("num_partitions",),
     "elsa_ssa": ("num_partitions",),
     "ssa_flex": ("dn_mode", "backend", "compile"),
-    "nsa": ("block_len", "stride", "select_block", "top_n", "window", "compress", "separate_kv"),
+    "nsa": NSA_OPTION_KEYS,
+    "nsa_ssa": NSA_OPTION_KEYS,
 }
 
 
@@ -110,7 +127,8 @@ def resolve_attention(
     Args:
         attention: a name from :data:`ATTENTIONS` or the alias ``ssa``.
         options: SSA options the user asked for (keys in ``SSA_OPTION_KEYS``; ignored with
-            a warning for non-SSA attentions).
+            a warning for attentions without the SSA transform), plus the attention's
+            ``KERNEL_OPTION_KEYS`` (passed through under every policy).
         policy: ``"pinned"`` (default: seed 000's policy enforced) or ``"free"``.
         pinned: the policy values (tests may pass another).
         device: ``"cuda"`` or ``"cpu"``: where the run trains; ``ssa`` means
@@ -163,7 +181,7 @@ def resolve_attention(
             f"use attention=ssa ({pinned.pinned_kernel}) or opt out with policy=free."
         )
 
-    if info.family != "ssa":
+    if info.transform != "ssa":
         if options:
             warn(f"attention={name}: SSA options {sorted(options)} do not apply and are ignored")
         return ResolvedAttention(attention, name, info.family, policy, kernel, warnings)

@@ -79,7 +79,9 @@ def model(
         attention: ``softmax``, ``ssa`` (the policy's pinned SSA kernel) or an
             implementation name such as ``ssa_reference``.
         attention_options: SSA options (n, b, learnable_n, learnable_b,
-            force_contiguous_qkv); under ``policy=pinned`` overrides are reset with a warning.
+            force_contiguous_qkv) for attentions with the SSA transform, under
+            ``policy=pinned`` reset with a warning when they differ, plus the attention's
+            own options (``nemo_ssa.policy.KERNEL_OPTION_KEYS``, e.g. NSA's sizes).
         policy: ``pinned`` (seed 000's SSA policy) or ``free``.
         seq_length: training sequence length.
         vocab_size: padded vocabulary size; None derives it from the tokenizer

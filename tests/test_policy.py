@@ -2,14 +2,27 @@
 
 import json
 import logging
+import os
 
 import pytest
 
-from nemo_ssa.policy import ATTENTIONS, AttentionInfo, ResolvedAttention, SSAPolicy, resolve_attention
+from nemo_ssa.policy import (
+    ALIASES,
+    ATTENTIONS,
+    KERNEL_OPTION_KEYS,
+    SSA_OPTION_KEYS,
+    AttentionInfo,
+    ResolvedAttention,
+    SSAPolicy,
+    resolve_attention,
+)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PINNED_OPTIONS = {"n": 1.5, "learnable_n": True, "b": 0.8, "learnable_b": False,
                   "force_contiguous_qkv": True}
-EXPERIMENTAL = ["nsa", "elsa", "elsa_ssa"]
+EXPERIMENTAL = ["nsa", "nsa_ssa", "elsa", "elsa_ssa"]
+NSA_TINY = {"block_len": 4, "stride": 2, "select_block": 8, "top_n": 4, "window": 8}
 
 
 @pytest.fixture
@@ -108,6 +121,56 @@ def test_kernel_options_pass_through_and_are_checked():
     assert r.options == {"num_partitions": 4}
     with pytest.raises(ValueError, match="num_partitions"):
         resolve_attention("ssa_triton", {"num_partitions": 2})
+
+
+def test_nsa_ssa_is_nsa_with_the_ssa_policy(policy_log):
+    info = ATTENTIONS["nsa_ssa"]
+    assert (info.family, info.transform, info.status) == ("nsa", "ssa", "experimental")
+    assert ATTENTIONS["nsa"].transform == "softmax" and ATTENTIONS["elsa_ssa"].transform == "ssa"
+    assert KERNEL_OPTION_KEYS["nsa_ssa"] == KERNEL_OPTION_KEYS["nsa"]
+    r = resolve_attention("nsa_ssa", dict(NSA_TINY), policy="free")
+    assert (r.name, r.family) == ("nsa_ssa", "nsa")
+    assert r.options == {**PINNED_OPTIONS, **NSA_TINY}  # the SSA policy's values + NSA sizes
+    assert warnings_logged(policy_log) == []
+    # free: SSA overrides kept, like every SSA attention
+    assert resolve_attention("nsa_ssa", {"n": 2.0, "learnable_b": True}, policy="free").options == \
+        {**PINNED_OPTIONS, "n": 2.0, "learnable_b": True}
+    # plain nsa has no SSA transform: SSA options are ignored with a warning
+    r = resolve_attention("nsa", {"n": 2.0, **NSA_TINY}, policy="free")
+    assert r.options == NSA_TINY and "ignored" in r.warnings[0]
+    with pytest.raises(ValueError, match="num_partitions"):
+        resolve_attention("nsa_ssa", {"num_partitions": 2}, policy="free")
+
+
+def test_transform_defaults_to_the_family():
+    assert AttentionInfo("x", "ssa", "planned", "").transform == "ssa"
+    assert AttentionInfo("x", "elsa", "planned", "").transform == "softmax"
+    with pytest.raises(ValueError, match="transform"):
+        AttentionInfo("x", "nsa", "planned", "", transform="relu")
+
+
+def _attention_table_rows():
+    with open(os.path.join(REPO, "README.md")) as f:
+        return [line for line in f if line.startswith("| `")]
+
+
+@pytest.mark.parametrize("name", sorted(list(ATTENTIONS) + list(ALIASES)))
+def test_every_name_has_a_config_and_a_readme_row(name):
+    """``attention=<name>`` works from the launcher (configs/attention/<name>.yaml) and is
+    documented; the yaml offers only options the policy accepts for it."""
+    import yaml
+
+    with open(os.path.join(REPO, "configs", "attention", f"{name}.yaml")) as f:
+        cfg = yaml.safe_load(f)
+    assert cfg["name"] == name
+    info = ATTENTIONS.get(name) or ATTENTIONS[SSAPolicy().pinned_kernel]
+    allowed = set(KERNEL_OPTION_KEYS.get(name, ())) | (set(SSA_OPTION_KEYS) if info.transform == "ssa" else set())
+    assert set(cfg.get("options") or {}) <= allowed
+    if info.transform == "ssa":
+        assert set(SSA_OPTION_KEYS) <= set(cfg["options"])
+    rows = [row for row in _attention_table_rows() if f"`{name}`" in row.split("|")[1]]
+    assert len(rows) == 1, name
+    assert info.status in rows[0]
 
 
 def test_experimental_refused_when_pinned_allowed_when_free(monkeypatch):

@@ -260,11 +260,16 @@ class SoftmaxCoreAttention(_TransformedSoftmaxAttention):
         return {}
 
 
-class SSACoreAttention(_TransformedSoftmaxAttention):
-    """SSA (scaled signed averaging) attention, base class of every SSA implementation.
+class SSAScalars:
+    """The per-layer SSA scalars ``n`` and ``b`` and their dtype rules (a mixin).
 
-    z = n·sgn(s)·log1p(b·|s|) replaces the scores s before the row softmax. ``n`` is a
-    per-layer learnable parameter of shape [1] (a 0-d parameter would fall into
+    Shared by every module that applies the SSA transform -- the SSA core attentions
+    below and ``NSASelfAttention(transform="ssa")`` (``attention=nsa_ssa``) -- so all of
+    them store, cast, checkpoint, log and exempt from weight decay the same two tensors.
+    Mix in before the ``torch.nn.Module`` base and call :meth:`_init_ssa_scalars` from
+    ``__init__``.
+
+    ``n`` is a per-layer learnable parameter of shape [1] (a 0-d parameter would fall into
     Megatron's weight-decay rule, which exempts only 1-d tensors, and breaks
     FlexAttention's compiler); ``b`` is a persistent buffer, or a [1] parameter with
     ``learnable_b``. Both are named ``n`` / ``b`` in every SSA implementation so a
@@ -281,8 +286,52 @@ class SSACoreAttention(_TransformedSoftmaxAttention):
     always evaluated in fp32.
     """
 
-    supports_tensor_parallel = False
     _ssa_fp32_names = ("n", "b")
+
+    def _init_ssa_scalars(self, attention_name: str, n_init: float, b_init: float,
+                          learnable_n: bool, learnable_b: bool) -> None:
+        if not b_init > 0:
+            raise ValueError(f"attention={attention_name}: b must be > 0, got {b_init}")
+        n = torch.full((1,), float(n_init), dtype=torch.float32)
+        b = torch.full((1,), float(b_init), dtype=torch.float32)
+        if learnable_n:
+            self.n = torch.nn.Parameter(n)
+        else:
+            self.register_buffer("n", n, persistent=True)
+        if learnable_b:
+            self.b = torch.nn.Parameter(b)
+        else:
+            self.register_buffer("b", b, persistent=True)
+        # Megatron's TP metadata: replicated, not sharded.
+        for p in (self.n, self.b):
+            if isinstance(p, torch.nn.Parameter):
+                setattr(p, "sequence_parallel", False)
+                tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
+
+    def _apply(self, fn, recurse=True):
+        # Keep fixed scalars (buffers) fp32 and exact: casting to bf16 and back would round
+        # b=0.8 to 0.80078125. Parameters follow the module (see the class docstring).
+        saved = {}
+        for name in self._ssa_fp32_names:
+            t = getattr(self, name, None)
+            if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
+                saved[name] = t.data.clone()
+        super()._apply(fn, recurse)
+        for name, value in saved.items():
+            t = getattr(self, name)
+            if t.dtype != torch.float32 or not torch.equal(t.data.float().cpu(), value.float().cpu()):
+                t.data = value.to(device=t.device, dtype=torch.float32)
+        return self
+
+
+class SSACoreAttention(SSAScalars, _TransformedSoftmaxAttention):
+    """SSA (scaled signed averaging) attention, base class of every SSA implementation.
+
+    z = n·sgn(s)·log1p(b·|s|) replaces the scores s before the row softmax. ``n`` and
+    ``b`` (shapes, names, dtypes, checkpointing) follow :class:`SSAScalars`.
+    """
+
+    supports_tensor_parallel = False
 
     def __init__(
         self,
@@ -305,38 +354,7 @@ class SSACoreAttention(_TransformedSoftmaxAttention):
             config, layer_number, attn_mask_type, attention_type, attention_dropout,
             softmax_scale, cp_comm_type, pg_collection, force_contiguous_qkv, kernel_options,
         )
-        if not b_init > 0:
-            raise ValueError(f"attention={self.attention_name}: b must be > 0, got {b_init}")
-        n = torch.full((1,), float(n_init), dtype=torch.float32)
-        b = torch.full((1,), float(b_init), dtype=torch.float32)
-        if learnable_n:
-            self.n = torch.nn.Parameter(n)
-        else:
-            self.register_buffer("n", n, persistent=True)
-        if learnable_b:
-            self.b = torch.nn.Parameter(b)
-        else:
-            self.register_buffer("b", b, persistent=True)
-        # Megatron's TP metadata: replicated, not sharded.
-        for p in (self.n, self.b):
-            if isinstance(p, torch.nn.Parameter):
-                setattr(p, "sequence_parallel", False)
-                tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
-
-    def _apply(self, fn, recurse=True):
-        # Keep fixed scalars (buffers) fp32 and exact: casting to bf16 and back would round
-        # b=0.8 to 0.80078125. Parameters follow the module (see the class docstring).
-        saved = {
-            name: getattr(self, name).data.clone()
-            for name in self._ssa_fp32_names
-            if not isinstance(getattr(self, name), torch.nn.Parameter)
-        }
-        super()._apply(fn, recurse)
-        for name, value in saved.items():
-            t = getattr(self, name)
-            if t.dtype != torch.float32 or not torch.equal(t.data.float().cpu(), value.float().cpu()):
-                t.data = value.to(device=t.device, dtype=torch.float32)
-        return self
+        self._init_ssa_scalars(self.attention_name, n_init, b_init, learnable_n, learnable_b)
 
     def _call_op(self, q, k, v, *, causal, keep_mask, dropout_p):
         return self._attend(

@@ -7,9 +7,11 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from nemo_ssa.megatron.core_attention import SSACoreAttention, _TransformedSoftmaxAttention
+from nemo_ssa.megatron.core_attention import SSAScalars, _TransformedSoftmaxAttention
 
 _LAYER_RE = re.compile(r"layers\.(\d+)\.")
+#: where SSA scalars live: a core attention's, or NSASelfAttention's (nsa_ssa: no core attention)
+_SSA_PARAM_RE = re.compile(r"(^|\.)(core_attention|self_attention)\.(n|b)$")
 
 
 def core_attentions(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
@@ -18,10 +20,14 @@ def core_attentions(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]
 
 
 def ssa_values(model: torch.nn.Module) -> Dict[str, Dict[int, float]]:
-    """Current SSA scalars per layer: ``{"n": {1: 1.5, ...}, "b": {...}}`` (layers 1-based)."""
+    """Current SSA scalars per layer: ``{"n": {1: 1.5, ...}, "b": {...}}`` (layers 1-based).
+
+    Every module holding :class:`SSAScalars` counts: the SSA core attentions and
+    ``NSASelfAttention`` with the SSA transform (``nsa_ssa``).
+    """
     out: Dict[str, Dict[int, float]] = {"n": {}, "b": {}}
     for name, mod in model.named_modules():
-        if isinstance(mod, SSACoreAttention):
+        if isinstance(mod, SSAScalars) and getattr(mod, "n", None) is not None:
             layer = getattr(mod, "layer_number", None)
             match = _LAYER_RE.search(name + ".")
             if match is not None:
@@ -32,7 +38,9 @@ def ssa_values(model: torch.nn.Module) -> Dict[str, Dict[int, float]]:
 
 
 def is_ssa_parameter(name: str) -> bool:
-    return name.endswith("core_attention.n") or name.endswith("core_attention.b")
+    """``...core_attention.n``/``.b`` (SSA core attentions) or ``...self_attention.n``/``.b``
+    (``nsa_ssa``; megatron's own self attention has no such attribute)."""
+    return _SSA_PARAM_RE.search(name) is not None
 
 
 def no_weight_decay_cond(name: str, param: torch.nn.Parameter) -> bool:

@@ -14,15 +14,23 @@ the same constructor keywords and forward signature, and calls ``nemo_ssa.ops.ns
     nsa_attention(q, k_cmp, v_cmp, gates, k_slc=..., ..., phi_k, phi_v) [b,Hq,s,D]
     --linear_proj--> [s, b, h]  (+ bias returned separately, like SelfAttention)
 
+``transform="ssa"`` (``attention=nsa_ssa``) applies the SSA score transform inside
+every branch (compressed, selection scores, selected, window) through the same kernels;
+its per-layer ``n`` / ``b`` are the SSA core attentions' (``core_attention.SSAScalars``:
+learnable ``n`` following the model dtype, fixed ``b`` an exact fp32 buffer, the same
+names, checkpointing, logging and weight-decay exemption), stored on this module
+(``...self_attention.n``) since there is no separate core attention.
+
 Supported: causal self attention, GQA, tensor/context parallel 1, the [s, b, h] layout,
 training and full-sequence evaluation. Unsupported (NotImplementedError naming the
 option, at construction where the config tells, else at the first forward): TP/CP > 1,
 attention dropout > 0, packed THD sequences, KV-cache inference, attention bias,
-mask types other than causal.
+mask types other than causal, ``force_contiguous_qkv=False`` (q/k/v are always
+materialised as [b, h, s, d]).
 
 ``nsa_self_attention_spec(...)`` builds the ModuleSpec and
-``nsa_layer_spec_submodules(...)`` a whole ``TransformerLayerSubmodules`` for the lead
-to plug into ``spec.py``; this file does not register anything.
+``nsa_layer_spec_submodules(...)`` a whole ``TransformerLayerSubmodules``;
+``spec.layer_spec`` uses the former for ``attention=nsa`` / ``nsa_ssa``.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from nemo_ssa.megatron.core_attention import SSAScalars
 from nemo_ssa.ops.nsa import NSAConfig, PhiParams, nsa_attention
 
 __all__ = [
@@ -102,7 +111,7 @@ def _nsa_config(nsa: Union[None, NSAConfig, Dict[str, Any]]) -> NSAConfig:
     raise ValueError(f"nsa must be an NSAConfig, a dict of its fields or None, got {type(nsa).__name__}")
 
 
-class NSASelfAttention(MegatronModule):
+class NSASelfAttention(SSAScalars, MegatronModule):
     """NSA self attention; drop-in for megatron's ``SelfAttention`` in a layer spec.
 
     Args (beyond megatron's ``config, submodules, layer_number, attn_mask_type,
@@ -110,9 +119,14 @@ class NSASelfAttention(MegatronModule):
         nsa: :class:`NSAConfig` or a dict of its fields (block sizes, top-n, window,
             compress ``mlp|mean``, separate_kv).
         impl: ``nemo_ssa.ops.nsa.nsa_attention``'s ``impl`` (``auto``: Triton on CUDA).
-        transform: ``softmax`` (NSA) or ``ssa`` (``nsa_ssa``: the SSA score transform in
-            every branch, with a learnable ``n`` and a fixed ``b``; provisional).
-        n_init, b_init: SSA scalars' initial values (``transform="ssa"`` only).
+        transform: ``softmax`` (``attention=nsa``) or ``ssa`` (``attention=nsa_ssa``: the
+            SSA score transform in every branch).
+        n_init, b_init, learnable_n, learnable_b: the SSA scalars, exactly as the SSA
+            core attentions take them (:class:`~nemo_ssa.megatron.core_attention.SSAScalars`;
+            the policy pins n=1.5 learnable, b=0.8 fixed). ``transform="ssa"`` only:
+            ``transform="softmax"`` has no ``n`` / ``b`` (both ``None``).
+        force_contiguous_qkv: accepted for the SSA options' sake; must be true (q/k/v
+            are always made contiguous here).
     """
 
     def __init__(
@@ -128,6 +142,9 @@ class NSASelfAttention(MegatronModule):
         transform: str = "softmax",
         n_init: float = 1.5,
         b_init: float = 0.8,
+        learnable_n: bool = True,
+        learnable_b: bool = False,
+        force_contiguous_qkv: bool = True,
     ):
         super().__init__(config=config)
         submodules = submodules or NSASelfAttentionSubmodules()
@@ -138,13 +155,19 @@ class NSASelfAttention(MegatronModule):
         if transform not in ("softmax", "ssa"):
             raise ValueError(f"attention=nsa: transform must be one of ('softmax', 'ssa'), got {transform!r}")
         self.transform = transform
+        name = self.attention_name = "nsa_ssa" if transform == "ssa" else "nsa"
+        if not force_contiguous_qkv:
+            raise NotImplementedError(
+                f"attention={name}: force_contiguous_qkv=False is not supported (supported: true; "
+                "q/k/v are always materialised as [b, h, s, d] for the NSA kernels)."
+            )
         if attn_mask_type != AttnMaskType.causal:
             raise NotImplementedError(
-                f"attention=nsa: attn_mask_type={attn_mask_type} is not supported (supported: causal)."
+                f"attention={name}: attn_mask_type={attn_mask_type} is not supported (supported: causal)."
             )
         if config.context_parallel_size != 1:
             raise NotImplementedError(
-                f"attention=nsa: context_parallel_size={config.context_parallel_size} is not supported (supported: 1)."
+                f"attention={name}: context_parallel_size={config.context_parallel_size} is not supported (supported: 1)."
             )
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
@@ -152,16 +175,18 @@ class NSASelfAttention(MegatronModule):
         tp = pg_collection.tp.size() if getattr(pg_collection, "tp", None) is not None else 1
         if tp != 1:
             raise NotImplementedError(
-                f"attention=nsa: tensor_model_parallel_size={tp} is not supported yet (supported: 1)."
+                f"attention={name}: tensor_model_parallel_size={tp} is not supported yet (supported: 1)."
+                + (" Each rank holds different heads, so the gradient of the per-layer SSA "
+                   "parameters would silently diverge across ranks." if transform == "ssa" else "")
             )
         if float(config.attention_dropout or 0.0) > 0.0:
             raise NotImplementedError(
-                f"attention=nsa: attention_dropout={config.attention_dropout} is not supported "
+                f"attention={name}: attention_dropout={config.attention_dropout} is not supported "
                 "(the NSA kernels have no dropout); set attention_dropout=0.0."
             )
         if config.num_attention_heads % config.num_query_groups:
             raise ValueError(
-                f"attention=nsa: num_attention_heads={config.num_attention_heads} must be a multiple of "
+                f"attention={name}: num_attention_heads={config.num_attention_heads} must be a multiple of "
                 f"num_query_groups={config.num_query_groups}."
             )
         self.num_heads = config.num_attention_heads
@@ -204,9 +229,8 @@ class NSASelfAttention(MegatronModule):
         else:
             self.phi_k = self.phi_v = None
         if transform == "ssa":
-            # [1]-shaped like SSACoreAttention's (weight-decay and checkpoint rules)
-            self.n = torch.nn.Parameter(torch.tensor([float(n_init)], dtype=torch.float32))
-            self.register_buffer("b", torch.tensor([float(b_init)], dtype=torch.float32))
+            # the SSA core attentions' n / b: shapes, names, dtype rules (SSAScalars)
+            self._init_ssa_scalars(name, n_init, b_init, learnable_n, learnable_b)
         else:
             self.n = None
             self.b = None
@@ -241,15 +265,15 @@ class NSASelfAttention(MegatronModule):
         core attentions in ``core_attention.py``).
         """
         if key_value_states is not None:
-            raise NotImplementedError("attention=nsa: cross attention (key_value_states) is not supported.")
+            raise NotImplementedError(f"attention={self.attention_name}: cross attention (key_value_states) is not supported.")
         if inference_context is not None or inference_params is not None:
-            raise NotImplementedError("attention=nsa: KV-cache inference is not supported yet (full-sequence only).")
+            raise NotImplementedError(f"attention={self.attention_name}: KV-cache inference is not supported yet (full-sequence only).")
         if packed_seq_params is not None:
-            raise NotImplementedError("attention=nsa: packed (THD) sequences are not supported (supported: [s, b, h]).")
+            raise NotImplementedError(f"attention={self.attention_name}: packed (THD) sequences are not supported (supported: [s, b, h]).")
         if attention_bias is not None:
-            raise NotImplementedError("attention=nsa: attention_bias is not supported.")
+            raise NotImplementedError(f"attention={self.attention_name}: attention_bias is not supported.")
         if rotary_pos_cos is not None or rotary_pos_sin is not None or rotary_pos_cos_sin is not None:
-            raise NotImplementedError("attention=nsa: precomputed RoPE cos/sin (flash decode) is not supported.")
+            raise NotImplementedError(f"attention={self.attention_name}: precomputed RoPE cos/sin (flash decode) is not supported.")
         no_rope = self.config.no_rope_freq[self.layer_number - 1] if self.config.no_rope_freq else False
         if no_rope:
             rotary_pos_emb = None
@@ -286,11 +310,17 @@ class NSASelfAttention(MegatronModule):
 
 
 # ------------------------------------------------------------------------------ specs
+#: SSA options (the policy's ``SSA_OPTION_KEYS``) -> NSASelfAttention keywords
+_SSA_KWARGS = {"n": "n_init", "b": "b_init", "learnable_n": "learnable_n", "learnable_b": "learnable_b",
+               "force_contiguous_qkv": "force_contiguous_qkv"}
+
+
 def nsa_self_attention_spec(
     nsa: Union[None, NSAConfig, Dict[str, Any]] = None,
     impl: Union[str, Dict[str, str]] = "auto",
     transform: str = "softmax",
     submodules: Optional[NSASelfAttentionSubmodules] = None,
+    ssa: Optional[Dict[str, Any]] = None,
 ) -> ModuleSpec:
     """ModuleSpec for ``TransformerLayerSubmodules.self_attention``.
 
@@ -300,15 +330,31 @@ def nsa_self_attention_spec(
         impl: op implementation (``auto``/``triton``/``torch`` or per stage).
         transform: ``softmax`` (``attention=nsa``) or ``ssa`` (``nsa_ssa``).
         submodules: linear layer classes (default megatron's local column/row parallel).
+        ssa: SSA options as the policy resolves them (``n``, ``b``, ``learnable_n``,
+            ``learnable_b``, ``force_contiguous_qkv``; missing keys take
+            :class:`NSASelfAttention`'s defaults, the pinned values). ``transform="ssa"``
+            only.
+
+    Raises:
+        ValueError: unknown NSA/SSA options, bad sizes, an unknown transform, SSA options
+            with ``transform="softmax"``, or ``b <= 0``.
     """
     cfg = _nsa_config(nsa)
+    name = "nsa_ssa" if transform == "ssa" else "nsa"
     if transform not in ("softmax", "ssa"):
         raise ValueError(f"attention=nsa: transform must be one of ('softmax', 'ssa'), got {transform!r}")
-    return ModuleSpec(
-        module=NSASelfAttention,
-        params={"attn_mask_type": AttnMaskType.causal, "nsa": cfg, "impl": impl, "transform": transform},
-        submodules=submodules or NSASelfAttentionSubmodules(),
-    )
+    params: Dict[str, Any] = {"attn_mask_type": AttnMaskType.causal, "nsa": cfg, "impl": impl, "transform": transform}
+    ssa = {k: v for k, v in dict(ssa or {}).items() if v is not None}
+    if ssa and transform != "ssa":
+        raise ValueError(f"attention={name}: SSA options {sorted(ssa)} need transform='ssa' (attention=nsa_ssa)")
+    unknown = sorted(set(ssa) - set(_SSA_KWARGS))
+    if unknown:
+        raise ValueError(f"attention={name}: unknown SSA options {unknown}; supported: {sorted(_SSA_KWARGS)}")
+    if "b" in ssa and not ssa["b"] > 0:
+        raise ValueError(f"attention={name}: b must be > 0, got {ssa['b']}")
+    params.update({_SSA_KWARGS[k]: v for k, v in ssa.items()})
+    return ModuleSpec(module=NSASelfAttention, params=params,
+                      submodules=submodules or NSASelfAttentionSubmodules())
 
 
 def nsa_layer_spec_submodules(

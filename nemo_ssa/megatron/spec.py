@@ -1,7 +1,8 @@
 """The GPT layer spec with our core attentions, for NeMo's ``transformer_layer_spec``.
 
 ``layer_spec(config, attention=...)`` returns megatron's local (non-TE) GPT layer with
- - the core attention chosen by name (``nemo_ssa.policy.ATTENTIONS``),
+ - the core attention chosen by name (``nemo_ssa.policy.ATTENTIONS``), or, for the NSA
+   family (``nsa``, ``nsa_ssa``), ``NSASelfAttention`` as the whole self attention,
  - LayerNorm1P (zero-centred gamma) for the layer norms and the final norm, so the
    model keeps nemotron3_4b's architecture without Transformer Engine,
  - megatron's MLP (squared ReLU comes from the config's ``activation_func``).
@@ -34,7 +35,7 @@ from nemo_ssa.megatron.core_attention import (
     SSAReferenceCoreAttention,
 )
 from nemo_ssa.megatron.layernorm import LayerNorm1P
-from nemo_ssa.policy import ATTENTIONS, KERNEL_OPTION_KEYS, resolve_attention
+from nemo_ssa.policy import ATTENTIONS, KERNEL_OPTION_KEYS, SSA_OPTION_KEYS, resolve_attention
 
 #: implementation name -> core attention class
 CORE_ATTENTIONS = {
@@ -61,7 +62,7 @@ def core_attention_spec(attention: str, options: Optional[Dict[str, Any]] = None
     kernel = {k: options[k] for k in KERNEL_OPTION_KEYS.get(attention, ()) if k in options}
     if kernel:
         params["kernel_options"] = kernel
-    if ATTENTIONS[attention].family == "ssa":
+    if ATTENTIONS[attention].transform == "ssa":
         params.update(
             n_init=options.get("n", 1.5),
             b_init=options.get("b", 0.8),
@@ -83,7 +84,9 @@ def layer_spec(
         config: the megatron/NeMo TransformerConfig (``GPTConfig``) being built.
         attention: ``attention=<name>`` as users write it (``ssa`` is resolved by the policy).
         attention_options: SSA options (n, b, learnable_n, learnable_b,
-            force_contiguous_qkv); the pinned policy resets overrides with a warning.
+            force_contiguous_qkv; for attentions with the SSA transform) and the
+            attention's ``KERNEL_OPTION_KEYS`` (e.g. NSA's sizes); the pinned policy resets
+            SSA overrides with a warning.
         policy: ``pinned`` or ``free``.
     """
     if getattr(config, "normalization", "LayerNorm") != "LayerNorm":
@@ -102,12 +105,17 @@ def layer_spec(
     layer = copy.deepcopy(get_gpt_layer_local_spec(normalization="LayerNorm"))
     layer.submodules.input_layernorm = LayerNorm1P
     layer.submodules.pre_mlp_layernorm = LayerNorm1P
-    if resolved.name == "nsa":
+    info = ATTENTIONS[resolved.name]
+    if info.family == "nsa":
         # NSA replaces the self-attention internals (gates and compression read the
-        # layer input), not only the core attention
+        # layer input), not only the core attention; nsa_ssa is the same module with
+        # the SSA transform and its n / b
         from nemo_ssa.megatron.nsa_attention import nsa_self_attention_spec
 
-        layer.submodules.self_attention = nsa_self_attention_spec(resolved.options or None)
+        opts = resolved.options
+        nsa = {k: opts[k] for k in KERNEL_OPTION_KEYS[resolved.name] if k in opts}
+        ssa = {k: opts[k] for k in SSA_OPTION_KEYS if k in opts} if info.transform == "ssa" else None
+        layer.submodules.self_attention = nsa_self_attention_spec(nsa or None, transform=info.transform, ssa=ssa)
     else:
         layer.submodules.self_attention.submodules.core_attention = core_attention_spec(
             resolved.name, resolved.options

@@ -1,9 +1,11 @@
 """NSA as megatron-core's self-attention submodule (CPU, torch stages of the op).
 
-Ground truths: ``nsa_attention_naive`` (tested against brute-force formulations in
-tests/ops/test_nsa.py) fed with projections recomputed here from the module's weights;
-megatron's own ``SelfAttention.forward`` signature; megatron's ``TransformerLayer`` and
-``GPTModel`` built from the spec functions, forward and backward.
+``attention=nsa`` and ``attention=nsa_ssa`` (the same module with ``transform="ssa"``)
+share every case that applies to both. Ground truths: ``nsa_attention_naive`` (tested
+against brute-force formulations in tests/ops/test_nsa.py) fed with projections
+recomputed here from the module's weights; megatron's own ``SelfAttention.forward``
+signature; megatron's ``TransformerLayer`` and ``GPTModel`` built from the spec
+functions, forward and backward; the SSA core attentions' n / b conventions.
 """
 
 import inspect
@@ -19,7 +21,9 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from nemo_ssa.megatron.core_attention import SSAReferenceCoreAttention
 from nemo_ssa.megatron.cpu import cpu_device_shims
+from nemo_ssa.megatron.introspect import no_weight_decay_cond, ssa_values
 from nemo_ssa.megatron.nsa_attention import (
     NSASelfAttention,
     nsa_layer_spec_submodules,
@@ -29,6 +33,9 @@ from nemo_ssa.ops.nsa import NSAConfig, nsa_attention_naive
 
 TINY = dict(block_len=4, stride=2, select_block=8, top_n=4, window=8)
 S, B, HIDDEN, HEADS, GROUPS = 40, 2, 96, 6, 2  # head dim 16, GQA 3
+TRANSFORMS = ["softmax", "ssa"]
+TRANSFORM_IDS = ["nsa", "nsa_ssa"]
+N_TEST = 1.3  # a non-default n, so a forward that ignored n would fail the reference
 
 
 def make_config(**overrides):
@@ -38,11 +45,16 @@ def make_config(**overrides):
     return TransformerConfig(**kw)
 
 
-def build(config=None, **nsa):
+def build(config=None, transform="softmax", ssa=None, **nsa):
     opts = dict(TINY)
     opts.update(nsa)
-    spec = nsa_self_attention_spec(opts, impl="torch")
+    spec = nsa_self_attention_spec(opts, impl="torch", transform=transform, ssa=ssa)
     return NSASelfAttention(config or make_config(), spec.submodules, layer_number=1, **spec.params)
+
+
+def ssa_kwargs(mod):
+    """The op's SSA arguments for a module (nothing for plain NSA)."""
+    return dict(transform="ssa", n=mod.n, b=mod.b) if mod.transform == "ssa" else {}
 
 
 def randomize_phi(mod, seed=0):
@@ -70,10 +82,14 @@ def test_forward_signature_matches_megatron_self_attention():
                         "pg_collection"]
 
 
+@pytest.mark.parametrize("transform", TRANSFORMS, ids=TRANSFORM_IDS)
 @pytest.mark.parametrize("separate_kv", [True, False], ids=["separate_kv", "shared_kv"])
-def test_matches_op_reference(megatron_cpu, separate_kv):
-    mod = build(separate_kv=separate_kv).eval()
+def test_matches_op_reference(megatron_cpu, separate_kv, transform):
+    mod = build(separate_kv=separate_kv, transform=transform).eval()
     randomize_phi(mod)
+    if transform == "ssa":
+        with torch.no_grad():
+            mod.n.fill_(N_TEST)
     x = hidden()
     out, bias = mod(x, None)
     assert out.shape == (S, B, HIDDEN)
@@ -89,14 +105,15 @@ def test_matches_op_reference(megatron_cpu, separate_kv):
     gates = (x @ mod.linear_gate.weight.T + mod.linear_gate.bias).reshape(S, B, HEADS, 3).permute(1, 2, 0, 3)
     extra = dict(k_slc=kv[2], v_slc=kv[3], k_win=kv[4], v_win=kv[5]) if separate_kv else {}
     o = nsa_attention_naive(q, kv[0], kv[1], gates, NSAConfig(**TINY, separate_kv=separate_kv), **extra,
-                            phi_k=mod.phi_k.params(), phi_v=mod.phi_v.params())
+                            phi_k=mod.phi_k.params(), phi_v=mod.phi_v.params(), **ssa_kwargs(mod))
     ref = o.permute(2, 0, 1, 3).reshape(S, B, -1) @ mod.linear_proj.weight.T
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(bias, mod.linear_proj.bias)  # returned, not added (skip_bias_add)
 
 
-def test_backward_reaches_every_parameter(megatron_cpu):
-    mod = build().train()
+@pytest.mark.parametrize("transform", TRANSFORMS, ids=TRANSFORM_IDS)
+def test_backward_reaches_every_parameter(megatron_cpu, transform):
+    mod = build(transform=transform).train()
     randomize_phi(mod)
     x = hidden(requires_grad=True)
     out, bias = mod(x, None)
@@ -104,6 +121,7 @@ def test_backward_reaches_every_parameter(megatron_cpu):
     assert x.grad is not None and torch.isfinite(x.grad).all()
     names = {n for n, _ in mod.named_parameters()}
     assert {"phi_k.pe", "phi_k.w1", "phi_v.w2", "linear_gate.weight", "linear_gate.bias"} <= names
+    assert ("n" in names) == (transform == "ssa")
     for name, p in mod.named_parameters():
         assert p.grad is not None, name
         assert torch.isfinite(p.grad).all(), name
@@ -194,13 +212,105 @@ def test_unsupported_inputs_refused_at_forward(megatron_cpu):
         mod(x, None, attention_bias=torch.zeros(1))
 
 
-def test_nsa_ssa_transform_trains_n(megatron_cpu):
-    """``transform="ssa"`` (nsa_ssa): the SSA transform in every branch, n learnable."""
-    spec = nsa_self_attention_spec(TINY, impl="torch", transform="ssa")
-    mod = NSASelfAttention(make_config(), spec.submodules, layer_number=1, **spec.params)
-    assert mod.n.shape == (1,) and "b" in dict(mod.named_buffers())
-    out, bias = mod(hidden(), None)
+
+# ------------------------------------------------------------- nsa_ssa: n and b
+def ssa_reference_core(config=None, **kw):
+    return SSAReferenceCoreAttention(config or make_config(), layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                     attention_type="self", **kw)
+
+
+def test_nsa_ssa_scalars_follow_the_ssa_core_attentions(megatron_cpu):
+    """Same names, shapes, dtypes, persistence and Megatron attributes as ssa_reference's
+    n / b, also after Megatron's bf16 cast (n follows the model, b stays exact fp32)."""
+    mod, core = build(transform="ssa"), ssa_reference_core()
+    assert mod.transform == "ssa" and build().n is None and build().b is None
+    for ours, theirs in ((mod, core), (mod.bfloat16(), core.bfloat16())):
+        for name in ("n", "b"):
+            a, b_ = getattr(ours, name), getattr(theirs, name)
+            assert type(a) is type(b_), name  # n: Parameter, b: buffer
+            assert (a.shape, a.dtype) == (b_.shape, b_.dtype) and torch.equal(a, b_), name
+    assert mod.n.dtype == torch.bfloat16 and mod.linear_qkv.weight.dtype == torch.bfloat16
+    assert mod.b.dtype == torch.float32 and mod.b.item() == torch.tensor(0.8).item()  # exact, not 0.80078125
+    assert [k for k in mod.state_dict() if k in ("n", "b")] == ["n", "b"]  # b persistent
+    assert mod.n.sequence_parallel is False and mod.n.tensor_model_parallel is False
+    assert no_weight_decay_cond("decoder.layers.0.self_attention.n", mod.n)
+
+
+def test_nsa_ssa_learnable_options(megatron_cpu):
+    fixed_n = build(transform="ssa", ssa=dict(learnable_n=False, n=2.0))
+    assert "n" not in dict(fixed_n.named_parameters()) and fixed_n.n.item() == 2.0
+    assert "n" in fixed_n.state_dict()
+    learn_b = build(transform="ssa", ssa=dict(learnable_b=True, b=0.5))
+    assert isinstance(learn_b.b, torch.nn.Parameter) and learn_b.b.item() == 0.5
+    out, bias = learn_b(hidden(), None)
     (out + bias).square().mean().backward()
-    assert mod.n.grad is not None and mod.n.grad.abs().item() > 0
-    softmax_out, _ = build().eval()(hidden(), None)
-    assert out.shape == softmax_out.shape
+    for p in (learn_b.n, learn_b.b):
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().item() > 0
+
+
+def test_nsa_ssa_refuses_unsupported_combos(megatron_cpu):
+    with pytest.raises(ValueError, match="b must be > 0"):
+        nsa_self_attention_spec(TINY, transform="ssa", ssa=dict(b=0.0))
+    with pytest.raises(ValueError, match="b must be > 0"):
+        NSASelfAttention(make_config(), None, 1, nsa=TINY, transform="ssa", b_init=-1.0)
+    with pytest.raises(ValueError, match=r"attention=nsa: SSA options \['n'\] need transform='ssa'"):
+        nsa_self_attention_spec(TINY, ssa=dict(n=1.5))
+    with pytest.raises(ValueError, match="unknown SSA options"):
+        nsa_self_attention_spec(TINY, transform="ssa", ssa=dict(temperature=2.0))
+    with pytest.raises(NotImplementedError, match="attention=nsa_ssa: force_contiguous_qkv=False"):
+        build(transform="ssa", ssa=dict(force_contiguous_qkv=False))
+    with pytest.raises(NotImplementedError, match="attention=nsa_ssa: attention_dropout"):
+        build(make_config(attention_dropout=0.1), transform="ssa")
+    tp2 = SimpleNamespace(tp=SimpleNamespace(size=lambda: 2), cp=None)
+    with pytest.raises(NotImplementedError, match="attention=nsa_ssa: tensor_model_parallel_size=2.*SSA parameters"):
+        NSASelfAttention(make_config(), None, 1, pg_collection=tp2, nsa=TINY, transform="ssa")
+
+
+# --------------------------------------------- nsa_ssa through layer_spec, in a GPT
+def gpt_from_layer_spec(attention, **options):
+    from nemo_ssa.megatron.spec import layer_spec
+
+    cfg = make_config(num_layers=2)
+    torch.manual_seed(0)
+    with cpu_device_shims():
+        spec = layer_spec(cfg, attention=attention, attention_options=dict(TINY, **options), policy="free")
+        return GPTModel(cfg, transformer_layer_spec=spec, vocab_size=64, max_sequence_length=S,
+                        position_embedding_type="rope")
+
+
+def test_layer_spec_builds_nsa_ssa_with_one_n_per_layer(megatron_cpu):
+    nsa, nsa_ssa = gpt_from_layer_spec("nsa"), gpt_from_layer_spec("nsa_ssa")
+    soft, ssa = dict(nsa.named_parameters()), dict(nsa_ssa.named_parameters())
+    extra = set(ssa) - set(soft)
+    assert extra == {f"decoder.layers.{i}.self_attention.n" for i in range(2)}
+    assert set(soft) <= set(ssa) and all(ssa[k].shape == soft[k].shape for k in soft)
+    assert sum(p.numel() for p in ssa.values()) - sum(p.numel() for p in soft.values()) == len(extra)
+    for i, layer in enumerate(nsa_ssa.decoder.layers):
+        att = layer.self_attention
+        assert type(att) is NSASelfAttention and att.transform == "ssa" and att.nsa.window == TINY["window"]
+        assert att.n.item() == 1.5 and att.b.item() == pytest.approx(0.8)  # the SSA policy's values
+        assert nsa.decoder.layers[i].self_attention.transform == "softmax"
+    assert all(no_weight_decay_cond(k, ssa[k]) for k in extra)
+    assert ssa_values(nsa_ssa)["n"] == {1: 1.5, 2: 1.5} and ssa_values(nsa) == {"n": {}, "b": {}}
+    # policy=free lets the SSA options through
+    custom = gpt_from_layer_spec("nsa_ssa", n=2.0, learnable_b=True)
+    assert ssa_values(custom)["n"] == {1: 2.0, 2: 2.0}
+    assert "decoder.layers.0.self_attention.b" in dict(custom.named_parameters())
+    with pytest.raises(NotImplementedError, match="'nsa_ssa' is marked experimental"):
+        from nemo_ssa.megatron.spec import layer_spec
+
+        layer_spec(make_config(), attention="nsa_ssa")
+
+
+def test_nsa_ssa_gpt_forward_backward_reaches_n(megatron_cpu):
+    model = gpt_from_layer_spec("nsa_ssa")
+    with cpu_device_shims():
+        tokens = torch.randint(0, 64, (B, S), generator=torch.Generator().manual_seed(2))
+        pos = torch.arange(S)[None].expand(B, S)
+        loss = model(tokens, pos, attention_mask=None, labels=tokens)
+        assert torch.isfinite(loss).all()
+        loss.mean().backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+    for layer in model.decoder.layers:
+        assert layer.self_attention.n.grad.abs().item() > 0

@@ -74,3 +74,18 @@ def test_compare_gates_the_kernel_and_reads_tarballs(tmp_path):
 def test_train_refuses_without_cuda(tmp_path):
     with pytest.raises(SystemExit, match="needs CUDA"):
         parity.main(["train", "--runs", "softmax:1", "--out", str(tmp_path)])
+
+
+def test_experimental_runs_take_their_overrides_and_are_shown_not_gated():
+    name, seed, own = parity._parse_run("nsa_ssa:1234:policy=free,attention.options.window=64")
+    assert (name, seed, own) == ("nsa_ssa", 1234, ["policy=free", "attention.options.window=64"])
+    assert parity._parse_run("nsa_ssa:1234:policy=free")[2] == ["policy=free"]
+    cmd = parity._pretrain_cmd(name, seed, 10, "/tmp/r", own)
+    assert "attention=nsa_ssa" in cmd and cmd[-2:] == own
+    assert parity._parse_resume("nsa_ssa:1234:500") == ("nsa_ssa", 1234, 500)
+    # NSA is a different attention, compared to softmax and itself, never gated
+    order, gates, pairs = parity.plan_comparison(["softmax-s1234", "nsa-s1234", "nsa_ssa-s1234", "nsa_ssa-s4321"])
+    assert order[0] == "softmax-s1234" and gates == []
+    assert pairs == [("nsa_ssa-s4321", "nsa_ssa-s1234")]
+    with pytest.raises(SystemExit, match="ATTENTION:SEED"):
+        parity._parse_run("nsa_ssa")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import subprocess
 import sys
@@ -27,14 +28,15 @@ def tiny_corpus(tmp_path_factory):
     return build_corpus(str(out), source="stdlib", vocab_size=512, max_bytes=400_000, quiet=True)
 
 
-def _recipe(corpus, attention="ssa", max_steps=6, dropout=0.0, run_dir="/tmp/unused", hidden=32):
+def _recipe(corpus, attention="ssa", max_steps=6, dropout=0.0, run_dir="/tmp/unused", hidden=32,
+            attention_options=None, policy="pinned"):
     from recipes import nemotron_114m
     from nemo_ssa.nemo.cpu_loop import shrink_for_cpu
 
     recipe = nemotron_114m.pretrain_recipe(
-        dir=run_dir, attention=attention, data_prefix=corpus.prefix,
-        tokenizer_dir=corpus.tokenizer_dir, max_steps=max_steps, warmup_steps=1, lr=2e-3,
-        seed=1234,
+        dir=run_dir, attention=attention, attention_options=attention_options, policy=policy,
+        data_prefix=corpus.prefix, tokenizer_dir=corpus.tokenizer_dir, max_steps=max_steps,
+        warmup_steps=1, lr=2e-3, seed=1234,
     )
     shrink_for_cpu(recipe, arch=dict(num_layers=2, hidden_size=hidden, ffn_hidden_size=64,
                                      num_attention_heads=4, num_query_groups=2),
@@ -47,7 +49,7 @@ def _recipe(corpus, attention="ssa", max_steps=6, dropout=0.0, run_dir="/tmp/unu
 def _train(corpus, run_dir, **kw):
     from nemo_ssa.nemo.cpu_loop import train_on_cpu
 
-    recipe_kw = {k: kw.pop(k) for k in ("attention", "dropout", "hidden") if k in kw}
+    recipe_kw = {k: kw.pop(k) for k in ("attention", "dropout", "hidden", "attention_options", "policy") if k in kw}
     max_steps = kw.pop("max_steps", 6)
     recipe = _recipe(corpus, max_steps=max_steps, run_dir=str(run_dir), **recipe_kw)
     return train_on_cpu(recipe, str(run_dir), max_steps=max_steps, quiet=True, **kw)
@@ -137,6 +139,28 @@ def test_cpu_loop_applies_weight_decay_multipliers(tiny_corpus, tmp_path):
     assert {f"decoder.layers.{i}.self_attention.core_attention.n" for i in (0, 1)} <= set(no_wd)
     assert not any(name.endswith("linear_qkv.weight") or name.endswith("linear_fc1.weight")
                    for name in no_wd)
+
+
+NSA_TINY = dict(block_len=4, stride=2, select_block=8, top_n=4, window=8)  # seq 32: every branch matters
+
+
+def test_nsa_ssa_trains_logs_and_resumes_n(tiny_corpus, tmp_path):
+    """attention=nsa_ssa through the CPU loop like the SSA core attentions: one n per
+    layer (at ...self_attention.n), learned, logged, exempt from weight decay, and carried
+    through dist_checkpointing (the resumed curve and n equal the uninterrupted run's)."""
+    kw = dict(attention="nsa_ssa", attention_options=NSA_TINY, policy="free", hidden=64)
+    nsa = _train(tiny_corpus, tmp_path / "nsa", attention="nsa", attention_options=NSA_TINY, policy="free",
+                 hidden=64, max_steps=1)
+    full = _train(tiny_corpus, tmp_path / "full", max_steps=2, **kw)
+    assert nsa.ssa_n == {} and sorted(full.ssa_n) == [1, 2]
+    assert nsa.extra["params"] + 2 == full.extra["params"]  # one n per layer
+    assert all(math.isfinite(v) and v != 1.5 for v in full.ssa_n.values())
+    assert {f"decoder.layers.{i}.self_attention.n" for i in (0, 1)} <= set(full.extra["no_weight_decay"])
+    rows = list(csv.DictReader(open(tmp_path / "full" / "metrics.csv")))
+    assert {"n_layer_01", "n_layer_02"} <= set(rows[0])
+    first = _train(tiny_corpus, tmp_path / "res", max_steps=2, stop_after=1, ckpt_every=1, save_at_end=False, **kw)
+    second = _train(tiny_corpus, tmp_path / "res", max_steps=2, resume=True, **kw)
+    assert first.losses + second.losses == full.losses and second.ssa_n == full.ssa_n
 
 
 def _pretrain_module():
