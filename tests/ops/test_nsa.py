@@ -136,6 +136,20 @@ def check_grads(got, ref, tol, transform, label=""):
         assert math.isfinite(err) and err < tol, f"{label} d{name}: rel err {err:.3e} >= {tol:g}"
 
 
+def check_grads_fp64(got, leaves, ref_fn, do, tol, label=""):
+    """Kernel gradients vs a float64 reference. Bound: ``max(tol, 2 x the fp32 eager
+    error)`` (the project's tolerance rule); for the scalar grads (dn, db), sums of many
+    cancelling terms where fp32 itself is only good to ~1e-5 relative (``do`` is fresh
+    random on every run), the floor is 1e-4 -- still 10x inside the issue's 1e-3."""
+    l64 = {k: v.detach().double().requires_grad_() for k, v in leaves.items()}
+    ref64 = grads(ref_fn(l64), l64, do.double())
+    ref32 = grads(ref_fn(leaves), leaves, do)
+    for name, r in ref64.items():
+        err, eager = rel_err(got[name], r), rel_err(ref32[name], r)
+        bound = max(tol if r.numel() > 1 else max(tol, 1e-4), 2.0 * eager)
+        assert math.isfinite(err) and err < bound, f"{label} d{name}: rel err {err:.3e} >= {bound:.3e} (eager fp32 {eager:.3e})"
+
+
 # ====================================================================== reference
 # ------------------------------------------------------------------------ config
 @pytest.mark.parametrize("bad, match", [
@@ -384,7 +398,9 @@ def test_window_kernel(K, case):
     ref, _ = masked_attention(q, k, v, window_mask(N, w, DEV), transform=transform, **ssa)
     assert rel_err(out, ref) < 1e-5
     do = torch.randn_like(ref)
-    check_grads(grads(out, leaves, do), grads(ref, leaves, do), 1e-5, transform, "window")
+    mask = window_mask(N, w, DEV)
+    check_grads_fp64(grads(out, leaves, do), leaves, lambda l: masked_attention(
+        l["q"], l["k"], l["v"], mask, transform=transform, n=l.get("n"), b=l.get("b"))[0], do, 1e-5, "window")
 
 
 @pytest.mark.parametrize("case", BRANCH_CASES + [(1, 3, 1, 3, 32, "softmax")], ids=_ids)
@@ -408,7 +424,8 @@ def test_compressed_kernel_and_lse(K, case):
     assert torch.isinf(lse[:, :, : min(N, cfg.block_len - 1)]).all()
     if nc:
         do = torch.randn_like(ref)
-        check_grads(grads(out, leaves, do), grads(ref, leaves, do), 1e-5, transform, "compressed")
+        check_grads_fp64(grads(out, leaves, do), leaves, lambda l: masked_attention(
+            l["q"], l["k"], l["v"], vis, transform=transform, n=l.get("n"), b=l.get("b"))[0], do, 1e-5, "compressed")
 
 
 @pytest.mark.parametrize("transform", ["softmax", "ssa"])
@@ -472,7 +489,8 @@ def test_selected_kernel(K, case):
     assert rel_err(out, ref) < 1e-5
     assert (out[0, : Hq // Hkv, 3] == 0).all()
     do = torch.randn_like(ref)
-    check_grads(grads(out, leaves, do), grads(ref, leaves, do), 1e-5, transform, "selected")
+    check_grads_fp64(grads(out, leaves, do), leaves, lambda l: masked_attention(
+        l["q"], l["k"], l["v"], keep, transform=transform, n=l.get("n"), b=l.get("b"))[0], do, 1e-5, "selected")
 
 
 def test_worklist_inverts_the_selection(K):

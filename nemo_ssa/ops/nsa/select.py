@@ -2,13 +2,16 @@
 
 Two kernels, both without gradient (the selection is an index choice):
 
-* ``_importance_kernel``: for a tile of queries, one kv head and a tile of selection
-  blocks, recompute the compressed branch's probabilities ``p = exp2(z2 - lse)`` from
-  its saved ``lse`` (log2 domain) for each query head of the GQA group, and accumulate
+* ``_importance_kernel``: one program per (tile of queries, kv head) walks the selection
+  blocks the tile can choose (causal: up to its last row's own block; later blocks are
+  neither computed nor stored) in tiles of ``BLOCK_S``; per tile it recomputes the
+  compressed branch's probabilities ``p = exp2(z2 - lse)`` from its saved ``lse`` (log2
+  domain) for each query head of the GQA group and accumulates
   ``imp[t, j] = Σ_h Σ_i p[h, t, i] · M[i, j]`` with ``M`` the overlap fraction of
   compressed block ``i`` inside selection block ``j`` (``naive.overlap_matrix``). Only
-  the compressed blocks overlapping the tile's selection blocks are visited, so the work
-  is one pass over the visible compressed keys per head, like the compressed forward.
+  the compressed blocks overlapping the selection tile are visited, so the work is one
+  pass over the visible compressed keys per head, like the compressed forward; the
+  heaviest (latest) query tiles are launched first.
 * ``_topn_kernel``: per query row, forced blocks (first, current, previous) get ``+inf``,
   blocks that have not started ``-inf``, then ``top_n`` rounds of "take the maximum,
   lowest index on ties" -- the same deterministic choice as ``naive.select_blocks``.
@@ -45,9 +48,9 @@ def _importance_kernel(
     TRANSFORM: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    # heaviest query tiles (most visible compressed blocks) first: better tail balance
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)  # B * Hkv
-    pid_s = tl.program_id(2)
     b = (pid_bh // Hkv).to(tl.int64)
     hk = (pid_bh % Hkv).to(tl.int64)
     n_ssa = tl.load(NP).to(tl.float32)
@@ -57,42 +60,42 @@ def _importance_kernel(
     m_ok = offs_m < T1
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    j0 = pid_s * BLOCK_S
-    offs_s = j0 + tl.arange(0, BLOCK_S)
-
-    # compressed blocks overlapping selection blocks [j0, j0 + BLOCK_S) ...
-    x = j0 * SBLK - CLEN
-    c_lo = tl.where(x >= 0, tl.maximum(x, 0) // CSTRIDE + 1, 0)
-    c_hi = tl.minimum(((j0 + BLOCK_S) * SBLK + CSTRIDE - 1) // CSTRIDE, NC)
-    # ... and visible to the last query of the tile (i*d + l - 1 <= t)
     m_last = tl.minimum(T0 + pid_m * BLOCK_M + BLOCK_M, T1) - 1
+    # causal: no row of the tile can select a block after its own, so later selection
+    # blocks are neither computed nor stored (top-n never reads them)
+    s_end = tl.minimum(m_last // SBLK + 1, NS)
+    # compressed blocks visible to the last query of the tile (i*d + l - 1 <= t)
     c_vis = tl.where(m_last >= CLEN - 1, tl.maximum(m_last - CLEN + 1, 0) // CSTRIDE + 1, 0)
-    c_hi = tl.minimum(c_hi, c_vis)
-
-    imp = tl.zeros([BLOCK_M, BLOCK_S], dtype=tl.float32)
     kc_base = KC + b * skb + hk * skh
-    for g in range(GROUP):
-        h = hk * GROUP + g
-        q = tl.load(Q + b * sqb + h * sqh + offs_m.to(tl.int64)[:, None] * sqn + offs_d[None, :] * sqd,
-                    mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-        lse = tl.load(LSE + (b * Hq + h) * N + offs_m, mask=m_ok, other=float("inf"))
-        for start_c in range(c_lo, c_hi, BLOCK_C):
-            offs_c = start_c + tl.arange(0, BLOCK_C)
-            kc = tl.load(kc_base + offs_c.to(tl.int64)[:, None] * skn + offs_d[None, :] * skd,
-                         mask=(offs_c < NC)[:, None] & d_ok[None, :], other=0.0)
-            qk = tl.dot(q, tl.trans(kc), input_precision=PREC)  # [BLOCK_M, BLOCK_C]
-            z2 = score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM)
-            vis = ((offs_c * CSTRIDE + CLEN - 1)[None, :] <= offs_m[:, None]) & (offs_c < NC)[None, :]
-            p = tl.where(vis, tl.exp2(z2 - lse[:, None]), 0.0)
-            # overlap fraction of compressed block c inside selection block s: [BLOCK_C, BLOCK_S]
-            cs = (offs_c * CSTRIDE)[:, None]
-            ss = (offs_s * SBLK)[None, :]
-            ov = tl.minimum(cs + CLEN, ss + SBLK) - tl.maximum(cs, ss)
-            w = tl.where(ov > 0, ov.to(tl.float32), 0.0) / CLEN
-            imp += tl.dot(p, w, input_precision=PREC)
-
-    out = IMP + b * sib + hk * sih + (offs_m - T0).to(tl.int64)[:, None] * sin + offs_s[None, :] * sij
-    tl.store(out, imp, mask=m_ok[:, None] & (offs_s < NS)[None, :])
+    q_base = Q + b * sqb + offs_m.to(tl.int64)[:, None] * sqn + offs_d[None, :] * sqd
+    for j0 in range(0, s_end, BLOCK_S):
+        offs_s = j0 + tl.arange(0, BLOCK_S)
+        # compressed blocks overlapping selection blocks [j0, j0 + BLOCK_S)
+        x = j0 * SBLK - CLEN
+        c_lo = tl.where(x >= 0, tl.maximum(x, 0) // CSTRIDE + 1, 0)
+        c_hi = tl.minimum(tl.minimum(((j0 + BLOCK_S) * SBLK + CSTRIDE - 1) // CSTRIDE, NC), c_vis)
+        imp = tl.zeros([BLOCK_M, BLOCK_S], dtype=tl.float32)
+        for g in range(GROUP):
+            h = hk * GROUP + g
+            # the tile's q rows are re-read per selection tile: L1/L2 hits after the first
+            q = tl.load(q_base + h * sqh, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+            lse = tl.load(LSE + (b * Hq + h) * N + offs_m, mask=m_ok, other=float("inf"))
+            for start_c in range(c_lo, c_hi, BLOCK_C):
+                offs_c = start_c + tl.arange(0, BLOCK_C)
+                kc = tl.load(kc_base + offs_c.to(tl.int64)[:, None] * skn + offs_d[None, :] * skd,
+                             mask=(offs_c < NC)[:, None] & d_ok[None, :], other=0.0)
+                qk = tl.dot(q, tl.trans(kc), input_precision=PREC)  # [BLOCK_M, BLOCK_C]
+                z2 = score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM)
+                vis = ((offs_c * CSTRIDE + CLEN - 1)[None, :] <= offs_m[:, None]) & (offs_c < NC)[None, :]
+                p = tl.where(vis, tl.exp2(z2 - lse[:, None]), 0.0)
+                # overlap fraction of compressed block c inside selection block s: [BLOCK_C, BLOCK_S]
+                cs = (offs_c * CSTRIDE)[:, None]
+                ss = (offs_s * SBLK)[None, :]
+                ov = tl.minimum(cs + CLEN, ss + SBLK) - tl.maximum(cs, ss)
+                w = tl.where(ov > 0, ov.to(tl.float32), 0.0) / CLEN
+                imp += tl.dot(p, w, input_precision=PREC)
+        out = IMP + b * sib + hk * sih + (offs_m - T0).to(tl.int64)[:, None] * sin + offs_s[None, :] * sij
+        tl.store(out, imp, mask=m_ok[:, None] & (offs_s < NS)[None, :])
 
 
 @triton.jit
@@ -110,9 +113,10 @@ def _topn_kernel(
     offs_m = T0 + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < T1
     offs_s = tl.arange(0, BLOCK_S)
-    imp = tl.load(IMP + b * sib + hk * sih + (offs_m - T0).to(tl.int64)[:, None] * sin + offs_s[None, :] * sij,
-                  mask=m_ok[:, None] & (offs_s < NS)[None, :], other=0.0)
     cur = offs_m // SBLK
+    # entries after a row's own block were never written (causal): not read either
+    imp = tl.load(IMP + b * sib + hk * sih + (offs_m - T0).to(tl.int64)[:, None] * sin + offs_s[None, :] * sij,
+                  mask=m_ok[:, None] & (offs_s[None, :] <= cur[:, None]) & (offs_s < NS)[None, :], other=0.0)
     s2 = offs_s[None, :]
     eligible = (s2 <= cur[:, None]) & (s2 < NS)
     forced = (s2 == 0) | (s2 == cur[:, None]) | (s2 == cur[:, None] - 1)
@@ -132,24 +136,36 @@ def _chunk_rows(bsz, hkv, ns, n_tok, max_buffer_elems, align):
 
 
 def importance_scores(q, k_cmp, lse_cmp, config: NSAConfig, *, transform="softmax", n=None, b=None,
-                      softmax_scale=None, t0: int = 0, t1: Optional[int] = None) -> torch.Tensor:
+                      softmax_scale=None, t0: int = 0, t1: Optional[int] = None,
+                      fill_future: bool = True) -> torch.Tensor:
     """Selection scores ``[B, Hkv, t1 - t0, Nsel]`` (fp32) for queries ``t0 .. t1-1``.
 
     ``lse_cmp [B, Hq, N]`` is the compressed branch's log2-domain log-sum-exp
-    (``range_attn.compressed_attention``); ``k_cmp [B, Hkv, Nc, D]``.
+    (``range_attn.compressed_attention``); ``k_cmp [B, Hkv, Nc, D]``. Scores of blocks
+    after a query's own block are 0 (``fill_future=False``: left unwritten -- what the
+    top-n uses, it never reads them).
     """
     check_kernel_tensors({"q": q, "k_cmp": k_cmp})
     bsz, hq, n_tok, d = q.shape
     hkv, nc = k_cmp.shape[1], k_cmp.shape[2]
     t1 = n_tok if t1 is None else t1
     ns = num_select_blocks(n_tok, config)
-    imp = torch.zeros(bsz, hkv, t1 - t0, ns, device=q.device, dtype=torch.float32)
     if nc == 0 or t1 <= t0:
-        return imp
+        return torch.zeros(bsz, hkv, t1 - t0, ns, device=q.device, dtype=torch.float32)
+    # the kernel writes only entries (t, j) with j <= t // l' (a query cannot select a later
+    # block); the rest are zeros, or -- for the top-n, which never reads them -- left
+    # unwritten (NaN-poisoned under the interpreter, so a read there would show in tests)
+    shape = (bsz, hkv, t1 - t0, ns)
+    if fill_future:
+        imp = torch.zeros(shape, device=q.device, dtype=torch.float32)
+    elif interpreting():
+        imp = torch.full(shape, math.nan, device=q.device, dtype=torch.float32)
+    else:
+        imp = torch.empty(shape, device=q.device, dtype=torch.float32)
     tid, n_t, b_t = ssa_scalars(transform, n, b, q.device)
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     bm, bc, bs = (16, 16, 16) if interpreting() else (64, 32, 16)
-    grid = (triton.cdiv(t1 - t0, bm), bsz * hkv, triton.cdiv(ns, bs))
+    grid = (triton.cdiv(t1 - t0, bm), bsz * hkv)
     _importance_kernel[grid](
         q, k_cmp, lse_cmp.contiguous(), imp, n_t, b_t,
         *q.stride(), *k_cmp.stride(), *imp.stride(),
@@ -199,7 +215,7 @@ def select_blocks_triton(q, k_cmp, lse_cmp, config: NSAConfig, *, transform="sof
         for t0 in range(0, n_tok, rows):
             t1 = min(n_tok, t0 + rows)
             imp = importance_scores(q, k_cmp, lse_cmp, config, transform=transform, n=n, b=b,
-                                    softmax_scale=softmax_scale, t0=t0, t1=t1)
+                                    softmax_scale=softmax_scale, t0=t0, t1=t1, fill_future=False)
             topn_blocks(imp, config, t0=t0, out=idx[:, :, t0:t1])
         key = torch.where(idx < 0, torch.full_like(idx, ns + 1), idx)
         return torch.gather(idx, -1, torch.sort(key, dim=-1).indices)
