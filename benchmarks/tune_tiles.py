@@ -11,7 +11,10 @@ shapes so the tables can be filled with measured winners:
 Kernels: ``flash_fwd`` (single-pass flash forward), ``bwd_dq`` / ``bwd_dkv`` (the two
 backward kernels; each swept with the other at its table value, so the winner of one
 does not depend on the other's timing), ``elsa_fwd`` (ELSA phase 1, one partition at the
-benchmark length). Transform: SSA (the heavier epilogue; softmax shares the tables).
+benchmark length) -- SSA transform (the heavier epilogue; softmax shares the tables) --
+and NSA's ``nsa_range_fwd`` / ``nsa_range_bwd`` (the banded kernel of the compressed and
+window branches, both timed; bwd candidates timed as fwd+bwd) and ``nsa_selected``
+(selected attention fwd+bwd; candidate = (block_q, -, warps, -)), softmax, N = 32K.
 
 Compiling ~40-70 candidates per kernel and shape serially takes minutes, so a pool of
 worker processes first compiles every candidate once (populating Triton's on-disk cache;
@@ -46,11 +49,89 @@ SHAPES = {
 FWD_CANDS = [(bm, bn, w, s) for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
 DQ_CANDS = [(bm, bn, w, s) for bm in (32, 64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (1, 2)]
 KV_CANDS = [(bm, bn, w, s) for bm in (16, 32, 64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (1, 2)]
-KERNELS = ("flash_fwd", "bwd_dq", "bwd_dkv", "elsa_fwd")
+NSA_SHAPES = {
+    # label: (B, Hq, Hkv, N, D) -- issue 6's benchmark shapes at N = 32K
+    "nsa-d32": (1, 24, 8, 32768, 32),
+    "nsa-d128": (1, 24, 8, 32768, 128),
+}
+RANGE_FWD_CANDS = [(bm, bn, w, s) for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
+RANGE_BWD_CANDS = [(bm, bn, w, s) for bm in (32, 64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (1, 2)]
+SELECTED_CANDS = [(bq, 0, w, 0) for bq in (16, 32, 64, 128) for w in (2, 4, 8)]  # (block_q, -, warps, -)
+FLASH_KERNELS = ("flash_fwd", "bwd_dq", "bwd_dkv", "elsa_fwd")
+NSA_KERNELS = ("nsa_range_fwd", "nsa_range_bwd", "nsa_selected")
+KERNELS = FLASH_KERNELS + NSA_KERNELS
 
 
 def _cands(kernel: str):
-    return {"flash_fwd": FWD_CANDS, "elsa_fwd": FWD_CANDS, "bwd_dq": DQ_CANDS, "bwd_dkv": KV_CANDS}[kernel]
+    return {"flash_fwd": FWD_CANDS, "elsa_fwd": FWD_CANDS, "bwd_dq": DQ_CANDS, "bwd_dkv": KV_CANDS,
+            "nsa_range_fwd": RANGE_FWD_CANDS, "nsa_range_bwd": RANGE_BWD_CANDS,
+            "nsa_selected": SELECTED_CANDS}[kernel]
+
+
+def _shapes_of(kernel: str, shapes):
+    pool = NSA_SHAPES if kernel in NSA_KERNELS else SHAPES
+    return [s for s in shapes if s in pool]
+
+
+class _NsaCase:
+    """NSA branch inputs at one shape (paper sizes); candidates go through the modules'
+    ``TILE_OVERRIDE`` hooks. ``nsa_range_*`` time the compressed *and* the window branch
+    (they share the banded kernel's table); ``nsa_selected`` times selected attention."""
+
+    def __init__(self, shape: str):
+        import torch
+
+        from nemo_ssa.ops.nsa import NSAConfig, compress_kv
+        from nemo_ssa.ops.nsa import range_attn, selected_attn
+        from nemo_ssa.ops.nsa.select import select_blocks_triton
+
+        self.torch, self.ra, self.sa = torch, range_attn, selected_attn
+        B, Hq, Hkv, N, D = NSA_SHAPES[shape]
+        self.cfg = cfg = NSAConfig(compress="mean")
+        g = torch.Generator(device="cuda").manual_seed(0)
+        mk = lambda h, n=N: torch.randn(B, h, n, D, device="cuda", dtype=torch.bfloat16,  # noqa: E731
+                                        generator=g).requires_grad_()
+        self.q, self.k, self.v, self.do = mk(Hq), mk(Hkv), mk(Hkv), torch.randn(B, Hq, N, D, device="cuda",
+                                                                               dtype=torch.bfloat16, generator=g)
+        with torch.no_grad():
+            self.kc, self.vc = compress_kv(self.k, cfg).requires_grad_(), compress_kv(self.v, cfg).requires_grad_()
+            _, lse = range_attn.compressed_attention(self.q, self.kc, self.vc, cfg.block_len, cfg.stride)
+            self.idx = select_blocks_triton(self.q, self.kc, lse, cfg)
+        self.D = D
+
+    def table(self, kernel: str):
+        old = (dict(self.ra.TILE_OVERRIDE), dict(self.sa.TILE_OVERRIDE))
+        self.ra.TILE_OVERRIDE.clear()
+        self.sa.TILE_OVERRIDE.clear()
+        try:
+            if kernel == "nsa_selected":
+                return (self.sa._block_q(self.D), 0, self.sa._num_warps(), 0)
+            return tuple(self.ra._blocks(self.D, "fwd" if kernel == "nsa_range_fwd" else "bwd"))
+        finally:
+            self.ra.TILE_OVERRIDE.update(old[0])
+            self.sa.TILE_OVERRIDE.update(old[1])
+
+    def fn(self, kernel: str, cand):
+        torch, ra, sa, cfg = self.torch, self.ra, self.sa, self.cfg
+
+        def run():
+            ra.TILE_OVERRIDE.clear()
+            sa.TILE_OVERRIDE.clear()
+            try:
+                if kernel == "nsa_selected":
+                    sa.TILE_OVERRIDE.update(block_q=cand[0], num_warps=cand[2])
+                    o = sa.selected_attention(self.q, self.k, self.v, self.idx, cfg.select_block)
+                    torch.autograd.grad(o, [self.q, self.k, self.v], self.do)
+                    return
+                ra.TILE_OVERRIDE["fwd" if kernel == "nsa_range_fwd" else "bwd"] = tuple(cand)
+                oc = ra.compressed_attention(self.q, self.kc, self.vc, cfg.block_len, cfg.stride)[0]
+                ow = ra.window_attention(self.q, self.k, self.v, cfg.window)
+                if kernel == "nsa_range_bwd":
+                    torch.autograd.grad([oc, ow], [self.q, self.k, self.v, self.kc, self.vc], [self.do, self.do])
+            finally:
+                ra.TILE_OVERRIDE.clear()
+                sa.TILE_OVERRIDE.clear()
+        return run
 
 
 class _Case:
@@ -117,12 +198,12 @@ def _compile_worker(jobs: List[Tuple[str, str, Tuple[int, int, int, int]]]) -> i
     """Run each (shape, kernel, candidate) once: fills Triton's disk cache."""
     import torch
 
-    cases: Dict[str, _Case] = {}
+    cases: Dict[str, object] = {}
     ok = 0
     for shape, kernel, cand in jobs:
         try:
             if shape not in cases:
-                cases[shape] = _Case(shape)
+                cases[shape] = _NsaCase(shape) if shape in NSA_SHAPES else _Case(shape)
             cases[shape].fn(kernel, cand)()
             torch.cuda.synchronize()
             ok += 1
@@ -134,7 +215,7 @@ def _compile_worker(jobs: List[Tuple[str, str, Tuple[int, int, int, int]]]) -> i
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kernels", default=",".join(KERNELS))
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default=",".join(list(SHAPES) + list(NSA_SHAPES)))
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     ap.add_argument("--rep", type=int, default=30, help="do_bench rep (ms) per candidate")
     ap.add_argument("--out", default=None)
@@ -148,7 +229,7 @@ def main(argv=None) -> int:
         return 2
     kernels = [k for k in args.kernels.split(",") if k]
     shapes = [s for s in args.shapes.split(",") if s]
-    jobs = [(s, k, c) for s in shapes for k in kernels for c in _cands(k)]
+    jobs = [(s, k, c) for k in kernels for s in _shapes_of(k, shapes) for c in _cands(k)]
     t0 = time.time()
     if args.workers > 1:
         chunks = [jobs[i::args.workers] for i in range(args.workers)]
@@ -159,8 +240,8 @@ def main(argv=None) -> int:
     results: List[Dict] = []
     best: Dict[Tuple[str, str], Dict] = {}
     for s in shapes:
-        case = _Case(s)
-        for k in kernels:
+        case = _NsaCase(s) if s in NSA_SHAPES else _Case(s)
+        for k in [k for k in kernels if s in _shapes_of(k, [s])]:
             table = case.table(k)
             timed = {}
             for c in _cands(k) + ([table] if table not in _cands(k) else []):
