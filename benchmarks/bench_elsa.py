@@ -66,10 +66,10 @@ def _sdpa_fn(backend_name: str, causal: bool):
     return run
 
 
-def _elsa_fn(transform: str, causal: bool, n, b):
+def _elsa_fn(transform: str, causal: bool, n, b, fp32_precision: str = "ieee"):
     def run(q, k, v):
         kw = dict(n=n, b=b) if transform == "ssa" else {}
-        return elsa_attention(q, k, v, transform=transform, causal=causal, fp32_precision="ieee", **kw)
+        return elsa_attention(q, k, v, transform=transform, causal=causal, fp32_precision=fp32_precision, **kw)
 
     return run
 
@@ -135,7 +135,7 @@ def run(args) -> List[Dict]:
                 do = torch.randn(B, Hq, N, D, device=dev, dtype=dtype)
                 impls: Dict[str, Callable] = {}
                 for tr in args.transforms:
-                    impls[f"elsa-{tr}"] = _elsa_fn(tr, causal, n, b)
+                    impls[f"elsa-{tr}"] = _elsa_fn(tr, causal, n, b, args.fp32_precision)
                 if dtype != torch.float32:
                     impls["sdpa-flash"] = _sdpa_fn("flash", causal)
                 impls["sdpa-mem"] = _sdpa_fn("mem", causal)
@@ -242,6 +242,9 @@ def main(argv=None):
     p.add_argument("--max-reps", type=int, default=30)
     p.add_argument("--check-max-n", type=int, default=4096, help="compare outputs with SDPA up to this N")
     p.add_argument("--out", type=Path, default=None, help="write the table as .csv or .md")
+    p.add_argument("--fp32-precision", default="ieee", choices=("ieee", "tf32x3", "tf32"),
+                   help="ELSA's dots for fp32 inputs (ieee = the exactness-tested default; tf32x3 = "
+                        "3-pass TF32 on tensor cores, what SDPA memory-efficient uses for fp32)")
     args = p.parse_args(argv)
     if args.quick:
         args.ns = [n for n in args.ns if n <= 4096] or [1024, 4096]
@@ -249,7 +252,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print("bench_elsa.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | causal={args.causal}", flush=True)
+    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | causal={args.causal} | fp32 dots: {args.fp32_precision}", flush=True)
     rows = run(args)
     text = table(rows)
     if args.out is not None:

@@ -285,9 +285,12 @@ def _blocks(d: int, kind: str) -> Tuple[int, int, int, int]:
         return TILE_OVERRIDE[kind]
     if interpreting():
         return 16, 16, 1, 1
+    # measured winners, benchmarks/tune_tiles.py (H100, bf16, N=32K, compressed + window
+    # branches timed together; docs/results/2026-11-22-tuning): bwd D128 1.74x over the
+    # old (32, 32, 4, 1), the rest within 5 % of the old entries
     if kind == "fwd":
-        return (64, 64, 4, 3) if d <= 64 else (64, 32, 4, 2)
-    return (64, 64, 4, 2) if d <= 64 else (32, 32, 4, 1)
+        return (64, 32, 4, 3) if d <= 64 else (64, 32, 4, 2)
+    return (128, 64, 4, 2) if d <= 64 else (64, 64, 4, 2)
 
 
 def _range_fwd(q, k, v, n_t, b_t, tid, scale, kstride, koff, window):
