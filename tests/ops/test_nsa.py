@@ -465,6 +465,27 @@ def test_topn_kernel_ties_and_short_rows(K):
     assert canon[0, 1, 69].tolist() == [0, 1, 3, 7, 8]
 
 
+def test_topn_kernel_width_buckets_and_row_chunks(K):
+    # Nsel = 25 > 16: rows before 16 * l' run with BLOCK_S = 16, later rows with 32; also
+    # called on row chunks (t0 > 0) as select_blocks_triton does. NaN in the never-read
+    # entries (blocks after a row's own) must not matter; distinct scores, no ties.
+    cfg = NSAConfig(block_len=4, stride=2, select_block=4, top_n=5, window=8)
+    N = 100
+    ns = num_select_blocks(N, cfg)
+    assert ns > 16
+    g = gen(29)
+    imp = torch.rand(1, 2, N, ns, generator=g).to(DEV)
+    ref = select_blocks(imp, cfg)
+    poisoned = imp.clone()
+    future = torch.arange(ns, device=DEV)[None, :] > (torch.arange(N, device=DEV) // cfg.select_block)[:, None]
+    poisoned[:, :, future] = float("nan")
+    for bounds in ((0, N), (0, 37), (37, 64), (64, 71), (71, N)):
+        t0, t1 = bounds
+        raw = K.select.topn_blocks(poisoned[:, :, t0:t1].contiguous(), cfg, t0=t0)
+        canon = torch.gather(raw, -1, torch.sort(torch.where(raw < 0, 999, raw), -1).indices)
+        assert torch.equal(canon.long(), ref[:, :, t0:t1]), bounds
+
+
 SELECTED_CASES = [  # (B, Hq, Hkv, N, D, transform, top_n)
     (1, 6, 2, 45, 32, "softmax", 4),
     (1, 3, 1, 29, 32, "ssa", 3),

@@ -14,7 +14,9 @@ Two kernels, both without gradient (the selection is an index choice):
   heaviest (latest) query tiles are launched first.
 * ``_topn_kernel``: per query row, forced blocks (first, current, previous) get ``+inf``,
   blocks that have not started ``-inf``, then ``top_n`` rounds of "take the maximum,
-  lowest index on ties" -- the same deterministic choice as ``naive.select_blocks``.
+  lowest index on ties" -- the same deterministic choice as ``naive.select_blocks``. Rows
+  are launched in ranges by the power-of-two width their candidates need (a query at
+  ``t`` only chooses among blocks ``0 .. t // l'``).
 
 Scores are fp32. The host processes queries in chunks so the ``[B, Hkv, T, Nsel]``
 score buffer stays below ``max_buffer_elems`` (256 MiB by default) at any N.
@@ -103,15 +105,17 @@ def _topn_kernel(
     IMP, IDX,
     sib, sih, sin, sij,
     sxb, sxh, sxn, sxs,
-    Hkv, NS, T0, T1, SBLK,
+    Hkv, NS, T0, R0, R1, SBLK,
     TOPN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
+    # rows T0 + R0 .. T0 + R1 - 1 (absolute positions); IMP / IDX rows are relative to T0.
+    # The host guarantees every such row's own block is < BLOCK_S.
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // Hkv).to(tl.int64)
     hk = (pid_bh % Hkv).to(tl.int64)
-    offs_m = T0 + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < T1
+    offs_m = T0 + R0 + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < T0 + R1
     offs_s = tl.arange(0, BLOCK_S)
     cur = offs_m // SBLK
     # entries after a row's own block were never written (causal): not read either
@@ -188,16 +192,23 @@ def topn_blocks(importance: torch.Tensor, config: NSAConfig, t0: int = 0,
     bsz, hkv, rows, ns = importance.shape
     if out is None:
         out = torch.empty(bsz, hkv, rows, config.top_n, device=importance.device, dtype=torch.int32)
-    if rows == 0:
-        return out
-    bs = max(16, next_pow2(ns))
-    bm = 4 if interpreting() else max(1, min(64, 8192 // bs))
-    grid = (triton.cdiv(rows, bm), bsz * hkv)
-    _topn_kernel[grid](
-        importance, out, *importance.stride(), *out.stride(),
-        hkv, ns, t0, t0 + rows, config.select_block,
-        TOPN=config.top_n, BLOCK_M=bm, BLOCK_S=bs, num_warps=1 if interpreting() else 4,
-    )
+    sblk = config.select_block
+    # Row ranges by the power-of-two width their candidates need: a query at t chooses among
+    # blocks 0 .. t // l' only, so rows before 2^k * l' run with BLOCK_S = 2^k (at 64K the
+    # average width is ~2/3 of the full row). Boundaries are host ints: no sync.
+    r0 = 0
+    while r0 < rows:
+        width = min(ns, (t0 + r0) // sblk + 1)  # candidates of the range's first row
+        bs = max(16, next_pow2(width))
+        r1 = rows if bs >= ns else min(rows, bs * sblk - t0)  # last row whose blocks fit in bs
+        bm = 4 if interpreting() else max(1, min(64, 8192 // bs))
+        grid = (triton.cdiv(r1 - r0, bm), bsz * hkv)
+        _topn_kernel[grid](
+            importance, out, *importance.stride(), *out.stride(),
+            hkv, ns, t0, r0, r1, config.select_block,
+            TOPN=config.top_n, BLOCK_M=bm, BLOCK_S=bs, num_warps=1 if interpreting() else 4,
+        )
+        r0 = r1
     return out
 
 
