@@ -28,6 +28,7 @@ import os
 import random
 import socket
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -169,7 +170,8 @@ def _rng_from_obj(obj: Dict[str, Any]) -> RNGSnapshot:
 
 
 def warmup_attention(model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> int:
-    """Run one forward+backward of every distinct core attention on random inputs.
+    """Run one forward+backward of every distinct core attention (and NSA self-attention)
+    on random inputs.
 
     On GPU this compiles and autotunes fused kernels before step 0. It draws random
     numbers: callers wrap it in :func:`nemo_ssa.rng.preserved_rng`. Gradients it
@@ -191,6 +193,30 @@ def warmup_attention(model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> 
         v = torch.randn(s, b, hkv, d, device=dev, requires_grad=True)
         out = mod(q, k, v, None)
         out.float().sum().backward()
+    # NSA replaces the whole self-attention (its kernels see the layer's projections), so
+    # it is warmed through the module itself, on random hidden states. Its parameters are
+    # frozen meanwhile: no gradient reaches them, so no DDP grad hook can fire.
+    from nemo_ssa.megatron.nsa_attention import NSASelfAttention
+
+    for mod in model.modules():
+        if not isinstance(mod, NSASelfAttention) or (type(mod), mod.transform) in seen:
+            continue
+        seen.add((type(mod), mod.transform))
+        params = [p for p in mod.parameters() if p.requires_grad]
+        dtype = next((p.dtype for p in mod.parameters() if p.is_floating_point()), torch.float32)
+        x = torch.randn(s, b, mod.config.hidden_size, device=tokens.device, dtype=dtype, requires_grad=True)
+        for p in params:
+            p.requires_grad_(False)
+        try:
+            out, _ = mod(x, None)
+            out.float().sum().backward()
+        except Exception as e:  # noqa: BLE001 -- warm-up only saves compile time; step 0 shows real errors
+            warnings.warn(f"warm-up of {mod.attention_name} failed ({type(e).__name__}: {e}); "
+                          "its kernels compile in step 0 instead")
+            seen.discard((type(mod), mod.transform))
+        finally:
+            for p in params:
+                p.requires_grad_(True)
     for p in model.parameters():
         if p.grad is not None:
             p.grad = None
@@ -287,7 +313,7 @@ def train_on_cpu(
                 with preserved_rng(warmup_restores_rng):
                     peek = _batches(dataset, mbs, gbs, consumed_samples=0)
                     warmed = warmup_attention(ddp, next(peek))
-                say(f"warm-up: {warmed} core attention type(s), RNG "
+                say(f"warm-up: {warmed} attention type(s), RNG "
                     f"{'restored' if warmup_restores_rng else 'NOT restored (negative control)'}")
 
             losses: List[float] = []

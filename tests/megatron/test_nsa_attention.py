@@ -314,3 +314,26 @@ def test_nsa_ssa_gpt_forward_backward_reaches_n(megatron_cpu):
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
     for layer in model.decoder.layers:
         assert layer.self_attention.n.grad.abs().item() > 0
+
+
+def test_warmup_runs_nsa_without_touching_parameters(megatron_cpu):
+    """The pre-step-0 warm-up (``warmup_attention``) also runs NSA self-attention (it has no
+    core attention): forward+backward once per distinct (type, transform), parameters
+    frozen meanwhile (no grad, so no DDP hook fires), requires_grad restored."""
+    from nemo_ssa.nemo.cpu_loop import warmup_attention
+
+    model = gpt_from_layer_spec("nsa_ssa")
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    flags = {k: p.requires_grad for k, p in model.named_parameters()}
+    reached = []  # a DDP grad hook would fire where these do
+    for k, p in model.named_parameters():
+        if p.requires_grad:
+            p.register_hook(lambda g, k=k: reached.append(k))
+    with cpu_device_shims():
+        warmed = warmup_attention(model, {"tokens": torch.zeros(B, S, dtype=torch.long)})
+    assert warmed == 1  # two layers, one (type, transform)
+    assert reached == []
+    for k, p in model.named_parameters():
+        assert p.grad is None, k
+        assert p.requires_grad == flags[k], k
+        assert torch.equal(p.detach(), before[k]), k
