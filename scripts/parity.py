@@ -9,11 +9,16 @@ Step 1 (on the GPU machine, one command of <= 10 minutes):
 trains each ``ATTENTION:SEED`` with ``scripts/pretrain.py`` (``train=gpu_9min``, micro
 batch 8, seq 1024, the local corpus; same seed = same initialisation and data order),
 spreading the runs over the visible GPUs (``--per-gpu`` runs share one GPU). A
-``--resume-check ATTENTION:SEED:STEP`` run is interrupted after STEP (checkpoint at STEP)
+``--resume-check ATTENTION:SEED:STEP[:OVERRIDES]`` run is interrupted after STEP (checkpoint at STEP)
 and resumed, so the merged curve can be checked against the uninterrupted run. Only small
 files come back: one ``parity-logs.tgz`` (per run ``metrics.csv``, ``summary.json``,
 ``config.yaml``, the launch log) and ``parity_runs.json`` -- the device tool returns only a
 few files per command. The checkpoints stay in ``--scratch``.
+
+Labels are ``ATTENTION-sSEED``, so two runs of one attention and seed that differ only in
+their overrides (softmax at seq 1024 and at seq 4096) need separate invocations (own
+``--out`` and ``--scratch``; two invocations can share a GPU, started ~50 s apart so the
+corpus is built once).
 
 Step 2 (anywhere, on the returned logs):
 
@@ -70,12 +75,14 @@ def _parse_run(spec: str) -> Tuple[str, int, List[str]]:
     return name, seed, [o for o in (parts[2].split(",") if len(parts) > 2 else []) if o]
 
 
-def _parse_resume(spec: str) -> Tuple[str, int, int]:
+def _parse_resume(spec: str) -> Tuple[str, int, int, List[str]]:
+    """``ATTENTION:SEED:STEP[:OVERRIDE,OVERRIDE...]`` (overrides as in ``--runs``)."""
+    parts = spec.split(":", 3)
     try:
-        name, seed, step = spec.rsplit(":", 2)
-        return name, int(seed), int(step)
-    except ValueError:
-        raise SystemExit(f"--resume-check wants ATTENTION:SEED:STEP, got {spec!r}") from None
+        name, seed, step = parts[0], int(parts[1]), int(parts[2])
+    except (ValueError, IndexError):
+        raise SystemExit(f"--resume-check wants ATTENTION:SEED:STEP[:OVERRIDES], got {spec!r}") from None
+    return name, seed, step, [o for o in (parts[3].split(",") if len(parts) > 3 else []) if o]
 
 
 # ----------------------------------------------------------------------------- train
@@ -132,11 +139,11 @@ def train(args) -> int:
                         os.path.join(root, f"{name}-s{seed}")))
         jobs[-1].seed = seed
     for spec in args.resume_check or []:
-        name, seed, step = _parse_resume(spec)
+        name, seed, step, own = _parse_resume(spec)
         root = os.path.join(args.scratch, _label(name, seed, True))
         first = _pretrain_cmd(name, seed, args.steps, root,
-                              common + [f"stop_after={step}", f"train.ckpt_every_n_steps={step}"])
-        second = _pretrain_cmd(name, seed, args.steps, root, common + ["resume=true"])
+                              common + own + [f"stop_after={step}", f"train.ckpt_every_n_steps={step}"])
+        second = _pretrain_cmd(name, seed, args.steps, root, common + own + ["resume=true"])
         jobs.append(Job(_label(name, seed, True), [first, second], os.path.join(root, f"{name}-s{seed}")))
         jobs[-1].seed = seed
     labels = [j.label for j in jobs]
@@ -320,7 +327,7 @@ def main(argv=None) -> int:
     t = sub.add_parser("train", help="train the runs on the visible GPUs (one device command)")
     t.add_argument("--runs", nargs="+", required=True, metavar="ATTENTION:SEED[:OVERRIDES]",
                    help="e.g. elsa_ssa:1234:policy=free,attention.options.num_partitions=2")
-    t.add_argument("--resume-check", nargs="*", metavar="ATTENTION:SEED:STEP")
+    t.add_argument("--resume-check", nargs="*", metavar="ATTENTION:SEED:STEP[:OVERRIDES]")
     t.add_argument("--steps", type=int, default=1000)
     t.add_argument("--out", required=True, help="where the small result files go (e.g. $OUT/parity)")
     t.add_argument("--scratch", default="/tmp/nemo-ssa-parity", help="run directories with checkpoints")

@@ -82,7 +82,12 @@ def test_experimental_runs_take_their_overrides_and_are_shown_not_gated():
     assert parity._parse_run("nsa_ssa:1234:policy=free")[2] == ["policy=free"]
     cmd = parity._pretrain_cmd(name, seed, 10, "/tmp/r", own)
     assert "attention=nsa_ssa" in cmd and cmd[-2:] == own
-    assert parity._parse_resume("nsa_ssa:1234:500") == ("nsa_ssa", 1234, 500)
+    assert parity._parse_resume("nsa_ssa:1234:500") == ("nsa_ssa", 1234, 500, [])
+    # a resume check takes its own overrides too (an experimental attention needs policy=free)
+    assert parity._parse_resume("nsa_ssa:1234:500:policy=free,train.seq_length=4096") == (
+        "nsa_ssa", 1234, 500, ["policy=free", "train.seq_length=4096"])
+    with pytest.raises(SystemExit, match="ATTENTION:SEED:STEP"):
+        parity._parse_resume("nsa_ssa:1234")
     # NSA is a different attention, compared to softmax and itself, never gated
     order, gates, pairs = parity.plan_comparison(["softmax-s1234", "nsa-s1234", "nsa_ssa-s1234", "nsa_ssa-s4321"])
     assert order[0] == "softmax-s1234" and gates == []
