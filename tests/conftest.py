@@ -5,14 +5,24 @@
   in the session then runs in the CPU interpreter, whatever the collection order.
 - One intra-op thread for the whole session: the tests use tiny CPU tensors, and with
   thread contention on a busy 2-core box each op gets ~100x slower.
+- Every test starts from its own seed (python, numpy, torch CPU and CUDA), derived from
+  its test id: inputs drawn "fresh" with ``torch.randn`` are still random across tests
+  but the same on every run of one test, whatever ran before it, so a failure
+  reproduces alone. A failing test's report shows its seed. ``NEMO_SSA_TEST_SEED_SALT``
+  draws another set of inputs for every test (e.g. a nightly loop over salts).
+- ``NEMO_SSA_TEST_ORDER=reverse`` or ``shuffle:<int>`` runs the collected tests in
+  reverse or shuffled order (order-independence check; the default keeps file order).
 - ``megatron_cpu``: torch.distributed over gloo (world size 1), megatron's parallel state
   (TP=1, PP=1) and the RNG tracker, set up exactly like the CPU training loop does
   (``nemo_ssa.nemo.cpu_loop._init_distributed``) and torn down with its
   ``teardown_distributed`` at the end of the session.
 """
 
+import hashlib
 import os
+import random
 
+import numpy as np
 import torch
 
 if not torch.cuda.is_available():
@@ -23,6 +33,48 @@ import pytest  # noqa: E402
 
 def pytest_configure(config):
     torch.set_num_threads(1)
+
+
+def test_seed(nodeid: str) -> int:
+    """The seed of one test: a hash of its id (and of ``NEMO_SSA_TEST_SEED_SALT``)."""
+    salt = os.environ.get("NEMO_SSA_TEST_SEED_SALT", "")
+    return int.from_bytes(hashlib.sha256(f"{salt}|{nodeid}".encode()).digest()[:4], "little")
+
+
+test_seed.__test__ = False  # a helper, not a test
+
+
+@pytest.fixture(autouse=True)
+def _seed_per_test(request):
+    seed = test_seed(request.node.nodeid)
+    request.node._nemo_ssa_seed = seed
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    seed = getattr(item, "_nemo_ssa_seed", None)
+    if rep.failed and seed is not None:
+        salt = os.environ.get("NEMO_SSA_TEST_SEED_SALT", "")
+        rep.sections.append(("random seed", f"seed {seed} (from the test id{f' and salt {salt!r}' if salt else ''}); "
+                                            f"re-running this test alone draws the same inputs"))
+
+
+def pytest_collection_modifyitems(session, config, items):
+    order = os.environ.get("NEMO_SSA_TEST_ORDER", "")
+    if not order:
+        return
+    if order == "reverse":
+        items.reverse()
+    elif order.startswith("shuffle:"):
+        random.Random(int(order.split(":", 1)[1])).shuffle(items)
+    else:
+        raise pytest.UsageError(f"NEMO_SSA_TEST_ORDER={order!r}; supported: reverse, shuffle:<int>")
 
 
 @pytest.fixture(scope="session")

@@ -33,7 +33,14 @@ from nemo_ssa.ops.ssa.flash import (  # noqa: E402
     ssa_attention_triton,
 )
 from nemo_ssa.ops.ssa.naive import attention_naive, ssa_transform  # noqa: E402
-from nemo_ssa.testing import assert_within_2x_eager, case_id, make_qkv, rel_err  # noqa: E402
+from nemo_ssa.testing import (  # noqa: E402
+    assert_scalar_grad_close,
+    assert_within_2x_eager,
+    case_id,
+    make_qkv,
+    rel_err,
+    ssa_scalar_grad_terms,
+)
 
 F64 = torch.float64
 DEVICE = "cpu" if is_interpreter() else "cuda"
@@ -84,13 +91,36 @@ def _reference(q, k, v, n, b, transform, go, **kw):
     return _run(attention_naive, q64, k64, v64, n64, b64, transform, go.to(F64), **kw)
 
 
-def _check_fp32(o, grads, ref_o, ref_grads, transform, o_tol=1e-5, g_tol=1e-4):
+def _check_fp32(o, grads, ref_o, ref_grads, transform, terms=None, o_tol=1e-5, g_tol=1e-4):
+    """fp32 bounds: o and dq/dk/dv relative to their norms; dn/db (SSA) relative to the
+    sum of |terms| of each (``terms`` from ``ssa_scalar_grad_terms``): the scalars are
+    sums that may cancel, so a bound on their own value would test the draw."""
     names = "q k v n b".split()
     assert torch.isfinite(o).all()
     assert rel_err(o, ref_o) <= o_tol, f"o: {rel_err(o, ref_o):.2e}"
-    for name, g, r in zip(names, grads, ref_grads):
+    for i, (name, g, r) in enumerate(zip(names, grads, ref_grads)):
         assert g.shape == r.shape and torch.isfinite(g).all(), name
-        assert rel_err(g, r) <= g_tol, f"d{name}: {rel_err(g, r):.2e}"
+        if i < 3:
+            assert rel_err(g, r) <= g_tol, f"d{name}: {rel_err(g, r):.2e}"
+        else:
+            assert_scalar_grad_close(f"d{name}", g, r, terms[i - 3], torch.float32)
+
+
+def _terms(q, k, v, n, b, go, **kw):
+    return ssa_scalar_grad_terms(q, k, v, n, b, go, **kw)
+
+
+def _varlen_terms(q, k, v, n, b, go, cu_q, cu_k, causal, keep=None, dropout_p=0.0):
+    """``_terms`` summed over the sequences of a packed batch (keep: [T_q, Hq, >=max_k])."""
+    tn = tb = 0.0
+    for i in range(cu_q.numel() - 1):
+        sq, sk = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+        one = lambda t, sl: t[sl].transpose(0, 1)[None]  # noqa: E731
+        keep_s = None if keep is None else keep[sq, :, :sk.stop - sk.start].transpose(0, 1)[None]
+        a, c = _terms(one(q, sq), one(k, sk), one(v, sk), n, b, one(go, sq), causal=causal, keep=keep_s,
+                      dropout_p=dropout_p)
+        tn, tb = tn + a, tb + c
+    return tn, tb
 
 
 # (B, Hq, Hkv, Sq, Sk, D, causal, transform): odd N, GQA 6/2 and 3/1, Sq != Sk both ways
@@ -125,7 +155,7 @@ def test_fwd_bwd_match_fp64_reference(case):
     o, grads = _run(flash_attention, q, k, v, n, b, tr, go, causal=causal)
     ref_o, ref_grads = _reference(q, k, v, n, b, tr, go, causal=causal)
     assert o.dtype == torch.float32 and o.shape == (B, Hq, Sq, D)
-    _check_fp32(o, grads, ref_o, ref_grads, tr)
+    _check_fp32(o, grads, ref_o, ref_grads, tr, _terms(q, k, v, n, b, go, causal=causal))
     if causal and Sq > Sk:  # rows that see no key: exactly 0 output and 0 dq
         empty = Sq - Sk
         assert (o[:, :, :empty] == 0).all() and (grads[0][:, :, :empty] == 0).all()
@@ -145,8 +175,9 @@ def test_fp16_within_2x_eager():
     assert_within_2x_eager(o, eag_o, ref_o, "o")
     for name, g, e, r in zip("qkv", grads[:3], eag_g[:3], ref_g[:3]):
         assert_within_2x_eager(g, e, r, f"d{name}")
-    for name, g, r in zip("nb", grads[3:], ref_g[3:]):
-        assert rel_err(g, r) < 1e-2, name
+    terms = _terms(q, k, v, n, b, go, causal=True)
+    for name, g, e, r, t in zip("nb", grads[3:], eag_g[3:], ref_g[3:], terms):
+        assert_scalar_grad_close(f"d{name}", g, r, t, torch.float16, eager=e)
 
 
 def _sbhd(S, B, H, D):
@@ -166,7 +197,7 @@ def test_strided_views_need_no_copy(causal):
     go = torch.randn(S, B, Hq, D, device=DEVICE).permute(1, 2, 0, 3)  # strided grad too
     o, grads = _run(flash_attention, q, k, v, n, b, "ssa", go, causal=causal)
     ref_o, ref_grads = _reference(q, k, v, n, b, "ssa", go, causal=causal)
-    _check_fp32(o, grads, ref_o, ref_grads, "ssa")
+    _check_fp32(o, grads, ref_o, ref_grads, "ssa", _terms(q, k, v, n, b, go, causal=causal))
     # same values as the contiguous copies, and as force_contiguous_qkv
     qc, kc, vc = (_leaf(t.contiguous()) for t in (q, k, v))
     oc, grads_c = _run(flash_attention, qc, kc, vc, n, b, "ssa", go.contiguous(), causal=causal)
@@ -226,6 +257,36 @@ def test_stats_m_contract_and_direct_backward():
     *_, dn0, db0 = attention_bwd(go, q.detach(), k.detach(), v.detach(), o, M, transform="ssa",
                                  n=n.detach(), b=b.detach(), causal=True, need_dparams=False)
     assert dn0 is None and db0 is None
+
+
+def test_scalar_grad_check_fails_wrong_formulas():
+    """Negative control of the dn/db bound (sum|terms|-relative): dn/db computed with a
+    plausible bug -- db without sgn(s), or the delta from a bf16-rounded o (the bug the
+    dQ kernel's exact delta fixed) -- fail it, on the same inputs where the kernel passes."""
+    B, Hq, Hkv, S, D = 1, 4, 2, 64, 32
+    q, k, v = make_qkv(B, Hq, Hkv, S, S, D, F64)
+    go = torch.randn(B, Hq, S, D, dtype=F64)
+    n, b = torch.tensor([1.3], dtype=F64), torch.tensor([0.7], dtype=F64)
+    tn, tb = _terms(q, k, v, n, b, go, causal=True)
+    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    s = q @ kk.transpose(-1, -2) / math.sqrt(D)
+    vis = torch.ones(S, S, dtype=torch.bool).tril()
+    z = ssa_transform(s, n, b).masked_fill(~vis, float("-inf"))
+    p = torch.softmax(z, -1)
+    o = p @ vv
+    dp = go @ vv.transpose(-1, -2)
+    sg = torch.where(s >= 0, 1.0, -1.0).double()
+    dz = p * (dp - (p * dp).sum(-1, keepdim=True))
+    dn = (dz * sg * torch.log1p(b * s.abs())).sum()
+    db = (dz * n * s / (1 + b * s.abs())).sum()
+    assert_scalar_grad_close("dn", dn, dn, tn, torch.float32)
+    db_nosign = (dz * n * s.abs() / (1 + b * s.abs())).sum()
+    with pytest.raises(AssertionError, match="db"):
+        assert_scalar_grad_close("db", db_nosign, db, tb, torch.float32)
+    delta_bf16 = (go * o.to(torch.bfloat16).double()).sum(-1, keepdim=True)
+    dz_bad = p * (dp - delta_bf16)
+    with pytest.raises(AssertionError, match="dn"):
+        assert_scalar_grad_close("dn", (dz_bad * sg * torch.log1p(b * s.abs())).sum(), dn, tn, torch.float32)
 
 
 def test_dn_db_bitwise_deterministic():
@@ -293,7 +354,8 @@ def test_dropout_mask_read_back_and_backward(transform):
     kw64 = dict(n=leaves[3], b=leaves[4]) if transform == "ssa" else {}
     ref = _dropout_ref(*leaves[:3], kw64.get("n"), kw64.get("b"), keep.to(F64), dp, causal, transform)
     ref_grads = torch.autograd.grad(ref, leaves, go.to(F64))
-    _check_fp32(o, grads, ref, ref_grads, transform)
+    terms = _terms(q, k, v, n, b, go, causal=causal, keep=keep, dropout_p=dp) if transform == "ssa" else None
+    _check_fp32(o, grads, ref, ref_grads, transform, terms)
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
@@ -322,7 +384,7 @@ def test_varlen_matches_per_sequence_reference(causal):
         outs.append(attention_naive(qs, ks, vs, n=n64, b=b64, causal=causal)[0].transpose(0, 1))
     ref = torch.cat(outs, 0)
     ref_grads = torch.autograd.grad(ref, leaves, go.to(F64))
-    _check_fp32(o, grads, ref, ref_grads, "ssa")
+    _check_fp32(o, grads, ref, ref_grads, "ssa", _varlen_terms(q, k, v, n, b, go, cu_q, cu_k, causal))
 
 
 def test_custom_op_compiles_and_opcheck():
@@ -457,7 +519,7 @@ def test_varlen_dropout_mask_read_back_and_backward():
         outs.append(_dropout_ref(qs, ks, vs, n64, b64, keep_s, dp, True, "ssa")[0].transpose(0, 1))
     ref = torch.cat(outs)
     ref_grads = torch.autograd.grad(ref, (q64, k64, v64, n64, b64), go.to(F64))
-    _check_fp32(o, grads, ref, ref_grads, "ssa")
+    _check_fp32(o, grads, ref, ref_grads, "ssa", _varlen_terms(q, k, v, n, b, go, cu_q, cu_k, True, keep, dp))
 
 
 # ----------------------------------------------------------------------------------------
@@ -483,9 +545,14 @@ def test_dn_db_16bit_init_within_2x_eager():
     _, g_ref = _run(attention_naive, *ref, "ssa", go.to(F64), causal=True)
     eag = [_leaf(t) for t in (q, k, v, n, b)]
     _, g_eag = _run(lambda *a, **kw: attention_naive(*a, upcast=False, **kw), *eag, "ssa", go, causal=True)
-    for name, x, e, r in zip("qkvnb", g, g_eag, g_ref):
+    for name, x, e, r in zip("qkv", g, g_eag, g_ref):
         err, err_e = rel_err(x, r), rel_err(e.float(), r)
         assert err <= 2 * err_e + 1e-6, f"d{name}: {err:.2e} vs eager {err_e:.2e}"
+    # dn/db: 2x eager fp16's error; the floor is tight (1e-4 of sum|terms|, 20x under the
+    # fp16 default) because this is the case where the stored-o delta was 9x eager
+    terms = _terms(q, k, v, n, b, go, causal=True)
+    for name, x, e, r, t in zip("nb", g[3:], g_eag[3:], g_ref[3:], terms):
+        assert_scalar_grad_close(f"d{name}", x, r, t, torch.float16, eager=e, rtol=1e-4)
 
 
 def test_dn_db_independent_of_stored_o_rounding():
@@ -504,8 +571,9 @@ def test_dn_db_independent_of_stored_o_rounding():
     _, _, _, dn, db = attention_bwd(go, q, k, v, bf(o), M, n=n, b=b, causal=True)
     leaves = [_leaf(t, F64) for t in (q, k, v, n, b)]
     _, g_ref = _run(attention_naive, *leaves, "ssa", go.to(F64), causal=True)
-    assert rel_err(dn, g_ref[3]) < 5e-5, f"dn {rel_err(dn, g_ref[3]):.2e}"
-    assert rel_err(db, g_ref[4]) < 5e-5, f"db {rel_err(db, g_ref[4]):.2e}"
+    tn, tb = _terms(q, k, v, n, b, go, causal=True)
+    assert_scalar_grad_close("dn", dn, g_ref[3], tn, torch.float32)
+    assert_scalar_grad_close("db", db, g_ref[4], tb, torch.float32)
 
 
 @pytest.mark.skipif(not is_interpreter(), reason="forces the GPU block sizes into the interpreter")
@@ -538,8 +606,11 @@ def test_varlen_gpu_block_sizes(monkeypatch, dtype):
     g_ref = torch.autograd.grad(ref, ref_l, go.to(F64))
     tol_o, tol_g = (1e-5, 1e-4) if dtype == torch.float32 else (2e-3, 5e-3)
     assert rel_err(o, ref) < tol_o
-    for name, x, r in zip("qkvnb", g, g_ref):
+    for name, x, r in zip("qkv", g, g_ref):
         assert rel_err(x, r) < tol_g, f"d{name}: {rel_err(x, r):.2e}"
+    terms = _varlen_terms(q, k, v, n, b, go, cu, cu, True)
+    for name, x, r, t in zip("nb", g[3:], g_ref[3:], terms):
+        assert_scalar_grad_close(f"d{name}", x, r, t, dtype)
 
 
 def test_traced_host_code_touches_no_triton_kernel():
@@ -579,8 +650,11 @@ def test_poly_log2_split_matches_fp64(monkeypatch, dtype):
     ref, g_ref = _run(attention_naive, *leaves, "ssa", go.to(F64), causal=True)
     tol_o, tol_g = (1e-5, 1e-4) if dtype == torch.float32 else (2e-3, 5e-3)
     assert rel_err(o, ref) < tol_o
-    for name, x, r in zip("qkvnb", g, g_ref):
+    for name, x, r in zip("qkv", g, g_ref):
         assert rel_err(x, r) < tol_g, f"d{name}: {rel_err(x, r):.2e}"
+    terms = _terms(q, k, v, n, b, go, causal=True)
+    for name, x, r, t in zip("nb", g[3:], g_ref[3:], terms):
+        assert_scalar_grad_close(f"d{name}", x, r, t, dtype)
 
 
 import triton  # noqa: E402
