@@ -125,6 +125,11 @@ def run_gpu(cfg, train, recipe, resolved, run_dir) -> None:
     if cfg.warmup:
         callbacks.append(run.Config(AttentionWarmupCallback, micro_batch_size=int(train.micro_batch_size),
                                     seq_length=int(train.seq_length)))
+    if cfg.get("profile") and cfg.profile.get("start"):
+        from nemo_ssa.nemo.callbacks import ProfilerCallback
+
+        callbacks.append(run.Config(ProfilerCallback, run_dir=run_dir, start=int(cfg.profile.start),
+                                    num_steps=int(cfg.profile.steps), with_stack=bool(cfg.profile.with_stack)))
     if cfg.get("stop_after"):
         from nemo_ssa.nemo.callbacks import StopAfterCallback
 
@@ -154,7 +159,7 @@ def run_cpu(cfg, train, recipe, run_dir) -> None:
 
 # ---------------------------------------------------------------------------- one run
 
-_NOT_IN_IDENTITY = ("resume", "compare_to", "reuse_baselines", "reuse_if_complete", "stop_after")
+_NOT_IN_IDENTITY = ("resume", "compare_to", "reuse_baselines", "reuse_if_complete", "stop_after", "profile")
 _ARTIFACTS = ("metrics.csv", "summary.json", "complete.json", "tb", "checkpoints")
 
 

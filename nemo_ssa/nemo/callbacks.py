@@ -122,3 +122,49 @@ class StopAfterCallback(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step >= self.step:
             trainer.should_stop = True
+
+
+class ProfilerCallback(Callback):
+    """torch.profiler over ``num_steps`` training steps from global step ``start``.
+
+    Writes ``<run_dir>/profile/``: ``trace.json.gz`` (chrome://tracing / Perfetto; CPU ops,
+    CUDA kernels and, with ``with_stack``, Python frames) and ``summary.txt`` (ops by self
+    CPU time and by CUDA time). ``python -m nemo_ssa.profile_summary <trace>`` turns a trace
+    into per-step wall time, GPU-busy time and the host functions that leave the GPU idle.
+    Enable from the launcher with ``profile.start=40`` (``profile.steps``, ``profile.with_stack``).
+    """
+
+    def __init__(self, run_dir: str, start: int, num_steps: int = 2, with_stack: bool = True):
+        if start < 1 or num_steps < 1:
+            raise ValueError(f"profile: start ({start}) and steps ({num_steps}) must be >= 1")
+        self.out = os.path.join(run_dir, "profile")
+        self.start, self.num_steps, self.with_stack = int(start), int(num_steps), bool(with_stack)
+        self._prof = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self._prof is None and trainer.global_step == self.start:
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self._prof = profile(activities=acts, with_stack=self.with_stack, record_shapes=False)
+            self._prof.__enter__()
+        if self._prof is not None:
+            self._step_ctx = torch.profiler.record_function(f"ProfilerStep#{trainer.global_step}")
+            self._step_ctx.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self._prof is None:
+            return
+        self._step_ctx.__exit__(None, None, None)
+        if trainer.global_step >= self.start + self.num_steps:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            prof, self._prof = self._prof, None
+            prof.__exit__(None, None, None)
+            os.makedirs(self.out, exist_ok=True)
+            prof.export_chrome_trace(os.path.join(self.out, "trace.json.gz"))
+            with open(os.path.join(self.out, "summary.txt"), "w") as f:
+                f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40) + "\n\n")
+                if torch.cuda.is_available():
+                    f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40) + "\n")
+            print(f"[profile] steps {self.start}..{self.start + self.num_steps - 1}: {self.out}", flush=True)

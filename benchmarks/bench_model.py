@@ -1,0 +1,291 @@
+"""The 114M recipe model through megatron-core, bf16, without NeMo's trainer: step time and tokens/s.
+
+    python benchmarks/bench_model.py                                   # fwd+bwd, 3 attentions, mb 8 and the largest that fits
+    python benchmarks/bench_model.py --mode step --attentions softmax  # + megatron DDP and optimizer (NeMo's inner step)
+    python benchmarks/bench_model.py --profile $OUT/model_prof.txt     # + kernel-time breakdown of one mb-8 step
+
+Modes (every attention in one process, same weights and batch):
+
+* ``fwdbwd``: the model as NeMo builds it (``nemotron_114m.model()``, our layer spec),
+  parameters in bf16 (as megatron's ``Float16Module`` holds them), forward + masked
+  mean loss + backward. This is "the model's own fwd+bwd" that the training-step issue
+  compares NeMo's step against.
+* ``step``: the same inside megatron's ``Float16Module`` + ``DistributedDataParallel``
+  (fp32 grad buffer) + ``get_megatron_optimizer`` (the recipe's optimizer config: Adam,
+  bf16, clip 1.0): the training step NeMo runs, minus Lightning and NeMo.
+
+Step time is the median of CUDA-event-timed steps after warm-up; tokens/s = micro batch x
+seq / step time. ``--micro-batches 8,max`` probes the largest micro batch that fits
+(doubling from 8, then the best below the first OOM among 8/16/24/32/48/64/96/128).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [REPO] + [p for p in sys.path if os.path.abspath(p or ".") != REPO]
+
+VOCAB = 50304
+PROBE_MBS = (8, 16, 24, 32, 48, 64, 96, 128)
+
+
+def init_megatron(seed: int) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29531")
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
+
+
+def build(attention: str, seq: int, overrides: Optional[Dict] = None):
+    """(config, model) of the recipe's model with ``attention``, bf16 params on the GPU."""
+    import fiddle as fdl
+
+    from recipes import nemotron_114m
+
+    cfg = fdl.build(nemotron_114m.model(attention=attention, seq_length=seq, vocab_size=VOCAB).config)
+    cfg.bf16, cfg.fp16 = True, False
+    cfg.params_dtype = torch.bfloat16
+    cfg.pipeline_dtype = torch.bfloat16
+    for key, value in (overrides or {}).items():
+        setattr(cfg, key, value)
+    torch.manual_seed(1234)
+    model = cfg.configure_model(None).cuda()
+    return cfg, model
+
+
+def batch(mb: int, seq: int, seed: int = 0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    tokens = torch.randint(0, 50257, (mb, seq + 1), generator=g).cuda()
+    pos = torch.arange(seq, device="cuda").unsqueeze(0).expand(mb, seq)
+    mask = torch.ones(mb, seq, device="cuda")
+    return tokens[:, :-1].contiguous(), pos, tokens[:, 1:].contiguous(), mask
+
+
+def loss_fn(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (per_token.float() * mask).sum() / mask.sum()
+
+
+def time_steps(step, warmup: int, iters: int) -> List[float]:
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        step()
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1))
+    return times
+
+
+def make_fwdbwd(model, data):
+    tokens, pos, labels, mask = data
+
+    def step():
+        out = model(tokens, pos, None, labels=labels)
+        loss_fn(out, mask).backward()
+        for p in model.parameters():
+            p.grad = None
+    return step
+
+
+def wrap_for_step(cfg, model) -> None:
+    """megatron Float16Module + DDP + optimizer around ``model`` (NeMo's step without
+    Lightning); stored on ``model._bench_step_state``."""
+    import fiddle as fdl
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    from nemo_ssa.megatron.introspect import no_weight_decay_cond
+    from recipes import nemotron_114m
+
+    recipe = nemotron_114m.pretrain_recipe(dir="/tmp/bench_model", attention="softmax")
+    opt_cfg = fdl.build(recipe.optim.config)
+    opt_cfg.bf16 = True
+    wrapped = Float16Module(cfg, model)
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                                    overlap_grad_reduce=False,
+                                                                    use_distributed_optimizer=False), wrapped)
+    opt = get_megatron_optimizer(opt_cfg, [ddp], no_weight_decay_cond=no_weight_decay_cond)
+    model._bench_step_state = (ddp, opt)
+
+
+def make_step(model, data):
+    """One training step of the wrapped model on ``data``."""
+    ddp, opt = model._bench_step_state
+    tokens, pos, labels, mask = data
+
+    def step():
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        out = ddp(tokens, pos, None, labels=labels)
+        loss_fn(out, mask).backward()
+        ddp.finish_grad_sync()
+        opt.step()
+    return step
+
+
+def flops_per_token(cfg, seq: int) -> float:
+    """Model FLOPs per token (fwd+bwd = 3x fwd; causal attention counts half the scores).
+
+    6 * (non-embedding matmul params + output layer) + 6 * layers * seq * hidden (attention
+    scores and PV, causal halves 12 -> 6). Non-embedding params per layer:
+    qkv h*(h + 2*kv) + proj h*h + MLP 2*h*ffn (squared ReLU: no gate).
+    """
+    h, L, ffn = cfg.hidden_size, cfg.num_layers, cfg.ffn_hidden_size
+    kv = cfg.kv_channels * cfg.num_query_groups
+    per_layer = h * (h + 2 * kv) + h * h + 2 * h * ffn
+    return 6.0 * (L * per_layer + h * VOCAB) + 6.0 * L * seq * h
+
+
+def kernel_breakdown(step, path: str) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    cats: Dict[str, float] = {}
+    total = 0.0
+    for ev in prof.key_averages():
+        t = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0.0)
+        if t <= 0 or ev.key.startswith(("aten::", "cuda", "autograd", "Optimizer", "ProfilerStep", "torch")):
+            continue
+        name = ev.key.lower()
+        if "gemm" in name or "nvjet" in name or "cutlass" in name or "sm90_xmma" in name or "cublas" in name:
+            cat = "gemm"
+        elif "attn" in name or "flash" in name or "fmha" in name or "cudnn" in name:
+            cat = "attention"
+        elif "layer_norm" in name or "layernorm" in name:
+            cat = "layernorm"
+        elif "softmax" in name or "cross" in name or "nll" in name or "log_softmax" in name:
+            cat = "loss/softmax"
+        elif "reduce" in name or "max" in name or "sum" in name:
+            cat = "reductions"
+        elif "copy" in name or "cat" in name or "memcpy" in name or "memset" in name:
+            cat = "copy/cat/memset"
+        elif "elementwise" in name or "vectorized" in name or "unrolled" in name:
+            cat = "elementwise"
+        elif "adam" in name or "multi_tensor" in name or "foreach" in name:
+            cat = "optimizer"
+        else:
+            cat = "other"
+        cats[cat] = cats.get(cat, 0.0) + t
+        total += t
+    lines = [f"GPU kernel time per step by category (3 steps profiled; us per step), total {total / 3:.0f} us"]
+    for cat, t in sorted(cats.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {cat:18s} {t / 3:10.0f} us  {100 * t / max(total, 1):5.1f} %")
+    text = "\n".join(lines)
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)
+    cpu_table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    with open(path, "a") as f:
+        f.write(text + "\n\n" + table + "\n\n" + cpu_table + "\n\n")
+    return text
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--attentions", default="softmax,softmax_triton,ssa_triton")
+    ap.add_argument("--mode", default="fwdbwd", choices=("fwdbwd", "step", "both"))
+    ap.add_argument("--micro-batches", default="8,max", help="comma list; 'max' probes the largest that fits")
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak for MFU (default: by device)")
+    ap.add_argument("--profile", default=None, help="append a kernel breakdown of mb 8 to this file")
+    ap.add_argument("--out", default=None, help="markdown table path")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_model.py needs CUDA", file=sys.stderr)
+        return 2
+    init_megatron(1234)
+    name = torch.cuda.get_device_name()
+    peak = args.peak_tflops or (989.0 if "H100" in name else 989.0 if "H200" in name else float("nan"))
+    modes = ("fwdbwd", "step") if args.mode == "both" else (args.mode,)
+    rows = []
+    print(f"# {name} | torch {torch.__version__} | seq {args.seq} | peak {peak} TFLOP/s", flush=True)
+    mbs = [int(m) for m in args.micro_batches.split(",") if m != "max"]
+    probe = "max" in args.micro_batches.split(",")
+    for attention in args.attentions.split(","):
+        for mode in modes:
+            cfg, model = build(attention, args.seq)
+            fpt = flops_per_token(cfg, args.seq)
+            if mode == "step":
+                wrap_for_step(cfg, model)
+            make = make_fwdbwd if mode == "fwdbwd" else make_step
+            cands = list(mbs) + ([c for c in PROBE_MBS if c > max(mbs or [0])] if probe else [])
+            for mb in cands:
+                data = batch(mb, args.seq)
+                try:
+                    step = make(model, data)
+                    torch.cuda.reset_peak_memory_stats()
+                    times = time_steps(step, args.warmup, args.iters)
+                except torch.cuda.OutOfMemoryError:
+                    step = data = None
+                    for p in model.parameters():
+                        p.grad = None
+                    torch.cuda.empty_cache()
+                    print(f"  {attention:15s} {mode:6s} mb {mb:4d}: OOM", flush=True)
+                    break
+                ms = statistics.median(times)
+                tps = mb * args.seq / (ms / 1e3)
+                mem = torch.cuda.max_memory_allocated() / 2 ** 30
+                r = dict(attention=attention, mode=mode, mb=mb, ms=ms, tokens_s=tps,
+                         mfu=fpt * tps / (peak * 1e12), peak_gib=mem, flops_per_token=fpt)
+                rows.append(r)
+                print(f"  {attention:15s} {mode:6s} mb {mb:4d}: {ms:8.2f} ms  {tps:10,.0f} tok/s  "
+                      f"MFU {100 * r['mfu']:5.1f} %  peak {mem:6.1f} GiB", flush=True)
+                del data, step
+                torch.cuda.empty_cache()
+            if args.profile:
+                step = make(model, batch(8, args.seq))
+                with open(args.profile, "a") as f:
+                    f.write(f"## {attention} {mode} mb 8 ({name})\n")
+                print(f"[{attention} {mode}] " + kernel_breakdown(step, args.profile), flush=True)
+                del step
+            del model
+            torch.cuda.empty_cache()
+    base = {(r["mode"], r["mb"]): r["tokens_s"] for r in rows if r["attention"] == "softmax"}
+    lines = ["| attention | mode | micro batch | ms/step | tokens/s | x softmax | MFU | peak GiB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = r["tokens_s"] / base.get((r["mode"], r["mb"]), math.nan)
+        lines.append(f"| {r['attention']} | {r['mode']} | {r['mb']} | {r['ms']:.2f} | {r['tokens_s']:,.0f} | "
+                     f"{ratio:.2f} | {100 * r['mfu']:.1f} % | {r['peak_gib']:.1f} |")
+    md = "\n".join(lines)
+    print("\n" + md)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(f"# Model fwd+bwd, {name}, {time.strftime('%Y-%m-%d')}\n\n`{' '.join(sys.argv)}`\n\n{md}\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
