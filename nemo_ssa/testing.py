@@ -20,6 +20,8 @@ __all__ = [
     "poison_",
     "assert_within_2x_eager",
     "ssa_scalar_grad_terms",
+    "ssa_scalar_grad_terms_varlen",
+    "nsa_scalar_grad_terms",
     "assert_scalar_grad_close",
     "SCALAR_GRAD_RTOL",
     "DTYPE_NAMES",
@@ -159,6 +161,7 @@ def ssa_scalar_grad_terms(
     softmax_scale: Optional[float] = None,
     keep: Optional[torch.Tensor] = None,
     dropout_p: float = 0.0,
+    mask: Optional[torch.Tensor] = None,
 ) -> Tuple[float, float]:
     """``(sum |dn terms|, sum |db terms|)`` of SSA attention, in float64.
 
@@ -168,6 +171,8 @@ def ssa_scalar_grad_terms(
     ``dn = sum dz sgn(s) ln(1 + b|s|)`` and ``db = sum dz n s / (1 + b|s|)``. Returns the
     sums of the absolute values of those terms: the scale of the rounding error of any
     implementation of dn / db. Dense ``[B, H, S, D]`` inputs (GQA as in the kernels).
+    ``keep`` is a dropout keep-mask; ``mask`` an attention mask (bool, True = may attend,
+    broadcastable to ``[B, Hq, Sq, Sk]``, AND-ed with ``causal``: documents, NSA branches).
     """
     f = lambda t: t.detach().to(torch.float64).cpu()  # noqa: E731
     q, k, v, go = f(q), f(k), f(v), f(go)
@@ -183,6 +188,8 @@ def ssa_scalar_grad_terms(
     vis = torch.ones(sq, sk, dtype=torch.bool)
     if causal:
         vis = vis.tril(sk - sq)
+    if mask is not None:
+        vis = vis & mask.detach().cpu().to(torch.bool)
     z = z.masked_fill(~vis, float("-inf"))
     row_any = vis.any(-1, keepdim=True)
     p = torch.softmax(z.masked_fill(~row_any, 0.0), -1) * row_any
@@ -192,6 +199,84 @@ def ssa_scalar_grad_terms(
     dz = p * (dp - (p * dp).sum(-1, keepdim=True))
     tn = (dz * torch.where(s >= 0, mag, -mag)).abs().sum().item()
     tb = (dz * (n_ * s / (1.0 + b_ * s.abs()))).abs().sum().item()
+    return tn, tb
+
+
+def ssa_scalar_grad_terms_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    n: torch.Tensor,
+    b: torch.Tensor,
+    go: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    keep: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+) -> Tuple[float, float]:
+    """``ssa_scalar_grad_terms`` of a packed (THD) batch: the sum over its sequences.
+
+    ``q, go [T_q, Hq, D]``, ``k, v [T_k, Hkv, D]``, ``cu_seqlens_*`` cumulative lengths;
+    ``keep`` (dropout keep-mask) ``[T_q, Hq, >= max_k]``.
+    """
+    tn = tb = 0.0
+    cq, ck = [int(x) for x in cu_seqlens_q.cpu()], [int(x) for x in cu_seqlens_k.cpu()]
+    for i in range(len(cq) - 1):
+        sq, sk = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+        if sq.stop == sq.start or sk.stop == sk.start:
+            continue
+        one = lambda t, sl: t[sl].transpose(0, 1)[None]  # noqa: E731
+        keep_s = None if keep is None else keep[sq, :, : sk.stop - sk.start].transpose(0, 1)[None]
+        a, c = ssa_scalar_grad_terms(one(q, sq), one(k, sk), one(v, sk), n, b, one(go, sq), causal=causal,
+                                     softmax_scale=softmax_scale, keep=keep_s, dropout_p=dropout_p)
+        tn, tb = tn + a, tb + c
+    return tn, tb
+
+
+def nsa_scalar_grad_terms(
+    q: torch.Tensor,
+    gate_logits: torch.Tensor,
+    config,
+    n: torch.Tensor,
+    b: torch.Tensor,
+    do: torch.Tensor,
+    aux: Dict[str, torch.Tensor],
+    *,
+    k_slc: torch.Tensor,
+    v_slc: torch.Tensor,
+    k_win: torch.Tensor,
+    v_win: torch.Tensor,
+    softmax_scale: Optional[float] = None,
+) -> Tuple[float, float]:
+    """``(sum |dn terms|, sum |db terms|)`` of NSA with the SSA transform in every branch.
+
+    ``o = sum_c sigmoid(gate_c) o_c``, so branch ``c`` sees ``go_c = sigmoid(gate_c) do``;
+    the terms are those of masked SSA attention per branch (compressed: ``aux["k_cmp"]``,
+    ``aux["v_cmp"]`` under the compressed visibility; selected: ``aux["block_idx"]``,
+    causal; window), summed. ``aux`` from ``nsa_attention(..., return_aux=True)``.
+    """
+    from nemo_ssa.ops.nsa.naive import compressed_visibility, selection_keep_mask, window_mask
+
+    f = lambda t: t.detach().to(torch.float64).cpu()  # noqa: E731
+    g = torch.sigmoid(f(gate_logits))
+    do64, n_tok = f(do), q.shape[2]
+    hq, hkv = q.shape[1], k_slc.shape[1]
+    causal = torch.ones(n_tok, n_tok, dtype=torch.bool).tril()
+    keep_slc = (selection_keep_mask(aux["block_idx"].cpu(), n_tok, config) & causal).repeat_interleave(hq // hkv, 1)
+    branches = [
+        (aux["k_cmp"], aux["v_cmp"], compressed_visibility(n_tok, config)),
+        (k_slc, v_slc, keep_slc),
+        (k_win, v_win, window_mask(n_tok, config.window)),
+    ]
+    tn = tb = 0.0
+    for c, (kc, vc, keep) in enumerate(branches):
+        if kc.shape[2] == 0:
+            continue
+        a, d = ssa_scalar_grad_terms(q, kc, vc, n, b, g[..., c:c + 1] * do64, softmax_scale=softmax_scale, mask=keep)
+        tn, tb = tn + a, tb + d
     return tn, tb
 
 
