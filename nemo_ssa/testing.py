@@ -162,7 +162,8 @@ def ssa_scalar_grad_terms(
     keep: Optional[torch.Tensor] = None,
     dropout_p: float = 0.0,
     mask: Optional[torch.Tensor] = None,
-) -> Tuple[float, float]:
+    return_sums: bool = False,
+) -> Tuple[float, ...]:
     """``(sum |dn terms|, sum |db terms|)`` of SSA attention, in float64.
 
     With ``s = scale q k^T``, ``z = n sgn(s) ln(1 + b|s|)``, ``p = softmax(z)`` (causal
@@ -173,6 +174,8 @@ def ssa_scalar_grad_terms(
     implementation of dn / db. Dense ``[B, H, S, D]`` inputs (GQA as in the kernels).
     ``keep`` is a dropout keep-mask; ``mask`` an attention mask (bool, True = may attend,
     broadcastable to ``[B, Hq, Sq, Sk]``, AND-ed with ``causal``: documents, NSA branches).
+    ``return_sums=True`` appends the signed sums ``(dn, db)`` themselves (tests of this
+    helper compare them with autograd, so the terms are the right ones).
     """
     f = lambda t: t.detach().to(torch.float64).cpu()  # noqa: E731
     q, k, v, go = f(q), f(k), f(v), f(go)
@@ -197,9 +200,10 @@ def ssa_scalar_grad_terms(
     if keep is not None:
         dp = dp * f(keep) / (1.0 - dropout_p)
     dz = p * (dp - (p * dp).sum(-1, keepdim=True))
-    tn = (dz * torch.where(s >= 0, mag, -mag)).abs().sum().item()
-    tb = (dz * (n_ * s / (1.0 + b_ * s.abs()))).abs().sum().item()
-    return tn, tb
+    gn = dz * torch.where(s >= 0, mag, -mag)
+    gb = dz * (n_ * s / (1.0 + b_ * s.abs()))
+    out = (gn.abs().sum().item(), gb.abs().sum().item())
+    return out + (gn.sum().item(), gb.sum().item()) if return_sums else out
 
 
 def ssa_scalar_grad_terms_varlen(
@@ -216,13 +220,14 @@ def ssa_scalar_grad_terms_varlen(
     softmax_scale: Optional[float] = None,
     keep: Optional[torch.Tensor] = None,
     dropout_p: float = 0.0,
-) -> Tuple[float, float]:
+    return_sums: bool = False,
+) -> Tuple[float, ...]:
     """``ssa_scalar_grad_terms`` of a packed (THD) batch: the sum over its sequences.
 
     ``q, go [T_q, Hq, D]``, ``k, v [T_k, Hkv, D]``, ``cu_seqlens_*`` cumulative lengths;
     ``keep`` (dropout keep-mask) ``[T_q, Hq, >= max_k]``.
     """
-    tn = tb = 0.0
+    acc = [0.0] * 4
     cq, ck = [int(x) for x in cu_seqlens_q.cpu()], [int(x) for x in cu_seqlens_k.cpu()]
     for i in range(len(cq) - 1):
         sq, sk = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
@@ -230,10 +235,11 @@ def ssa_scalar_grad_terms_varlen(
             continue
         one = lambda t, sl: t[sl].transpose(0, 1)[None]  # noqa: E731
         keep_s = None if keep is None else keep[sq, :, : sk.stop - sk.start].transpose(0, 1)[None]
-        a, c = ssa_scalar_grad_terms(one(q, sq), one(k, sk), one(v, sk), n, b, one(go, sq), causal=causal,
-                                     softmax_scale=softmax_scale, keep=keep_s, dropout_p=dropout_p)
-        tn, tb = tn + a, tb + c
-    return tn, tb
+        part = ssa_scalar_grad_terms(one(q, sq), one(k, sk), one(v, sk), n, b, one(go, sq), causal=causal,
+                                     softmax_scale=softmax_scale, keep=keep_s, dropout_p=dropout_p,
+                                     return_sums=True)
+        acc = [x + y for x, y in zip(acc, part)]
+    return tuple(acc) if return_sums else tuple(acc[:2])
 
 
 def nsa_scalar_grad_terms(
@@ -250,7 +256,8 @@ def nsa_scalar_grad_terms(
     k_win: torch.Tensor,
     v_win: torch.Tensor,
     softmax_scale: Optional[float] = None,
-) -> Tuple[float, float]:
+    return_sums: bool = False,
+) -> Tuple[float, ...]:
     """``(sum |dn terms|, sum |db terms|)`` of NSA with the SSA transform in every branch.
 
     ``o = sum_c sigmoid(gate_c) o_c``, so branch ``c`` sees ``go_c = sigmoid(gate_c) do``;
@@ -271,13 +278,14 @@ def nsa_scalar_grad_terms(
         (k_slc, v_slc, keep_slc),
         (k_win, v_win, window_mask(n_tok, config.window)),
     ]
-    tn = tb = 0.0
+    acc = [0.0] * 4
     for c, (kc, vc, keep) in enumerate(branches):
         if kc.shape[2] == 0:
             continue
-        a, d = ssa_scalar_grad_terms(q, kc, vc, n, b, g[..., c:c + 1] * do64, softmax_scale=softmax_scale, mask=keep)
-        tn, tb = tn + a, tb + d
-    return tn, tb
+        part = ssa_scalar_grad_terms(q, kc, vc, n, b, g[..., c:c + 1] * do64, softmax_scale=softmax_scale,
+                                     mask=keep, return_sums=True)
+        acc = [x + y for x, y in zip(acc, part)]
+    return tuple(acc) if return_sums else tuple(acc[:2])
 
 
 def assert_scalar_grad_close(
