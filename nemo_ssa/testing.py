@@ -177,33 +177,46 @@ def ssa_scalar_grad_terms(
     ``return_sums=True`` appends the signed sums ``(dn, db)`` themselves (tests of this
     helper compare them with autograd, so the terms are the right ones).
     """
-    f = lambda t: t.detach().to(torch.float64).cpu()  # noqa: E731
+    dev = q.device  # fp64 on the inputs' device (a GPU test's model shape stays there)
+    f = lambda t: t.detach().to(device=dev, dtype=torch.float64)  # noqa: E731
     q, k, v, go = f(q), f(k), f(v), f(go)
     n_, b_ = float(f(n).reshape(-1)[0]), float(f(b).reshape(-1)[0])
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, 1)
-    v = v.repeat_interleave(group, 1)
+    bsz, hq, sq, _ = q.shape
+    sk = k.shape[2]
+    group = hq // k.shape[1]
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    s = (q @ k.transpose(-1, -2)) * scale
-    mag = torch.log1p(b_ * s.abs())
-    z = n_ * torch.where(s >= 0, mag, -mag)
-    sq, sk = s.shape[-2], s.shape[-1]
-    vis = torch.ones(sq, sk, dtype=torch.bool)
+    vis = torch.ones(sq, sk, dtype=torch.bool, device=dev)
     if causal:
         vis = vis.tril(sk - sq)
     if mask is not None:
-        vis = vis & mask.detach().cpu().to(torch.bool)
-    z = z.masked_fill(~vis, float("-inf"))
-    row_any = vis.any(-1, keepdim=True)
-    p = torch.softmax(z.masked_fill(~row_any, 0.0), -1) * row_any
-    dp = go @ v.transpose(-1, -2)
+        vis = vis & mask.detach().to(device=dev, dtype=torch.bool)
+    vis = vis.expand(bsz, hq, sq, sk)
     if keep is not None:
-        dp = dp * f(keep) / (1.0 - dropout_p)
-    dz = p * (dp - (p * dp).sum(-1, keepdim=True))
-    gn = dz * torch.where(s >= 0, mag, -mag)
-    gb = dz * (n_ * s / (1.0 + b_ * s.abs()))
-    out = (gn.abs().sum().item(), gb.abs().sum().item())
-    return out + (gn.sum().item(), gb.sum().item()) if return_sums else out
+        keep = f(keep).expand(bsz, hq, sq, sk)
+    acc = torch.zeros(4, dtype=torch.float64, device=dev)
+    # one (batch, head chunk) at a time: <= ~2^25 scores per temporary
+    hc = max(1, min(hq, (1 << 25) // max(1, sq * sk)))
+    for z0 in range(bsz):
+        for h0 in range(0, hq, hc):
+            h1 = min(hq, h0 + hc)
+            heads = torch.arange(h0, h1, device=dev) // group
+            kk, vv = k[z0, heads], v[z0, heads]
+            s = (q[z0, h0:h1] @ kk.transpose(-1, -2)) * scale
+            mag = torch.log1p(b_ * s.abs())
+            smag = torch.where(s >= 0, mag, -mag)
+            vc = vis[z0, h0:h1]
+            row_any = vc.any(-1, keepdim=True)
+            z = (n_ * smag).masked_fill(~vc, float("-inf")).masked_fill(~row_any, 0.0)
+            p = torch.softmax(z, -1) * row_any
+            dp = go[z0, h0:h1] @ vv.transpose(-1, -2)
+            if keep is not None:
+                dp = dp * keep[z0, h0:h1] / (1.0 - dropout_p)
+            dz = p * (dp - (p * dp).sum(-1, keepdim=True))
+            gn = dz * smag
+            gb = dz * (n_ * s / (1.0 + b_ * s.abs()))
+            acc += torch.stack([gn.abs().sum(), gb.abs().sum(), gn.sum(), gb.sum()])
+    tn, tb, sn, sb = acc.tolist()
+    return (tn, tb, sn, sb) if return_sums else (tn, tb)
 
 
 def ssa_scalar_grad_terms_varlen(
@@ -267,16 +280,17 @@ def nsa_scalar_grad_terms(
     """
     from nemo_ssa.ops.nsa.naive import compressed_visibility, selection_keep_mask, window_mask
 
-    f = lambda t: t.detach().to(torch.float64).cpu()  # noqa: E731
+    dev = q.device
+    f = lambda t: t.detach().to(device=dev, dtype=torch.float64)  # noqa: E731
     g = torch.sigmoid(f(gate_logits))
     do64, n_tok = f(do), q.shape[2]
     hq, hkv = q.shape[1], k_slc.shape[1]
-    causal = torch.ones(n_tok, n_tok, dtype=torch.bool).tril()
-    keep_slc = (selection_keep_mask(aux["block_idx"].cpu(), n_tok, config) & causal).repeat_interleave(hq // hkv, 1)
+    causal = torch.ones(n_tok, n_tok, dtype=torch.bool, device=dev).tril()
+    keep_slc = (selection_keep_mask(aux["block_idx"].to(dev), n_tok, config) & causal).repeat_interleave(hq // hkv, 1)
     branches = [
-        (aux["k_cmp"], aux["v_cmp"], compressed_visibility(n_tok, config)),
+        (aux["k_cmp"], aux["v_cmp"], compressed_visibility(n_tok, config, dev)),
         (k_slc, v_slc, keep_slc),
-        (k_win, v_win, window_mask(n_tok, config.window)),
+        (k_win, v_win, window_mask(n_tok, config.window, dev)),
     ]
     acc = [0.0] * 4
     for c, (kc, vc, keep) in enumerate(branches):
