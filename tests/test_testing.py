@@ -78,3 +78,38 @@ def test_scalar_grad_bound_fails_an_error_of_a_fraction_of_the_terms():
         assert "dn" in str(e)
     else:
         raise AssertionError("1e-3 of sum|terms| passed the fp32 bound")
+
+
+def test_vector_grad_terms_bound_the_gradients_elementwise():
+    """|dq|, |dk|, |dv| <= their |terms| arrays (elementwise), for SSA and softmax, GQA,
+    causal and masked: the arrays are upper bounds of the right sums (and not 0)."""
+    from nemo_ssa.testing import attention_grad_terms
+
+    q, k, v = torch.randn(2, 6, 9, 8, dtype=F64), torch.randn(2, 2, 11, 8, dtype=F64), torch.randn(2, 2, 11, 8, dtype=F64)
+    go = torch.randn(2, 6, 9, 8, dtype=F64)
+    keep = torch.rand(2, 1, 9, 11) > 0.3
+    for tr in ("ssa", "softmax"):
+        n, b = _nb()
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        kw = dict(n=n, b=b) if tr == "ssa" else {}
+        o = attention_naive(*leaves, transform=tr, causal=True, keep_mask=keep, **kw)
+        grads = torch.autograd.grad(o, leaves, go)
+        t = attention_grad_terms(q, k, v, go, transform=tr, causal=True, mask=keep, arrays=True, **kw)
+        for name, g in zip(("dq", "dk", "dv"), grads):
+            assert (g.abs() <= t[name] * (1 + 1e-9) + 1e-12).all(), (tr, name)
+            assert t[name].norm() > 0 and t[name].norm() < 20 * g.norm() + 1, (tr, name)
+
+
+def test_nsa_vector_terms_bound_dq():
+    from nemo_ssa.testing import nsa_grad_terms
+
+    cfg = NSAConfig(block_len=4, stride=2, select_block=8, top_n=4, window=8, compress="mean")
+    q = torch.randn(1, 6, 21, 8, dtype=F64, requires_grad=True)
+    k, v = (torch.randn(1, 2, 21, 8, dtype=F64, requires_grad=True) for _ in range(2))
+    gates = torch.randn(1, 6, 21, 3, dtype=F64)
+    o, aux = nsa_attention_naive(q, k, v, gates, cfg, return_aux=True)
+    do = torch.randn_like(o)
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
+    t = nsa_grad_terms(q, gates, cfg, do, aux, k=k, v=v, k_slc=k, v_slc=v, k_win=k, v_win=v, transform="softmax")
+    for name, g in (("dq", dq), ("dk", dk), ("dv", dv)):
+        assert 0 < g.norm().item() <= t[name] * (1 + 1e-9), (name, g.norm().item(), t[name])

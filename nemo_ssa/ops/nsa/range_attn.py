@@ -189,7 +189,7 @@ def _range_bwd_kernel_dq(
         qk = tl.dot(q, tl.trans(k), input_precision=PREC)
         z2 = score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM)
         ok = _visible(offs_m, offs_n, N, NK, KSTRIDE, KOFF, WINDOW, HAS_WINDOW)
-        p = tl.where(ok, tl.exp2(z2 - lse[:, None]), 0.0)  # [BLOCK_M, BLOCK_N]
+        p = tl.exp2(tl.where(ok, z2 - lse[:, None], float("-inf")))  # [BLOCK_M, BLOCK_N]; masked exponent
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         dz = p * (dp - delta[:, None])
         dqk = score_bwd(qk, dz, scale, n_ssa, b_ssa, TRANSFORM)
@@ -254,7 +254,7 @@ def _range_bwd_kernel_dkv(
             qk = tl.dot(q, tl.trans(k), input_precision=PREC)  # [BLOCK_M, BLOCK_N]
             z2 = score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM)
             ok = _visible(offs_m, offs_n, N, NK, KSTRIDE, KOFF, WINDOW, HAS_WINDOW)
-            p = tl.where(ok, tl.exp2(z2 - lse[:, None]), 0.0)
+            p = tl.exp2(tl.where(ok, z2 - lse[:, None], float("-inf")))  # masked exponent: no inf
             dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC)
             dp = tl.dot(do, tl.trans(v), input_precision=PREC)
             dz = p * (dp - delta[:, None])

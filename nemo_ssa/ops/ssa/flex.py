@@ -210,7 +210,8 @@ if _TRITON_IMPORT_ERROR is None:
             if CAUSAL:
                 valid = valid & (offs_kn[None, :] <= offs_m[:, None] + (SK - SQ))
             z2, smag, rinv = score_bwd_parts(qk, c0, c1, TRANSFORM, FAST_LOG2)  # one log2
-            p = tl.where(valid, tl.exp2(z2 - lse2[:, None]), 0.0)  # [BLOCK_M, BLOCK_N]
+            # mask the exponent (a masked score may exceed the row lse: exp2 would overflow)
+            p = tl.exp2(tl.where(valid, z2 - lse2[:, None], float("-inf")))  # [BLOCK_M, BLOCK_N]
             dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)  # [BLOCK_M, BLOCK_N]
             dz = p * (dp - delta[:, None])  # dL/dz, natural domain; 0 where masked
             h = qk * rinv
