@@ -174,7 +174,10 @@ def attention_grad_terms(
     ``p delta``, ``delta = sum_j p dp``); every gradient is a sum over scores of ``dz``
     times a factor, so its rounding error (and that of any implementation) scales with
     the same sum taken over absolute values. Returns ``{"dn", "db"}`` (SSA: sums of
-    |terms|, and ``"dn_sum"``, ``"db_sum"`` the signed sums) and ``{"dq", "dk", "dv"}``:
+    |terms|, ``"dn_sum"``, ``"db_sum"`` the signed sums, ``"dn_split"``, ``"db_split"`` the
+    sums with ``dz`` split into its two terms, ``|g| (p |dp| + p |delta|)``: the rounding
+    scale even where ``dz`` vanishes exactly, e.g. a row with one visible key) and
+    ``{"dq", "dk", "dv"}``:
     Frobenius norms of the |terms| arrays ``scale |dz/ds| (p |dp| + p |delta|) @ |k|``
     (dq), the transpose with ``|q|`` (dk, summed over each GQA group) and ``p^T |go|``
     (dv) -- the natural size of the gradient even where the true one vanishes (a one-hot
@@ -200,7 +203,7 @@ def attention_grad_terms(
     vis = vis.expand(bsz, hq, sq, sk)
     if keep is not None:
         keep = f(keep).expand(bsz, hq, sq, sk)
-    acc = torch.zeros(4, dtype=torch.float64, device=dev)
+    acc = torch.zeros(6, dtype=torch.float64, device=dev)
     tq, tk, tv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     # one (batch, head chunk) at a time: <= ~2^25 scores per temporary
     hc = max(1, min(hq, (1 << 25) // max(1, sq * sk)))
@@ -225,16 +228,18 @@ def attention_grad_terms(
             dz = p * (dp - delta)
             adz = p * (dp.abs() + delta.abs())  # |p dp| + |p delta| >= |dz|
             if ssa:
+                hb = n_ * s / (1.0 + b_ * s.abs())
                 gn = dz * smag
-                gb = dz * (n_ * s / (1.0 + b_ * s.abs()))
-                acc += torch.stack([gn.abs().sum(), gb.abs().sum(), gn.sum(), gb.sum()])
+                gb = dz * hb
+                acc += torch.stack([gn.abs().sum(), gb.abs().sum(), gn.sum(), gb.sum(),
+                                    (adz * smag.abs()).sum(), (adz * hb.abs()).sum()])
             ads = adz * (n_ * b_ / (1.0 + b_ * s.abs()) if ssa else 1.0) * scale
             tq[z0, h0:h1] = ads @ kk.abs()
             tk[z0].index_add_(0, heads, ads.transpose(-1, -2) @ q[z0, h0:h1].abs())
             tv[z0].index_add_(0, heads, pd.transpose(-1, -2) @ go[z0, h0:h1].abs())
     out: Dict[str, object] = {}
     if ssa:
-        out.update(zip(("dn", "db", "dn_sum", "db_sum"), acc.tolist()))
+        out.update(zip(("dn", "db", "dn_sum", "db_sum", "dn_split", "db_split"), acc.tolist()))
     if arrays:
         out.update(dq=tq, dk=tk, dv=tv)
     else:
@@ -340,7 +345,8 @@ def nsa_grad_terms(
     arrays, the compressed branch's mapped back through the compression's adjoint (exact
     for ``compress="mean"``, a linear map with non-negative weights; for ``"mlp"`` the
     compressed branch is left out of dk/dv). ``aux`` from ``nsa_attention(...,
-    return_aux=True)``.
+    return_aux=True)``. Also returns ``k_cmp_terms``, ``v_cmp_terms``: the |terms| arrays of
+    the gradient w.r.t. the compressed keys/values (for bounds on φ's gradients).
     """
     from nemo_ssa.ops.nsa.naive import compress_kv, compressed_visibility, selection_keep_mask, window_mask
 
@@ -356,7 +362,9 @@ def nsa_grad_terms(
         ("slc", k_slc, v_slc, keep_slc),
         ("win", k_win, v_win, window_mask(n_tok, config.window, dev)),
     ]
-    acc = [0.0] * 4
+    keys = ("dn", "db", "dn_sum", "db_sum", "dn_split", "db_split")
+    acc = [0.0] * len(keys)
+    cmp_terms = None
     tq = torch.zeros(q.shape, dtype=torch.float64, device=dev)
     tk = {id(k): torch.zeros(k.shape, dtype=torch.float64, device=dev)}
     tv = {id(v): torch.zeros(v.shape, dtype=torch.float64, device=dev)}
@@ -366,9 +374,10 @@ def nsa_grad_terms(
         t = attention_grad_terms(q, kc, vc, g[..., c:c + 1] * do64, transform=transform, n=n, b=b,
                                  softmax_scale=softmax_scale, mask=keep, arrays=True)
         if transform == "ssa":
-            acc = [x + t[key] for x, key in zip(acc, ("dn", "db", "dn_sum", "db_sum"))]
+            acc = [x + t[key] for x, key in zip(acc, keys)]
         tq += t["dq"]
         if name == "cmp":
+            cmp_terms = dict(dk=t["dk"], dv=t["dv"])
             if config.compress != "mean":
                 continue
             kk = k.detach().to(device=dev, dtype=torch.float64).requires_grad_()
@@ -379,12 +388,14 @@ def nsa_grad_terms(
         else:
             tk.setdefault(id(kc), torch.zeros(kc.shape, dtype=torch.float64, device=dev)).add_(t["dk"])
             tv.setdefault(id(vc), torch.zeros(vc.shape, dtype=torch.float64, device=dev)).add_(t["dv"])
-    out: Dict[str, float] = {"dq": tq.norm().item()}
+    out: Dict[str, object] = {"dq": tq.norm().item()}
+    if cmp_terms is not None:  # |terms| arrays w.r.t. the compressed keys / values themselves
+        out["k_cmp_terms"], out["v_cmp_terms"] = cmp_terms["dk"], cmp_terms["dv"]
     for name, t, store in (("k", k, tk), ("v", v, tv), ("k_slc", k_slc, tk), ("v_slc", v_slc, tv),
                            ("k_win", k_win, tk), ("v_win", v_win, tv)):
         out["d" + name] = store[id(t)].norm().item() if id(t) in store else 0.0
     if transform == "ssa":
-        out.update(zip(("dn", "db", "dn_sum", "db_sum"), acc))
+        out.update(zip(keys, acc))
     return out
 
 

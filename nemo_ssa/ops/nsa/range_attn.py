@@ -382,7 +382,8 @@ def banded_attention(q, k, v, *, kstride: int, koff: int, window: Optional[int],
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"expected q [B,Hq,N,D] and k, v [B,Hkv,NK,D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or q.shape[1] % k.shape[1]:
-        raise ValueError(f"incompatible q {tuple(q.shape)} and k {tuple(k.shape)} (batch, head dim, GQA)")
+        raise ValueError(f"incompatible q {tuple(q.shape)} and k {tuple(k.shape)}: batch and head dim must match "
+                         f"and Hq must be a multiple of Hkv")
     if kstride < 1 or koff < 0 or (window is not None and window < 1):
         raise ValueError(f"need kstride >= 1, koff >= 0, window >= 1 or None; got {kstride}, {koff}, {window}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)

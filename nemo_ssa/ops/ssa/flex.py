@@ -856,6 +856,8 @@ def ssa_attention_flex(
     if float(dropout_p) != 0.0:
         raise ValueError("ssa_flex has no dropout (FlexAttention has none); use dropout_p=0 or "
                          "attention=ssa_reference")
+    if q.shape[0] == 0:
+        raise ValueError(f"empty batch: q {tuple(q.shape)}; ssa_flex needs B >= 1")
     if softmax_scale is not None and not float(softmax_scale) > 0.0:
         raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
     if mask_mod is not None and not callable(mask_mod):
