@@ -1,21 +1,45 @@
 """Run a planned list of GPU steps in one device command, each under its own time limit.
 
-    python scripts/gpu_session.py --out $OUT --budget 560 \
-        "flash-tests:150:python -m pytest -m gpu tests/ops/test_ssa_flash_gpu.py -q" \
+Named presets (the GPU test plan, docs/gpu-tests.md)::
+
+    python scripts/gpu_session.py --preset quick  --out $OUT --commit <sha>   # after any kernel change, <= 4 min
+    python scripts/gpu_session.py --preset full-1 --out $OUT --commit <sha>   # flash, flex, ELSA, extreme logits
+    python scripts/gpu_session.py --preset full-2 --out $OUT --commit <sha>   # NSA, CUDA runs of the CPU op tests, ops fuzz
+    python scripts/gpu_session.py --list-presets
+
+A preset installs the offline wheel bundle first when ``.whl/`` is present (as
+scripts/gpu_proof.sh does), keeps Triton's and inductor's compile caches under
+``.cache/`` in the checkout (a second command on a still-warm machine reuses them),
+runs pytest with pytest-xdist (``-n``, when installed: Triton compiles are CPU-bound
+and the workers compile in parallel) and pytest-timeout (a per-test cap, when
+installed), and writes ``{out}/gpu-tests-<preset>.md``: one row per test (outcome,
+seconds), device, date, commit, versions and the command -- the file the lead copies
+to docs/results/. Tests are logged as they finish (``NEMO_SSA_TEST_LOG``, see
+tests/conftest.py), so a step killed at its limit still reports what ran and lists
+what did not.
+
+Free-form steps (as before)::
+
+    python scripts/gpu_session.py --out $OUT --budget 560 \\
+        "flash-tests:150:python -m pytest -m gpu tests/ops/test_ssa_flash_gpu.py -q" \\
         "bench:120:python benchmarks/bench_attention.py --quick --out {out}/bench_attention.md"
 
 Each step is ``NAME:SECONDS:COMMAND`` (``{out}`` expands to the output folder). Steps run
 in order; a step gets ``min(SECONDS, budget left)`` and is killed at its limit, the next
 step still runs. Every step's full log goes to ``{out}/<name>.log``; at the end all files
 under ``--out`` are packed into ``{out}/session.tgz`` (the device tool returns only a few
-files; the loose files are removed) and a table of steps, exit codes and seconds is printed last, preceded by each
-log's tail.
+files; the loose files are removed, except the results markdown of a preset) and a table
+of steps, exit codes and seconds is printed last, preceded by each log's tail.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
+import importlib.util
+import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -23,25 +47,154 @@ import sys
 import tarfile
 import time
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("steps", nargs="+", metavar="NAME:SECONDS:COMMAND")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--budget", type=float, default=560.0, help="seconds for all steps together")
-    ap.add_argument("--tail", type=int, default=25, help="log lines shown per step")
-    args = ap.parse_args(argv)
-    out = os.path.abspath(args.out)
-    os.makedirs(out, exist_ok=True)
+GPU_FILES = ["tests/ops/test_ssa_flash_gpu.py", "tests/ops/test_ssa_flex_gpu.py", "tests/ops/test_elsa_gpu.py",
+             "tests/ops/test_nsa_gpu.py", "tests/ops/test_extreme_logits.py"]
+
+# name -> (what it runs, expected seconds on an H100 incl. start-up, budget, steps). A pytest
+# step is ("pytest", NAME, SECONDS, files, marker, per-test timeout); anything else is
+# ("cmd", NAME, SECONDS, command). Expected times are estimates from the known file timings
+# (issue 16) divided by the parallel compile; the budgets keep every command under 9 minutes.
+PRESETS = {
+    "quick": dict(
+        about="gpu_quick cases of every kernel (flash fwd+bwd incl. GQA/causal/varlen/strided, flex, ELSA, "
+              "NSA softmax+SSA, extreme logits bf16)",
+        expect=150, budget=235,
+        steps=[("pytest", "tests-quick", 215, GPU_FILES, "gpu_quick", 150)]),
+    "full-1": dict(
+        about="flash (GPU file + the CPU op tests run on CUDA), flex, ELSA GPU file, extreme logits",
+        expect=360, budget=530,
+        steps=[("pytest", "tests-full-1", 505,
+                ["tests/ops/test_ssa_flash_gpu.py", "tests/ops/test_ssa_flex_gpu.py", "tests/ops/test_elsa_gpu.py",
+                 "tests/ops/test_extreme_logits.py", "tests/ops/test_ssa_flash.py"], None, 240)]),
+    "full-2": dict(
+        about="NSA GPU file, the CPU op tests of ELSA and NSA run on CUDA, the ops fuzz on CUDA",
+        expect=380, budget=530,
+        steps=[("pytest", "tests-full-2", 400,
+                ["tests/ops/test_nsa_gpu.py", "tests/ops/test_nsa.py", "tests/ops/test_elsa.py"], None, 240),
+               ("cmd", "ops-fuzz", 110,
+                "{py} -m nemo_ssa.ops_fuzz --device cuda --cases 3000 --time-budget 90 "
+                "--out {out}/ops-fuzz-cuda.md")]),
+}
+
+
+def _have(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def pytest_command(files, marker, timeout, workers: int, log: str, extra: str = "") -> str:
+    """The pytest command line of a preset step (xdist / timeout only when installed)."""
+    parts = [shlex.quote(sys.executable), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs",
+             "--durations=25", "--durations-min=1.0"]
+    if marker:
+        parts += ["-m", marker]
+    if workers > 1 and _have("xdist"):
+        parts += ["-n", str(workers), "--dist", "loadgroup"]
+    if timeout and _have("pytest_timeout"):
+        parts += ["--timeout", str(int(timeout))]
+    parts += [shlex.quote(f) for f in files]
+    if extra:
+        parts.append(extra)
+    return f"NEMO_SSA_TEST_LOG={shlex.quote(log)} " + " ".join(parts)
+
+
+def install_bundle(out: str) -> str:
+    """Install ``.whl/*.whl`` (offline bundle) to a site dir on PYTHONPATH; '' when absent."""
+    wheels = sorted(glob.glob(os.path.join(REPO, ".whl", "*.whl")))
+    if not wheels:
+        return "no .whl/ bundle: skipped"
+    site = "/tmp/nemo-ssa-site"
     t0 = time.time()
-    rows = []
-    for spec in args.steps:
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                           "--no-cache-dir", "--upgrade", "--target", site, *wheels],
+                          capture_output=True, text=True)
+    with open(os.path.join(out, "bundle.log"), "w") as f:
+        f.write(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        return f"bundle install FAILED (rc {proc.returncode}, see bundle.log)"
+    os.environ["PYTHONPATH"] = site + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
+    return f"installed {len(wheels)} wheels to {site} in {time.time() - t0:.0f} s"
+
+
+def _device_info() -> dict:
+    code = ("import json, torch, triton; d = torch.cuda.is_available(); print(json.dumps(dict("
+            "device=torch.cuda.get_device_name() if d else 'no CUDA device', torch=torch.__version__, "
+            "triton=triton.__version__, cuda=torch.version.cuda)))")
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except Exception as e:  # noqa: BLE001 - the report must still be written
+        return {"device": f"unknown ({type(e).__name__})"}
+
+
+def _commit(arg) -> str:
+    if arg:
+        return arg
+    try:
+        return subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "unknown (pass --commit)"
+    except Exception:  # noqa: BLE001
+        return "unknown (pass --commit)"
+
+
+def read_test_log(path: str):
+    """(collected ids in order, {id: record}) from a NEMO_SSA_TEST_LOG file."""
+    collected, results = [], {}
+    if not os.path.isfile(path):
+        return collected, results
+    for line in open(path, errors="replace"):
         try:
-            name, secs, cmd = spec.split(":", 2)
-            secs = float(secs)
+            rec = json.loads(line)
         except ValueError:
-            raise SystemExit(f"step {spec!r} is not NAME:SECONDS:COMMAND") from None
-        left = args.budget - (time.time() - t0)
+            continue
+        if "collected" in rec:
+            for t in rec["collected"]:
+                if t not in results and t not in collected:
+                    collected.append(t)
+        elif "test" in rec:
+            results[rec["test"]] = rec
+    for t in results:  # a result for an id no collection line listed (should not happen)
+        if t not in collected:
+            collected.append(t)
+    return collected, results
+
+
+def results_markdown(preset: str, logs, info: dict, commit: str, commands, rows, bundle: str) -> str:
+    """The results file: header (device, date, commit, versions, commands), totals, one row per test."""
+    lines = [f"# GPU tests, preset `{preset}` ({info.get('device', '?')}, {time.strftime('%Y-%m-%d')})", "",
+             f"- commit: `{commit}`; torch {info.get('torch', '?')}, triton {info.get('triton', '?')}, "
+             f"CUDA {info.get('cuda', '?')}",
+             f"- command: `python scripts/gpu_session.py --preset {preset}` ({PRESETS[preset]['about']})",
+             f"- bundle: {bundle}"]
+    for name, rc, secs in rows:
+        lines.append(f"- step `{name}`: exit {rc}, {secs:.0f} s")
+    for cmd in commands:
+        lines.append(f"  - `{cmd}`")
+    table, totals, failures = [], {}, []
+    for log in logs:
+        collected, results = read_test_log(log)
+        for t in collected:
+            r = results.get(t)
+            outcome = r["outcome"] if r else "not run (time limit)"
+            secs = f"{r['seconds']:.1f}" if r else ""
+            totals[outcome] = totals.get(outcome, 0) + 1
+            table.append(f"| `{t}` | {outcome} | {secs} |")
+            if r and r["outcome"] in ("failed", "error"):
+                failures.append(f"- `{t}`: {r.get('message', '')}")
+    total_s = sum(r["seconds"] for log in logs for r in read_test_log(log)[1].values())
+    lines += ["", "**" + ", ".join(f"{v} {k}" for k, v in sorted(totals.items())) +
+              f"** ({len(table)} tests, {total_s:.0f} s of test time)", ""]
+    if failures:
+        lines += ["## Failures", ""] + failures + [""]
+    lines += ["| test | outcome | seconds |", "|---|---|---|"] + table
+    return "\n".join(lines) + "\n"
+
+
+def run_steps(steps, out: str, budget: float, t0: float):
+    rows = []
+    for name, secs, cmd in steps:
+        left = budget - (time.time() - t0)
         if left < 5:
             rows.append((name, "skipped (budget)", 0.0))
             continue
@@ -52,7 +205,7 @@ def main(argv=None) -> int:
             log.write(f"$ {cmd}\n")
             log.flush()
             proc = subprocess.Popen(cmd.replace("{out}", out), shell=True, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+                                    start_new_session=True, cwd=REPO)
             try:
                 rc = proc.wait(timeout=limit)
             except subprocess.TimeoutExpired:
@@ -61,6 +214,71 @@ def main(argv=None) -> int:
                 rc = f"killed at {limit:.0f} s"
         rows.append((name, rc, time.time() - start))
         print(f"[session] {time.time() - t0:6.0f}s {name}: {rc} ({time.time() - start:.0f} s)", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("steps", nargs="*", metavar="NAME:SECONDS:COMMAND")
+    ap.add_argument("--out", help="output folder (the device's $OUT)")
+    ap.add_argument("--preset", choices=sorted(PRESETS), help="a named step list (the GPU test plan)")
+    ap.add_argument("--list-presets", action="store_true")
+    ap.add_argument("--budget", type=float, default=None, help="seconds for all steps together "
+                    "(default 560, or the preset's)")
+    ap.add_argument("--tail", type=int, default=25, help="log lines shown per step")
+    ap.add_argument("--workers", type=int, default=4, help="pytest-xdist workers of a preset (GPU memory: "
+                    "the largest references take ~15 GB; 4 fit an 80 GB card)")
+    ap.add_argument("--commit", default=None, help="commit recorded in the results file (default: git, if any)")
+    ap.add_argument("--pytest-args", default="", help="extra pytest arguments of a preset (e.g. \"-k nsa\")")
+    ap.add_argument("--no-bundle", action="store_true", help="do not install .whl/ even if present")
+    args = ap.parse_args(argv)
+    if args.list_presets:
+        for name, p in PRESETS.items():
+            print(f"{name:7s} ~{p['expect']} s (budget {p['budget']} s): {p['about']}")
+        return 0
+    if not args.out:
+        ap.error("--out is required")
+    if bool(args.preset) == bool(args.steps):
+        ap.error("give either --preset NAME or NAME:SECONDS:COMMAND steps")
+    out = os.path.abspath(args.out)
+    os.makedirs(out, exist_ok=True)
+    t0 = time.time()
+    steps, logs, commands, bundle, results_name = [], [], [], "", None
+    if args.preset:
+        preset = PRESETS[args.preset]
+        budget = preset["budget"] if args.budget is None else args.budget
+        bundle = "--no-bundle" if args.no_bundle else install_bundle(out)
+        print(f"[session] bundle: {bundle}", flush=True)
+        for var, sub in (("TRITON_CACHE_DIR", "triton"), ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
+            os.environ.setdefault(var, os.path.join(REPO, ".cache", sub))
+        os.environ.setdefault("PYTHONUNBUFFERED", "1")
+        for step in preset["steps"]:
+            if step[0] == "pytest":
+                _, name, secs, files, marker, timeout = step
+                log = os.path.join(out, f"{name}.jsonl")
+                if os.path.exists(log):
+                    os.remove(log)
+                logs.append(log)
+                cmd = pytest_command(files, marker, timeout, args.workers, log, args.pytest_args)
+            else:
+                _, name, secs, cmd = step
+                cmd = cmd.replace("{py}", shlex.quote(sys.executable))
+            commands.append(cmd.replace(out, "$OUT"))
+            steps.append((name, secs, cmd))
+        results_name = f"gpu-tests-{args.preset}.md"
+    else:
+        budget = 560.0 if args.budget is None else args.budget
+        for spec in args.steps:
+            try:
+                name, secs, cmd = spec.split(":", 2)
+                steps.append((name, float(secs), cmd))
+            except ValueError:
+                raise SystemExit(f"step {spec!r} is not NAME:SECONDS:COMMAND") from None
+    rows = run_steps(steps, out, budget, t0)
+    if results_name:
+        md = results_markdown(args.preset, logs, _device_info(), _commit(args.commit), commands, rows, bundle)
+        with open(os.path.join(out, results_name), "w") as f:
+            f.write(md)
     tails = {}
     for name, _, _ in rows:
         path = os.path.join(out, f"{name}.log")
@@ -71,11 +289,17 @@ def main(argv=None) -> int:
     with tarfile.open(tgz, "w:gz") as tar:
         for entry in entries:
             tar.add(os.path.join(out, entry), arcname=entry)
-    for entry in entries:  # only the archive goes back
+    for entry in entries:  # only the archive (and a preset's results file) goes back
+        if entry == results_name:
+            continue
         path = os.path.join(out, entry)
         (shutil.rmtree if os.path.isdir(path) else os.remove)(path)
     for name, lines in tails.items():
         print(f"\n===== {name} (last {args.tail} lines)\n" + "\n".join(lines))
+    if results_name:
+        md = open(os.path.join(out, results_name)).read().splitlines()
+        head = [ln for ln in md if not ln.startswith("| `")]
+        print(f"\n===== {results_name} (tests listed in the file)\n" + "\n".join(head[:60]))
     print("\n| step | exit | seconds |\n|---|---|---|")
     for name, rc, secs in rows:
         print(f"| {name} | {rc} | {secs:.0f} |")

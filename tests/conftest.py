@@ -12,6 +12,11 @@
   draws another set of inputs for every test (e.g. a nightly loop over salts).
 - ``NEMO_SSA_TEST_ORDER=reverse`` or ``shuffle:<int>`` runs the collected tests in
   reverse or shuffled order (order-independence check; the default keeps file order).
+- ``NEMO_SSA_TEST_LOG=<file.jsonl>``: one JSON line per collected test id and per
+  finished test (outcome, seconds, first line of the failure), appended as tests finish,
+  so a run killed at a time limit still leaves its results (``scripts/gpu_session.py``
+  turns the file into the markdown results table). Works under pytest-xdist (the
+  controller writes the results, the workers their collection).
 - ``megatron_cpu``: torch.distributed over gloo (world size 1), megatron's parallel state
   (TP=1, PP=1) and the RNG tracker, set up exactly like the CPU training loop does
   (``nemo_ssa.nemo.cpu_loop._init_distributed``) and torn down with its
@@ -19,8 +24,10 @@
 """
 
 import hashlib
+import json
 import os
 import random
+import time
 
 import numpy as np
 import torch
@@ -86,3 +93,45 @@ def megatron_cpu():
         yield
     finally:
         teardown_distributed()
+
+
+# ----------------------------------------------------------------------------- test log
+def _test_log(record: dict) -> None:
+    path = os.environ.get("NEMO_SSA_TEST_LOG")
+    if path:
+        with open(path, "a") as f:  # one short write per line: safe across processes
+            f.write(json.dumps(record) + "\n")
+
+
+def pytest_collection_finish(session):
+    if os.environ.get("NEMO_SSA_TEST_LOG"):
+        _test_log({"collected": [item.nodeid for item in session.items], "pid": os.getpid()})
+
+
+_PHASES: dict = {}
+
+
+def pytest_runtest_logreport(report):
+    if not os.environ.get("NEMO_SSA_TEST_LOG"):
+        return
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # under xdist the controller receives every report: write there only
+    acc = _PHASES.setdefault(report.nodeid, {"seconds": 0.0, "outcome": None, "message": ""})
+    acc["seconds"] += getattr(report, "duration", 0.0) or 0.0
+    failed = report.failed
+    if report.when == "call" or failed or (report.when == "setup" and report.skipped):
+        if acc["outcome"] != "failed":
+            acc["outcome"] = "skipped" if report.skipped else ("failed" if failed else "passed")
+            if report.skipped and isinstance(report.longrepr, tuple):
+                acc["message"] = str(report.longrepr[2])[:300]
+            elif failed:
+                text = getattr(report, "longreprtext", "") or str(report.longrepr)
+                lines = [ln for ln in text.splitlines() if ln.startswith("E ")] or text.splitlines()[-1:]
+                acc["message"] = (lines[0][2:].strip() if lines and lines[0].startswith("E ") else
+                                  (lines[0] if lines else ""))[:300]
+                if report.when != "call":
+                    acc["message"] = f"[{report.when}] " + acc["message"]
+    if report.when == "teardown":
+        _test_log({"test": report.nodeid, "outcome": acc["outcome"] or "error", "seconds": round(acc["seconds"], 2),
+                   "message": acc["message"], "time": time.time()})
+        _PHASES.pop(report.nodeid, None)

@@ -1,9 +1,16 @@
 """NSA Triton kernels on a GPU at the paper's sizes (l=32, d=16, l'=64, n=16, w=512).
 
-Model shape Hq=24, Hkv=8 (GQA 3), D in {32, 64, 128}, N up to 4096. fp32: output and
-every gradient (q, each branch's k/v, gates, φ) < 1e-3 relative to the fp32 reference;
-bf16: ≤ 2× the error of the eager bf16 reference (same selection for all three, so a
-bf16 near-tie cannot flip a block). The dense reference needs ~15 GB at N=4096.
+Model shape Hq=24, Hkv=8 (GQA 3), D in {32, 64, 128}, N = 1000 and 4088 (> the 512
+window, 64 selection blocks of which 16 are chosen; both N = 8 mod 16 with ragged last
+blocks, so Triton's integer specialisation -- ==1, divisible by 16 -- compiles one
+variant for both lengths), softmax and SSA (``attention=nsa_ssa``) transforms. fp32:
+output and every gradient (q, each branch's k/v, gates, φ) < 1e-3 relative to the fp32
+reference, SSA's dn/db within 2e-5 x sum|terms| (``nsa_scalar_grad_terms``; they are sums
+that cancel); bf16: ≤ 2× the error of the eager bf16 reference (same selection for all
+three, so a bf16 near-tie cannot flip a block), dn/db 2× eager + 1.6e-2 x sum|terms|.
+Each (dtype, head dim, transform) compiles the whole kernel set once, so the cases spread
+the head dims over the two dtypes instead of crossing them. The dense reference needs
+~15 GB at N=4088 (those tests share one xdist worker: ``xdist_group("nsa_big")``).
 
 Run:  pytest -q -m gpu tests/ops/test_nsa_gpu.py      (skips without CUDA)
 """
@@ -30,14 +37,19 @@ from nemo_ssa.ops.nsa import (  # noqa: E402
     selection_importance,
 )
 from nemo_ssa.ops.nsa.naive import compressed_visibility, masked_attention, window_mask  # noqa: E402
-from nemo_ssa.testing import assert_within_2x_eager, rel_err  # noqa: E402
+from nemo_ssa.testing import (  # noqa: E402
+    assert_scalar_grad_close,
+    assert_within_2x_eager,
+    nsa_scalar_grad_terms,
+    rel_err,
+)
 
 PAPER = NSAConfig()  # 32 / 16 / 64 / 16 / 512, mlp, separate kv
 HQ, HKV = 24, 8
 DEV = "cuda"
 
 
-def inputs(B, N, D, dtype, seed=0):
+def inputs(B, N, D, dtype, seed=0, transform="softmax"):
     g = torch.Generator(device="cpu").manual_seed(seed)
 
     def r(*s, scale=1.0):
@@ -48,10 +60,15 @@ def inputs(B, N, D, dtype, seed=0):
     gates = r(B, HQ, N, 3)
     phi = [init_phi_params(PAPER, D, dtype=dtype, device=DEV, generator=g, std=0.1, requires_grad=True)
            for _ in range(2)]
-    kw = dict(k_slc=kv[2], v_slc=kv[3], k_win=kv[4], v_win=kv[5], phi_k=phi[0], phi_v=phi[1])
+    kw = dict(k_slc=kv[2], v_slc=kv[3], k_win=kv[4], v_win=kv[5], phi_k=phi[0], phi_v=phi[1], transform=transform)
     leaves = dict(q=q, k=kv[0], v=kv[1], k_slc=kv[2], v_slc=kv[3], k_win=kv[4], v_win=kv[5], gate=gates)
     for w, p in (("phi_k", phi[0]), ("phi_v", phi[1])):
         leaves.update({f"{w}.{f}": t for f, t in zip(PhiParams._fields, p)})
+    if transform == "ssa":  # n, b fp32 like the training modules keep them
+        kw["n"] = leaves["n"] = torch.tensor([0.5 + 1.5 * torch.rand((), generator=g).item()], device=DEV,
+                                             requires_grad=True)
+        kw["b"] = leaves["b"] = torch.tensor([0.3 + 1.2 * torch.rand((), generator=g).item()], device=DEV,
+                                             requires_grad=True)
     return (q, kv[0], kv[1], gates), kw, leaves
 
 
@@ -60,12 +77,29 @@ def grads(out, leaves, do):
     return dict(zip(names, torch.autograd.grad(out, [leaves[n] for n in names], do)))
 
 
-CASES = [(B, N, D) for (B, N) in ((2, 1000), (1, 4096)) for D in (32, 64, 128)]
+def scalar_terms(q, gates, kw, do, aux):
+    """{"n": sum|dn terms|, "b": sum|db terms|} over the three gated branches."""
+    tn, tb = nsa_scalar_grad_terms(q, gates, PAPER, kw["n"], kw["b"], do, aux, k_slc=kw["k_slc"],
+                                   v_slc=kw["v_slc"], k_win=kw["k_win"], v_win=kw["v_win"])
+    return {"n": tn, "b": tb}
 
 
-@pytest.mark.parametrize("B, N, D", CASES, ids=[f"B{b}-T{n}-HQ24-HKV8-D{d}" for b, n, d in CASES])
-def test_layer_fp32_paper_sizes(B, N, D):
-    (q, k, v, gates), kw, leaves = inputs(B, N, D, torch.float32, seed=N + D)
+BIG = pytest.mark.xdist_group("nsa_big")
+QUICK = pytest.mark.gpu_quick
+# (B, N, D, transform, marks): head dims spread over the dtypes, both transforms each
+FP32_CASES = [(2, 1000, 32, "softmax", (QUICK,)), (1, 4088, 32, "ssa", (BIG,)),
+              (1, 4088, 128, "softmax", (BIG,)), (2, 1000, 64, "ssa", ())]
+BF16_CASES = [(2, 1000, 32, "ssa", (QUICK,)), (1, 4088, 32, "softmax", (BIG,)),
+              (1, 4088, 64, "ssa", (BIG,)), (2, 1000, 128, "softmax", ())]
+
+
+def _params(cases, suffix=""):
+    return [pytest.param(B, N, D, tr, id=f"B{B}-T{N}-HQ24-HKV8-D{D}-{tr}{suffix}", marks=m) for B, N, D, tr, m in cases]
+
+
+@pytest.mark.parametrize("B, N, D, transform", _params(FP32_CASES))
+def test_layer_fp32_paper_sizes(B, N, D, transform):
+    (q, k, v, gates), kw, leaves = inputs(B, N, D, torch.float32, seed=N + D, transform=transform)
     ref, aux = nsa_attention_naive(q, k, v, gates, PAPER, **kw, return_aux=True)
     out, aux_k = nsa_attention(q, k, v, gates, PAPER, **kw, impl="triton", return_aux=True)
     # selections agree up to near-ties of fp32 scores; compare outputs on one selection
@@ -75,17 +109,21 @@ def test_layer_fp32_paper_sizes(B, N, D):
     assert rel_err(out, ref) < 1e-3
     do = torch.randn_like(ref)
     g_ref, g_out = grads(ref, leaves, do), grads(out, leaves, do)
+    terms = scalar_terms(q, gates, kw, do, aux) if transform == "ssa" else {}
     for name in leaves:
-        if name == "phi_k.b2":  # softmax-invariant shift: true gradient 0
+        if name == "phi_k.b2" and transform == "softmax":  # softmax-invariant shift: true gradient 0
             assert g_out[name].abs().max() <= 1e-4 * g_ref["phi_k.w2"].abs().max()
+            continue
+        if name in terms:  # cancelling scalar sums: bounded by sum|terms|
+            assert_scalar_grad_close(f"d{name}", g_out[name], g_ref[name], terms[name], torch.float32)
             continue
         err = rel_err(g_out[name], g_ref[name])
         assert err < 1e-3, f"d{name}: {err:.3e}"
 
 
-@pytest.mark.parametrize("B, N, D", CASES, ids=[f"B{b}-T{n}-HQ24-HKV8-D{d}-bf16" for b, n, d in CASES])
-def test_layer_bf16_within_2x_eager(B, N, D):
-    (q, k, v, gates), kw, leaves = inputs(B, N, D, torch.bfloat16, seed=7 * N + D)
+@pytest.mark.parametrize("B, N, D, transform", _params(BF16_CASES, "-bf16"))
+def test_layer_bf16_within_2x_eager(B, N, D, transform):
+    (q, k, v, gates), kw, leaves = inputs(B, N, D, torch.bfloat16, seed=7 * N + D, transform=transform)
     ref, aux = nsa_attention_naive(q, k, v, gates, PAPER, **kw, return_aux=True)
     idx = aux["block_idx"]
     eager = nsa_attention_naive(q, k, v, gates, PAPER, **kw, upcast=False, block_idx=idx)
@@ -93,18 +131,24 @@ def test_layer_bf16_within_2x_eager(B, N, D):
     assert_within_2x_eager(out, eager, ref, "o")
     do = torch.randn_like(ref)
     g_ref, g_eager, g_out = grads(ref, leaves, do), grads(eager, leaves, do), grads(out, leaves, do)
+    terms = scalar_terms(q, gates, kw, do, aux) if transform == "ssa" else {}
     for name in leaves:
-        if name == "phi_k.b2":
+        if name == "phi_k.b2" and transform == "softmax":
+            continue
+        if name in terms:
+            assert_scalar_grad_close(f"d{name}", g_out[name], g_ref[name], terms[name], torch.bfloat16,
+                                     eager=g_eager[name])
             continue
         assert_within_2x_eager(g_out[name], g_eager[name], g_ref[name], f"d{name}", floor=1e-4)
 
 
-@pytest.mark.parametrize("D", [32, 128])
+@BIG
+@pytest.mark.parametrize("D", [32, pytest.param(128, marks=())])
 def test_selection_scores_and_topn_paper_sizes(D):
     from nemo_ssa.ops.nsa.range_attn import compressed_attention
     from nemo_ssa.ops.nsa.select import importance_scores, select_blocks_triton, topn_blocks
 
-    N = 4096
+    N = 4088
     g = torch.Generator(device="cpu").manual_seed(D)
     q = torch.randn(1, HQ, N, D, generator=g).to(DEV)
     kc = torch.randn(1, HKV, num_compressed_blocks(N, PAPER), D, generator=g).to(DEV)
@@ -120,6 +164,7 @@ def test_selection_scores_and_topn_paper_sizes(D):
     assert (idx.long() == select_blocks(ref_imp, PAPER)).all(-1).float().mean() > 0.99
 
 
+@BIG
 def test_window_kernel_int64_offsets():
     """B*H*N*D > 2^31 elements: offsets past int32 must be right (rows at the very end)."""
     from nemo_ssa.ops.nsa.range_attn import window_attention
@@ -142,10 +187,11 @@ def test_window_kernel_int64_offsets():
     assert rel_err(got[:, :, -tail:], ref[:, :, -tail:]) < 2e-2  # bf16 output rounding
 
 
+@BIG
 def test_window_and_compressed_kernels_fp32_at_4k():
     from nemo_ssa.ops.nsa.range_attn import compressed_attention, window_attention
 
-    N, D = 4096, 64
+    N, D = 4088, 32
     g = torch.Generator(device="cpu").manual_seed(3)
     q, k, v = (torch.randn(1, s, N, D, generator=g).to(DEV).requires_grad_() for s in (HQ, HKV, HKV))
     do = torch.randn(1, HQ, N, D, generator=g).to(DEV)

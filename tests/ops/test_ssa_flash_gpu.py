@@ -6,10 +6,20 @@ Run on its own (another test module may set TRITON_INTERPRET=1 for the whole ses
 
 Gates (flash-attention's rule, STYLE.md):
 * bf16: rel. error of o, dq, dk, dv vs the fp32 reference <= 2x the error of the eager
-  bf16 reference (``attention_naive(..., upcast=False)``) + 1e-5; dn, db within 1e-2.
-* fp32 with IEEE dots: o <= 1e-5, every gradient <= 1e-4 relative (vs float64).
+  bf16 reference (``attention_naive(..., upcast=False)``) + 1e-5; dn, db within 2x the
+  eager error + 1.6e-2 x sum|terms| (``assert_scalar_grad_close``).
+* fp32 with IEEE dots: o <= 1e-5, dq/dk/dv <= 1e-4 relative (vs float64); dn, db within
+  2e-5 x sum|terms| of each.
 * dn, db bit-identical over 5 runs; torch.compile (inductor) of a module using the op.
-Fresh random inputs per case.
+
+dn and db are sums over every score of terms of both signs; at random inputs they cancel
+to ~1e-3..1e-5 of sum|terms| (measured: docs/results/2026-11-24-scalar-grads.md), so a
+bound relative to their own value tests the draw (issue 16: ``dn: 2.11e-04`` in fp32,
+where fp32 itself is ~1e-9 of sum|terms| off). Inputs: fresh random draws per test, the
+seed derived from the test id (tests/conftest.py), so a failure reproduces.
+
+``gpu_quick`` marks the core cases run after any kernel change
+(``python scripts/gpu_session.py --preset quick``).
 """
 
 import math
@@ -20,7 +30,15 @@ import torch
 from nemo_ssa.ops.common.attn_bwd import is_interpreter
 from nemo_ssa.ops.ssa.flash import flash_attention, flash_attention_varlen, ssa_attention_triton
 from nemo_ssa.ops.ssa.naive import attention_naive
-from nemo_ssa.testing import assert_within_2x_eager, case_id, make_qkv, rel_err
+from nemo_ssa.testing import (
+    assert_scalar_grad_close,
+    assert_within_2x_eager,
+    case_id,
+    make_qkv,
+    rel_err,
+    ssa_scalar_grad_terms,
+    ssa_scalar_grad_terms_varlen,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -55,22 +73,28 @@ def _free():
     torch.cuda.empty_cache()
 
 
-# (B, Hq, Hkv, Sq, Sk, D, causal)
+QUICK = pytest.mark.gpu_quick
+
+# (B, Hq, Hkv, Sq, Sk, D, causal), transforms, marks. Triton compiles per constexpr
+# combination (head dim, causal, transform, dtype) and per integer specialisation (== 1,
+# divisible by 16), so the softmax twin runs only where its compiled variant adds a case.
 BF16_CASES = [
-    (2, 6, 2, 1, 1, 32, True),
-    (2, 6, 2, 63, 63, 48, True),
-    (2, 6, 2, 63, 100, 32, True),
-    (1, 6, 2, 100, 63, 32, True),
-    (2, 8, 2, 1000, 1000, 32, False),
-    (1, 4, 4, 1000, 1000, 64, True),
-    (1, 8, 2, 1000, 1000, 128, True),
-    (1, 24, 8, 4096, 4096, 32, True),  # the model shape (B=1 keeps the fp32 reference small)
+    ((2, 6, 2, 1, 1, 32, True), ("ssa",), ()),
+    ((2, 6, 2, 63, 63, 48, True), ("ssa",), ()),
+    ((2, 6, 2, 63, 100, 32, True), ("ssa", "softmax"), (QUICK,)),
+    ((1, 6, 2, 100, 63, 32, True), ("ssa",), ()),
+    ((2, 8, 2, 1000, 1000, 32, False), ("ssa", "softmax"), ()),
+    ((1, 4, 4, 1000, 1000, 64, True), ("ssa",), ()),
+    ((1, 8, 2, 1000, 1000, 128, True), ("ssa", "softmax"), ()),
+    ((2, 24, 8, 1024, 1024, 32, True), ("ssa", "softmax"), (QUICK,)),  # the model's training shape
+    ((1, 24, 8, 4096, 4096, 32, True), ("ssa",), ()),  # long rows (B=1 keeps the fp32 reference small)
 ]
+BF16_PARAMS = [pytest.param(c, tr, id=f"{tr}-" + case_id(c[0], c[3], c[1], c[2], c[5], c[6], torch.bfloat16, Sk=c[4]),
+                            marks=marks)
+               for c, trs, marks in BF16_CASES for tr in trs]
 
 
-@pytest.mark.parametrize("transform", ["ssa", "softmax"])
-@pytest.mark.parametrize("case", [pytest.param(c, id=case_id(c[0], c[3], c[1], c[2], c[5], c[6], torch.bfloat16, Sk=c[4]))
-                                  for c in BF16_CASES])
+@pytest.mark.parametrize("case,transform", BF16_PARAMS)
 def test_bf16_within_2x_eager(case, transform):
     B, Hq, Hkv, Sq, Sk, D, causal = case
     q, k, v = make_qkv(B, Hq, Hkv, Sq, Sk, D, torch.bfloat16, device=DEV, requires_grad=True)
@@ -89,26 +113,31 @@ def test_bf16_within_2x_eager(case, transform):
     for name, x, e, r in zip("qkv", g[:3], g_eag[:3], g_ref[:3]):
         assert x.dtype == torch.bfloat16
         assert_within_2x_eager(x, e, r, f"d{name}")
-    for name, x, r in zip("nb", g[3:], g_ref[3:]):
-        assert rel_err(x, r) < 1e-2, f"d{name}: {rel_err(x, r):.2e}"
+    if transform == "ssa":  # scalar sums that cancel: 2x eager + rtol x sum|terms|
+        terms = ssa_scalar_grad_terms(q, k, v, n, b, go, causal=causal)
+        for name, x, e, r, t in zip("nb", g[3:], g_eag[3:], g_ref[3:], terms):
+            assert_scalar_grad_close(f"d{name}", x, r, t, torch.bfloat16, eager=e)
     _free()
 
 
+# every fp32 tile-table bucket (BLOCK_D 32/64/128/256), padded head dims, GQA/MHA,
+# Sq < Sk and Sq > Sk, causal and full, N = 1
 FP32_CASES = [
-    (1, 6, 2, 1, 1, 32, True),
-    (2, 6, 2, 63, 63, 32, True),
-    (1, 4, 2, 1000, 1000, 64, True),
-    (1, 4, 1, 300, 500, 48, True),
-    (1, 2, 1, 257, 257, 80, False),
-    (1, 2, 2, 200, 150, 96, True),
-    (1, 2, 1, 200, 200, 128, True),
-    (1, 2, 1, 130, 130, 160, False),
-    (1, 2, 1, 100, 100, 256, True),
+    ((1, 6, 2, 1, 1, 32, True), ("ssa",), ()),
+    ((2, 6, 2, 63, 63, 32, True), ("ssa", "softmax"), (QUICK,)),
+    ((1, 4, 2, 1000, 1000, 64, True), ("ssa", "softmax"), (QUICK,)),  # issue 16's dn case
+    ((1, 4, 1, 300, 500, 48, True), ("ssa",), ()),
+    ((1, 2, 1, 257, 257, 80, False), ("ssa",), ()),
+    ((1, 2, 2, 200, 150, 96, True), ("ssa",), ()),
+    ((1, 2, 1, 200, 200, 128, True), ("ssa", "softmax"), ()),
+    ((1, 2, 1, 130, 130, 160, False), ("ssa",), ()),
+    ((1, 2, 1, 100, 100, 256, True), ("ssa",), ()),
 ]
 
 
-FP32_PARAMS = [pytest.param(c, tr, id=f"{tr}-" + case_id(c[0], c[3], c[1], c[2], c[5], c[6], torch.float32, Sk=c[4]))
-               for c in FP32_CASES for tr in ("ssa", "softmax") if tr == "ssa" or c[5] in (32, 64, 128)]
+FP32_PARAMS = [pytest.param(c, tr, id=f"{tr}-" + case_id(c[0], c[3], c[1], c[2], c[5], c[6], torch.float32, Sk=c[4]),
+                            marks=marks)
+               for c, trs, marks in FP32_CASES for tr in trs]
 
 
 @pytest.mark.parametrize("case,transform", FP32_PARAMS)
@@ -121,10 +150,14 @@ def test_fp32_ieee_tight(case, transform):
     leaves = [_leaf(t, F64) for t in (q, k, v, n, b)]
     ref, g_ref = _grads(attention_naive, *leaves, transform, go.to(F64), causal=causal)
     assert rel_err(o, ref) <= 1e-5, f"o {rel_err(o, ref):.2e}"
-    for name, x, r in zip("q k v n b".split(), g, g_ref):
+    for name, x, r in zip("q k v".split(), g, g_ref):
         assert rel_err(x, r) <= 1e-4, f"d{name}: {rel_err(x, r):.2e}"
+    if transform == "ssa":  # fp32 (lg2.approx included) is ~1e-8 of sum|terms| off
+        for name, x, r, t in zip("nb", g[3:], g_ref[3:], ssa_scalar_grad_terms(q, k, v, n, b, go, causal=causal)):
+            assert_scalar_grad_close(f"d{name}", x, r, t, torch.float32)
 
 
+@QUICK
 def test_dn_db_bit_identical_5_runs():
     q, k, v = make_qkv(2, 24, 8, 1024, 1024, 32, torch.bfloat16, device=DEV, requires_grad=True)
     n, b = _params()
@@ -139,6 +172,7 @@ def test_dn_db_bit_identical_5_runs():
             assert torch.equal(x, y)
 
 
+@QUICK
 def test_megatron_strided_layout_and_force_contiguous():
     S, B, Hq, Hkv, D = 777, 2, 24, 8, 32
     q = torch.randn(S, B, Hq, D, device=DEV, dtype=torch.bfloat16).permute(1, 2, 0, 3)
@@ -158,6 +192,7 @@ def test_megatron_strided_layout_and_force_contiguous():
     assert rel_err(of, oc) < 1e-3
 
 
+@QUICK
 def test_varlen_matches_dense_kernel():
     lens = [1, 63, 1000, 517]
     Hq, Hkv, D = 8, 2, 64
@@ -179,8 +214,11 @@ def test_varlen_matches_dense_kernel():
     ref = torch.cat(outs)
     g_ref = torch.autograd.grad(ref, leaves, go.float())
     assert rel_err(o, ref) < 1e-2
-    for name, x, r in zip("q k v n b".split(), g, g_ref):
+    for name, x, r in zip("q k v".split(), g, g_ref):
         assert rel_err(x, r) < 2e-2, name
+    terms = ssa_scalar_grad_terms_varlen(q, k, v, n, b, go, cu, cu, causal=True)
+    for name, x, r, t in zip("nb", g[3:], g_ref[3:], terms):
+        assert_scalar_grad_close(f"d{name}", x, r, t, torch.bfloat16)
 
 
 def test_dropout_mask_read_back_gpu():
@@ -207,8 +245,11 @@ def test_dropout_mask_read_back_gpu():
     ref = (pr * keep.to(F64) / (1 - dp)) @ leaves[2].repeat_interleave(Hq // Hkv, 1)
     g_ref = torch.autograd.grad(ref, leaves, go.to(F64))
     assert rel_err(o, ref) < 1e-5
-    for name, x, r in zip("q k v n b".split(), g, g_ref):
+    for name, x, r in zip("q k v".split(), g, g_ref):
         assert rel_err(x, r) < 1e-4, name
+    terms = ssa_scalar_grad_terms(q, k, v, n, b, go, causal=True, keep=keep, dropout_p=dp)
+    for name, x, r, t in zip("nb", g[3:], g_ref[3:], terms):
+        assert_scalar_grad_close(f"d{name}", x, r, t, torch.float32)
 
 
 @pytest.mark.parametrize("transform", ["softmax", "ssa"])
@@ -232,11 +273,13 @@ def test_torch_compile_inductor():
             self.n = torch.nn.Parameter(torch.tensor([1.5], device=DEV))
             self.register_buffer("b", torch.tensor([0.8], device=DEV))
 
-        def forward(self, x):  # x [s, b, h*d] like Megatron
+        def qkv(self, x):  # x [s, b, h*d] like Megatron
             s, bsz, _ = x.shape
             qkv = self.proj(x).view(s, bsz, 3, 4, 16)
-            q, k, v = (qkv[:, :, i].permute(1, 2, 0, 3) for i in range(3))  # strided views
-            return ssa_attention_triton(q, k, v, self.n, self.b, causal=True).float().square().mean()
+            return [qkv[:, :, i].permute(1, 2, 0, 3) for i in range(3)]  # strided views
+
+        def forward(self, x):
+            return ssa_attention_triton(*self.qkv(x), self.n, self.b, causal=True).float().square().mean()
 
     torch.manual_seed(0)
     eager = Block()
@@ -249,5 +292,10 @@ def test_torch_compile_inductor():
     lc = cm(x)
     lc.backward()
     assert rel_err(lc, le) < 1e-2
-    assert rel_err(comp.n.grad, eager.n.grad) < 2e-2
     assert rel_err(comp.proj.weight.grad, eager.proj.weight.grad) < 2e-2
+    # dn: a cancelling sum, bounded by its sum|terms| (go = d mean(o^2) / do = 2 o / numel)
+    with torch.no_grad():
+        q, k, v = eager.qkv(x)
+        o = ssa_attention_triton(q, k, v, eager.n, eager.b, causal=True).float()
+        tn, _ = ssa_scalar_grad_terms(q, k, v, eager.n, eager.b, 2 * o / o.numel(), causal=True)
+    assert_scalar_grad_close("dn compiled vs eager", comp.n.grad, eager.n.grad, tn, torch.bfloat16)

@@ -6,8 +6,11 @@ Run (prints one line of errors per case)::
 
 Compiled flex only (``compile=True``: a gated or failed compile raises instead of quietly
 running eager). bf16: output, dq, dk, dv within 2x the error of the eager bf16 reference
-(``attention_naive(..., upcast=False)``) plus a small floor; dn, db within 1e-2 relative.
-fp32: fixed relative bounds. dn/db must be bit-identical across two runs for the
+(``attention_naive(..., upcast=False)``) plus a small floor; dn, db within 2x the eager
+error + 1.6e-2 x sum|terms| (``assert_scalar_grad_close``: they are sums that cancel to
+~1e-3 of sum|terms|, so a bound on their own value -- the former 1e-2 -- failed issue
+16's ``db rel err 6.22e-02`` on a draw where db was nearly 0). fp32: fixed relative
+bounds, dn/db 2e-5 x sum|terms|. dn/db must be bit-identical across two runs for the
 deterministic strategies (triton, flex, chunked), and dq/dk/dv must not depend on the
 dn strategy (flex's own backward produces them). Roughly 6 flex compiles: ~1-2 min cold.
 """
@@ -21,7 +24,14 @@ import torch
 import nemo_ssa.ops.ssa.flex as flex
 from nemo_ssa.ops.ssa.flex import ssa_attention_flex
 from nemo_ssa.ops.ssa.naive import attention_naive
-from nemo_ssa.testing import assert_within_2x_eager, case_id, make_qkv, rel_err
+from nemo_ssa.testing import (
+    assert_scalar_grad_close,
+    assert_within_2x_eager,
+    case_id,
+    make_qkv,
+    rel_err,
+    ssa_scalar_grad_terms,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -30,8 +40,7 @@ pytestmark = [
 
 F64 = torch.float64
 DEV = "cuda"
-FP32_BOUNDS = dict(o=5e-5, dq=2e-4, dk=2e-4, dv=2e-4, dn=2e-4, db=2e-4)
-DN_DB_BF16 = 1e-2
+FP32_BOUNDS = dict(o=5e-5, dq=2e-4, dk=2e-4, dv=2e-4)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -71,17 +80,21 @@ def _run(q, k, v, n, b, go, **kw):
     return out, grads
 
 
-def _check(label, out, grads, ref, ref_grads, eager, eager_grads, dtype):
+def _check(label, out, grads, ref, ref_grads, eager, eager_grads, dtype, terms):
+    """o, dq, dk, dv by the 2x-eager rule (fp32: fixed bounds); dn, db by
+    ``assert_scalar_grad_close`` against ``terms`` = (sum|dn terms|, sum|db terms|)."""
     names = ("o", "dq", "dk", "dv", "dn", "db")
     errs = {}
     for name, x, r, e in zip(names, (out, *grads), (ref, *ref_grads), (eager, *eager_grads)):
         assert torch.isfinite(x).all(), f"{label}: {name} has NaN/Inf"
-        if dtype == torch.float32:
+        if name in ("dn", "db"):
+            t = terms[names.index(name) - 4]
+            res = assert_scalar_grad_close(f"{label}: {name}", x, r, t, dtype,
+                                           eager=None if dtype == torch.float32 else e)
+            errs[name + "/terms"] = res["err"] / t
+        elif dtype == torch.float32:
             errs[name] = rel_err(x, r)
             assert errs[name] <= FP32_BOUNDS[name], f"{label}: {name} rel err {errs[name]:.2e}"
-        elif name in ("dn", "db"):
-            errs[name] = rel_err(x.float(), r)
-            assert errs[name] <= DN_DB_BF16, f"{label}: {name} rel err {errs[name]:.2e} > {DN_DB_BF16}"
         else:
             errs[name] = assert_within_2x_eager(x, e, r, f"{label}:{name}", floor=1e-5)["err"]
     print(f"  {label}: " + " ".join(f"{k} {v:.1e}" for k, v in errs.items()))
@@ -98,15 +111,16 @@ def _same_dqkv(g, h, label):
 
 # (B, Hq, Hkv, Sq, Sk, D, causal, dtype, backend): odd N, GQA, Sq > Sk (empty first rows)
 CASES = [
-    (2, 6, 2, 1000, 1000, 32, True, torch.bfloat16, "auto"),
+    (2, 6, 2, 1000, 1000, 32, True, torch.bfloat16, "auto"),  # issue 16's db case
     (2, 6, 2, 1000, 1000, 32, False, torch.float32, "triton"),  # explicit backend, if torch has it
     (1, 4, 2, 384, 256, 64, True, torch.bfloat16, "auto"),
 ]
 
 
 @pytest.mark.parametrize("case", [
-    pytest.param(c, id=case_id(c[0], c[3], c[1], c[2], c[5], c[6], c[7], Sk=c[4]) + f"-{c[8]}")
-    for c in CASES
+    pytest.param(c, id=case_id(c[0], c[3], c[1], c[2], c[5], c[6], c[7], Sk=c[4]) + f"-{c[8]}",
+                 marks=(pytest.mark.gpu_quick,) if i == 0 else ())
+    for i, c in enumerate(CASES)
 ])
 def test_forward_and_all_grads_vs_reference(case):
     B, Hq, Hkv, Sq, Sk, D, causal, dtype, backend = case
@@ -125,17 +139,21 @@ def test_forward_and_all_grads_vs_reference(case):
         eager, eager_grads = _reference_grads(q, k, v, n, b, go, causal=causal, upcast=False)
     assert out.dtype == dtype and grads[3].shape == (1,) and grads[3].dtype == n.dtype
     _check(f"{case_id(B, Sq, Hq, Hkv, D, causal, dtype, Sk=Sk)} backend={backend} (first call {first:.1f}s)",
-           out, grads, ref, ref_grads, eager, eager_grads, dtype)
+           out, grads, ref, ref_grads, eager, eager_grads, dtype,
+           ssa_scalar_grad_terms(q, k, v, n, b, go, causal=causal))
     if causal and Sq > Sk:  # rows that see no key: output 0 and zero dq
         assert (out[:, :, : Sq - Sk] == 0).all() and (grads[0][:, :, : Sq - Sk] == 0).all()
 
 
+@pytest.mark.gpu_quick
 def test_dn_strategies_agree_deterministic_and_leave_dqkv_alone():
     B, Hq, Hkv, S, D = 2, 6, 2, 1000, 32  # shares the compiled main call with CASES[0]
     q, k, v = make_qkv(B, Hq, Hkv, S, S, D, torch.bfloat16, device=DEV, requires_grad=True)
     n, b = _params()
     go = torch.randn(B, Hq, S, D, device=DEV).to(torch.bfloat16)
     _, ref_grads = _reference_grads(q, k, v, n, b, go, causal=True)
+    _, eager_grads = _reference_grads(q, k, v, n, b, go, causal=True, upcast=False)
+    terms = ssa_scalar_grad_terms(q, k, v, n, b, go, causal=True)
     base = None
     for mode in ("triton", "flex", "chunked"):
         if mode == "triton" and flex._triton_usable(q.device) is not None:
@@ -144,10 +162,11 @@ def test_dn_strategies_agree_deterministic_and_leave_dqkv_alone():
         _, g2 = _run(q, k, v, n, b, go, causal=True, dn_mode=mode)
         for name, x, y in zip(("dn", "db"), g1[3:], g2[3:]):
             assert torch.equal(x, y), f"{mode}: {name} not deterministic ({x.item()!r} vs {y.item()!r})"
-        dn_err, db_err = rel_err(g1[3], ref_grads[3]), rel_err(g1[4], ref_grads[4])
-        print(f"  dn_mode={mode}: dn {g1[3].item():+.6e} (rel err {dn_err:.1e}), "
-              f"db {g1[4].item():+.6e} (rel err {db_err:.1e})")
-        assert dn_err <= DN_DB_BF16 and db_err <= DN_DB_BF16, mode
+        for i, name in ((3, "dn"), (4, "db")):
+            res = assert_scalar_grad_close(f"dn_mode={mode}: {name}", g1[i], ref_grads[i], terms[i - 3],
+                                           torch.bfloat16, eager=eager_grads[i])
+            print(f"  dn_mode={mode}: {name} {g1[i].item():+.6e} (err / sum|terms| {res['err'] / terms[i - 3]:.1e}, "
+                  f"eager {res['eager_err'] / terms[i - 3]:.1e})")
         if base is None:
             base = g1
         else:  # flex's own backward makes dq, dk, dv whatever the dn strategy
@@ -177,11 +196,13 @@ def test_document_mask_mod_all_grads_vs_reference():
     ref, ref_grads = _reference_grads(q, k, v, n, b, go, causal=True, keep_mask=keep)
     eager, eager_grads = _reference_grads(q, k, v, n, b, go, causal=True, keep_mask=keep, upcast=False)
     out, grads = _run(q, k, v, n, b, go, causal=True, mask_mod=same_doc)  # dn_mode auto -> flex
+    terms = ssa_scalar_grad_terms(q, k, v, n, b, go, causal=True, mask=keep)
     _check("documents B2-T512-HQ4-HKV2-D32-causal-bf16 dn_mode=flex", out, grads, ref, ref_grads,
-           eager, eager_grads, dtype)
+           eager, eager_grads, dtype, terms)
     _, grads_c = _run(q, k, v, n, b, go, causal=True, mask_mod=same_doc, dn_mode="chunked")
     _same_dqkv(grads_c[:3], grads[:3], "documents chunked vs flex")
-    assert rel_err(grads_c[3], grads[3]) < 1e-3 and rel_err(grads_c[4], grads[4]) < 1e-3
+    for i in (3, 4):  # both fp32 computations with the exact delta: agree to fp32 rounding
+        assert_scalar_grad_close(f"chunked vs flex d{'nb'[i - 3]}", grads_c[i], grads[i], terms[i - 3], torch.float32)
     with pytest.raises(ValueError, match="causal/full masks only"):
         ssa_attention_flex(q, k, v, n, b, causal=True, mask_mod=same_doc, dn_mode="triton")
 
@@ -196,6 +217,7 @@ def test_small_head_dim_is_gated_to_eager_with_a_logged_reason(caplog):
     assert "head dim >= 16" in caplog.text
     grads = torch.autograd.grad(out, (q, k, v, n, b), go)
     ref, ref_grads = _reference_grads(q, k, v, n, b, go, causal=True)
-    _check("D8 eager fallback fp32", out, grads, ref, ref_grads, ref, ref_grads, torch.float32)
+    _check("D8 eager fallback fp32", out, grads, ref, ref_grads, ref, ref_grads, torch.float32,
+           ssa_scalar_grad_terms(q, k, v, n, b, go, causal=True))
     with pytest.raises(ValueError, match="head dim >= 16"):
         ssa_attention_flex(q, k, v, n, b, causal=True, compile=True)

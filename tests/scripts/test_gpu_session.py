@@ -1,11 +1,20 @@
-"""scripts/gpu_session.py: timed steps, a killed step does not stop the next, one archive back."""
+"""scripts/gpu_session.py: timed steps, a killed step does not stop the next, one archive back;
+presets write a results table (test, outcome, seconds) even when a step is killed."""
 
+import importlib.util
 import os
 import subprocess
 import sys
 import tarfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _load_session():
+    spec = importlib.util.spec_from_file_location("gpu_session", os.path.join(REPO, "scripts", "gpu_session.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def test_steps_time_limits_and_packing(tmp_path):
@@ -22,6 +31,58 @@ def test_steps_time_limits_and_packing(tmp_path):
         names = sorted(tar.getnames())
         assert names == ["bad.log", "ok.log", "slow.log", "t.md"]
         assert b"hello" in tar.extractfile("ok.log").read()
+
+
+def test_presets_fit_the_device_limits():
+    """Every preset: at most 9 minutes per command; quick within 4; full-1 + full-2 cover
+    every GPU test file and every op test that runs on CUDA."""
+    gs = _load_session()
+    assert set(gs.PRESETS) == {"quick", "full-1", "full-2"}
+    for name, p in gs.PRESETS.items():
+        assert p["budget"] <= 540 and sum(s[2] for s in p["steps"]) <= p["budget"], name
+    assert gs.PRESETS["quick"]["budget"] <= 240
+    full = {f for n in ("full-1", "full-2") for s in gs.PRESETS[n]["steps"] if s[0] == "pytest" for f in s[3]}
+    gpu_files = {os.path.relpath(p, REPO) for p in __import__("glob").glob(os.path.join(REPO, "tests/ops/*_gpu.py"))}
+    assert gpu_files <= full, gpu_files - full
+    assert {"tests/ops/test_ssa_flash.py", "tests/ops/test_elsa.py", "tests/ops/test_nsa.py",
+            "tests/ops/test_extreme_logits.py"} <= full
+
+
+def test_preset_writes_results_even_when_killed(tmp_path, monkeypatch):
+    """A preset step killed at its limit still leaves a results file: finished tests with
+    outcome and seconds, the rest 'not run'. Runs a tiny pytest file through the machinery."""
+    gs = _load_session()
+    tests = tmp_path / "test_tiny.py"
+    tests.write_text("import time\n"
+                     "def test_a(): pass\n"
+                     "def test_b(): assert 1 == 2, 'boom'\n"
+                     "def test_c(): time.sleep(60)\n"
+                     "def test_d(): pass\n")
+    (tmp_path / "conftest.py").write_text(open(os.path.join(REPO, "tests", "conftest.py")).read())
+    monkeypatch.setitem(gs.PRESETS, "quick", dict(about="tiny", expect=5, budget=60,
+                                                  steps=[("pytest", "tests-quick", 20, [str(tests)], None, 0)]))
+    out = tmp_path / "out"
+    rc = gs.main(["--preset", "quick", "--out", str(out), "--no-bundle", "--workers", "1", "--commit", "abc123"])
+    assert rc == 1
+    assert sorted(os.listdir(out)) == ["gpu-tests-quick.md", "session.tgz"]
+    md = (out / "gpu-tests-quick.md").read_text()
+    assert "commit: `abc123`" in md and "killed at 20 s" in md
+    rows = {ln.split("|")[1].strip().strip("`").split("::")[-1]: ln.split("|")[2].strip()
+            for ln in md.splitlines() if ln.startswith("| `")}
+    assert rows == {"test_a": "passed", "test_b": "failed", "test_c": "not run (time limit)",
+                    "test_d": "not run (time limit)"}, rows
+    assert "boom" in md  # the failure's first line
+
+
+def test_pytest_command_uses_xdist_and_timeout_only_when_installed(monkeypatch):
+    gs = _load_session()
+    monkeypatch.setattr(gs, "_have", lambda m: False)
+    cmd = gs.pytest_command(["a.py"], "gpu_quick", 100, 4, "/tmp/x.jsonl")
+    assert "-n" not in cmd.split() and "--timeout" not in cmd and "-m gpu_quick" in cmd
+    assert cmd.startswith("NEMO_SSA_TEST_LOG=/tmp/x.jsonl ") and "--durations=25" in cmd
+    monkeypatch.setattr(gs, "_have", lambda m: True)
+    cmd = gs.pytest_command(["a.py"], None, 100, 4, "/tmp/x.jsonl")
+    assert "-n 4 --dist loadgroup" in cmd and "--timeout 100" in cmd
 
 
 def test_model_grad_parity_needs_cuda():

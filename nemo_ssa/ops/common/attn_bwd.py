@@ -782,7 +782,8 @@ def attention_bwd(
     if M.dtype != torch.float32 or tuple(M.shape) != m_shape:
         raise ValueError(f"M must be fp32 of shape {m_shape}, got {M.dtype} {tuple(M.shape)}")
     if k.shape != v.shape or k.shape[-1] != d or hkv == 0 or hq % hkv != 0:
-        raise ValueError(f"bad k/v shapes {tuple(k.shape)}, {tuple(v.shape)} for q {tuple(q.shape)}")
+        raise ValueError(f"bad k/v shapes {tuple(k.shape)}, {tuple(v.shape)} for q {tuple(q.shape)}: k, v must "
+                         f"match, share q's head dim, and Hq must be a multiple of Hkv")
     if scale is None:
         scale = d ** -0.5
     dev = q.device

@@ -534,9 +534,11 @@ def _validate_elsa(q, k, v, *, transform, n, b, causal, softmax_scale, keep_mask
     if not (MIN_HEAD_DIM <= d <= MAX_HEAD_DIM):
         raise ValueError(f"ELSA supports head dims {MIN_HEAD_DIM}..{MAX_HEAD_DIM} (any value, padded "
                          f"to a power of two inside); got D={d}")
-    if q.device.type != "cuda" and not kernels_interpreted():
+    interp = kernels_interpreted()
+    if not ((q.device.type == "cuda" and not interp) or (q.device.type == "cpu" and interp)):
         raise ValueError(f"ELSA kernels run on CUDA tensors, or on CPU when TRITON_INTERPRET=1 was set "
-                         f"before nemo_ssa.ops.elsa was imported; got device {q.device}")
+                         f"before nemo_ssa.ops.elsa was imported (supported here: "
+                         f"{'cpu' if interp else 'cuda'}); got device {q.device}")
     if softmax_scale is not None and not softmax_scale > 0:
         raise ValueError(f"ELSA needs softmax_scale > 0 (or None for 1/sqrt(D)); got {softmax_scale}")
     if fp32_precision not in FP32_PRECISIONS:
@@ -638,7 +640,7 @@ def merge_finalize_partials(
                          f"m {tuple(m.shape)}, l {tuple(l.shape)}, acc {tuple(acc.shape)}")
     P, B, H, S, D = acc.shape
     if min(P, B, H, S, D) < 1:
-        raise ValueError(f"merge_finalize_partials: empty partials acc {tuple(acc.shape)}")
+        raise ValueError(f"merge_finalize_partials: empty partials acc {tuple(acc.shape)}; every dim must be >= 1")
     if D > MAX_HEAD_DIM:
         raise ValueError(f"merge_finalize_partials supports D <= {MAX_HEAD_DIM}, got D={D}")
     if B * H > 65535:
@@ -647,9 +649,11 @@ def merge_finalize_partials(
         raise ValueError(f"out_dtype must be one of {SUPPORTED_DTYPES}, got {out_dtype}")
     if not (m.device == l.device == acc.device):
         raise ValueError(f"m, l, acc must be on one device, got {m.device}, {l.device}, {acc.device}")
-    if m.device.type != "cuda" and not kernels_interpreted():
+    interp = kernels_interpreted()
+    if not ((m.device.type == "cuda" and not interp) or (m.device.type == "cpu" and interp)):
         raise ValueError(f"the merge kernel runs on CUDA tensors, or on CPU when TRITON_INTERPRET=1 was set "
-                         f"before nemo_ssa.ops.elsa was imported; got device {m.device}")
+                         f"before nemo_ssa.ops.elsa was imported (supported here: "
+                         f"{'cpu' if interp else 'cuda'}); got device {m.device}")
     if m.stride() != l.stride():
         m, l = m.contiguous(), l.contiguous()
     o = torch.empty(B, H, S, D, dtype=out_dtype, device=m.device)

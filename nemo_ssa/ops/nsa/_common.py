@@ -65,6 +65,7 @@ def ssa_scalars(transform: str, n, b, device):
         return tid, n.detach().reshape(1).to(device=device, dtype=torch.float32).contiguous(), \
             b.detach().reshape(1).to(device=device, dtype=torch.float32).contiguous()
     if n is not None or b is not None:
-        raise ValueError(f"transform={transform!r} takes no n/b (they are SSA parameters)")
+        raise ValueError(f"transform={transform!r} takes no n/b: they are SSA parameters, supported only with "
+                         f"transform='ssa'")
     dummy = torch.zeros(1, device=device, dtype=torch.float32)
     return tid, dummy, dummy

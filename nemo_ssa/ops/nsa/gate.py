@@ -100,7 +100,7 @@ def gate_combine(o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor,
     """
     if not (o_cmp.shape == o_slc.shape == o_win.shape) or tuple(gate_logits.shape) != (*o_cmp.shape[:-1], 3):
         raise ValueError(f"gate_combine: branch outputs {tuple(o_cmp.shape)} and gate logits "
-                         f"{tuple(gate_logits.shape)} do not match ([..., D] x3 and [..., 3])")
+                         f"{tuple(gate_logits.shape)} do not match (expected [..., D] x3 and [..., 3])")
     if len({t.dtype for t in (o_cmp, o_slc, o_win, gate_logits)}) != 1:
         raise ValueError("gate_combine: branch outputs and gate logits must share a dtype")
     return _GateCombine.apply(o_cmp, o_slc, o_win, gate_logits)

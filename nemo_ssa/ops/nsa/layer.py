@@ -159,7 +159,7 @@ def resolve_impl(impl: Union[str, Dict[str, str]], q: torch.Tensor) -> Dict[str,
     out = {s: auto for s in STAGES}
     for stage, choice in impl.items():
         if stage not in STAGES:
-            raise ValueError(f"unknown NSA stage {stage!r}; stages: {STAGES}")
+            raise ValueError(f"unknown NSA stage {stage!r}; supported stages: {STAGES}")
         if choice not in IMPLS:
             raise ValueError(f"unknown impl {choice!r} for stage {stage!r}; supported: {IMPLS}")
         out[stage] = choice
@@ -209,7 +209,7 @@ def nsa_attention(
     k_win = k if k_win is None else k_win
     v_win = v if v_win is None else v_win
     _validate_layer(q, dict(k=k, v=v, k_slc=k_slc, v_slc=v_slc, k_win=k_win, v_win=v_win),
-                    gate_logits, config, phi_k, phi_v, transform, n, b)
+                    gate_logits, config, phi_k, phi_v, transform, n, b, softmax_scale)
     choice = resolve_impl(impl, q)
     attn = dict(transform=transform, n=n, b=b, softmax_scale=softmax_scale)
     torch_attn = dict(attn, upcast=True)

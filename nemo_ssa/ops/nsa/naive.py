@@ -314,12 +314,17 @@ def masked_attention(q, k, v, keep, *, transform="softmax", n=None, b=None, soft
 
 
 # ------------------------------------------------------------------------- whole layer
-def _validate_layer(q, branch_kv, gate_logits, config, phi_k, phi_v, transform, n, b) -> None:
+def _validate_layer(q, branch_kv, gate_logits, config, phi_k, phi_v, transform, n, b, softmax_scale=None) -> None:
     if not isinstance(config, NSAConfig):
         raise ValueError(f"config must be an NSAConfig, got {type(config).__name__}")
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or not q.is_floating_point():
         raise ValueError(f"q must be a floating [B, Hq, N, D] tensor, got {getattr(q, 'shape', q)!r}")
     bsz, hq, n_tok, d = q.shape
+    if min(bsz, hq, n_tok, d) < 1:
+        raise ValueError(f"empty input: q has shape {tuple(q.shape)}; B, Hq, N and D must be >= 1")
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+                                      or not (math.isfinite(softmax_scale) and softmax_scale > 0)):
+        raise ValueError(f"softmax_scale must be a positive finite number or None, got {softmax_scale!r}")
     for name, t in branch_kv.items():
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a [B, Hkv, N, D] tensor")
@@ -341,6 +346,19 @@ def _validate_layer(q, branch_kv, gate_logits, config, phi_k, phi_v, transform, 
         raise ValueError(f"unknown transform {transform!r}; supported: {TRANSFORMS}")
     if transform == "ssa" and (n is None or b is None):
         raise ValueError("transform='ssa' needs the SSA parameters n and b (tensors of shape [1])")
+    if transform == "ssa":
+        from nemo_ssa.ops.ssa.naive import _check_scalar_param
+
+        for name, t in (("n", n), ("b", b)):
+            _check_scalar_param(name, t, transform)
+            if t.device != q.device:
+                raise ValueError(f"`{name}` is on {t.device}, q on {q.device}; they must share a device")
+    elif n is not None or b is not None:
+        raise ValueError(f"transform={transform!r} takes no n/b: they are SSA parameters, supported only with "
+                         f"transform='ssa'")
+    if gate_logits.device != q.device or not gate_logits.is_floating_point():
+        raise ValueError(f"gate_logits must be a floating tensor on q's device {q.device}, got "
+                         f"{gate_logits.dtype} on {gate_logits.device}")
     if config.compress == "mlp":
         l, h = config.block_len, config.hidden(d)
         want = PhiParams(pe=(l, d), w1=(l * d, h), b1=(h,), w2=(h, d), b2=(d,))
@@ -402,7 +420,7 @@ def nsa_attention_naive(
     k_win = k if k_win is None else k_win
     v_win = v if v_win is None else v_win
     kv = dict(k=k, v=v, k_slc=k_slc, v_slc=v_slc, k_win=k_win, v_win=v_win)
-    _validate_layer(q, kv, gate_logits, config, phi_k, phi_v, transform, n, b)
+    _validate_layer(q, kv, gate_logits, config, phi_k, phi_v, transform, n, b, softmax_scale)
     bsz, hq, n_tok, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv

@@ -189,7 +189,7 @@ def _range_bwd_kernel_dq(
         qk = tl.dot(q, tl.trans(k), input_precision=PREC)
         z2 = score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM)
         ok = _visible(offs_m, offs_n, N, NK, KSTRIDE, KOFF, WINDOW, HAS_WINDOW)
-        p = tl.where(ok, tl.exp2(z2 - lse[:, None]), 0.0)  # [BLOCK_M, BLOCK_N]
+        p = tl.exp2(tl.where(ok, z2 - lse[:, None], float("-inf")))  # [BLOCK_M, BLOCK_N]; masked exponent
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         dz = p * (dp - delta[:, None])
         dqk = score_bwd(qk, dz, scale, n_ssa, b_ssa, TRANSFORM)
@@ -254,7 +254,7 @@ def _range_bwd_kernel_dkv(
             qk = tl.dot(q, tl.trans(k), input_precision=PREC)  # [BLOCK_M, BLOCK_N]
             z2 = score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM)
             ok = _visible(offs_m, offs_n, N, NK, KSTRIDE, KOFF, WINDOW, HAS_WINDOW)
-            p = tl.where(ok, tl.exp2(z2 - lse[:, None]), 0.0)
+            p = tl.exp2(tl.where(ok, z2 - lse[:, None], float("-inf")))  # masked exponent: no inf
             dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC)
             dp = tl.dot(do, tl.trans(v), input_precision=PREC)
             dz = p * (dp - delta[:, None])
@@ -382,7 +382,8 @@ def banded_attention(q, k, v, *, kstride: int, koff: int, window: Optional[int],
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"expected q [B,Hq,N,D] and k, v [B,Hkv,NK,D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or q.shape[1] % k.shape[1]:
-        raise ValueError(f"incompatible q {tuple(q.shape)} and k {tuple(k.shape)} (batch, head dim, GQA)")
+        raise ValueError(f"incompatible q {tuple(q.shape)} and k {tuple(k.shape)}: batch and head dim must match "
+                         f"and Hq must be a multiple of Hkv")
     if kstride < 1 or koff < 0 or (window is not None and window < 1):
         raise ValueError(f"need kstride >= 1, koff >= 0, window >= 1 or None; got {kstride}, {koff}, {window}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)

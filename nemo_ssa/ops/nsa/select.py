@@ -89,7 +89,10 @@ def _importance_kernel(
                 qk = tl.dot(q, tl.trans(kc), input_precision=PREC)  # [BLOCK_M, BLOCK_C]
                 z2 = score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM)
                 vis = ((offs_c * CSTRIDE + CLEN - 1)[None, :] <= offs_m[:, None]) & (offs_c < NC)[None, :]
-                p = tl.where(vis, tl.exp2(z2 - lse[:, None]), 0.0)
+                # mask the exponent, not the result: an invisible (future) block can score
+                # far above the row's lse, and exp2 of that overflows to inf (harmless under
+                # the where today, NaN as soon as anything multiplies it; issue 16, seed 004)
+                p = tl.exp2(tl.where(vis, z2 - lse[:, None], float("-inf")))
                 # overlap fraction of compressed block c inside selection block s: [BLOCK_C, BLOCK_S]
                 cs = (offs_c * CSTRIDE)[:, None]
                 ss = (offs_s * SBLK)[None, :]

@@ -117,7 +117,7 @@ def _sel_fwd_kernel(
             tl.store(LSE_PART + (bh_q * N + rows) * TOPN + slot, lse_loc, mask=r_ok)
         else:
             lse = tl.load(LSE + bh_q * N + rows, mask=r_ok, other=float("inf"))
-            p = tl.where(valid, tl.exp2(z2 - lse[:, None]), 0.0)
+            p = tl.exp2(tl.where(valid, z2 - lse[:, None], float("-inf")))
             contrib = tl.dot(p.to(v.dtype), v, input_precision=PREC)  # [BLOCK_Q, BLOCK_D]
             tl.atomic_add(OACC + (bh_q * N + rows)[:, None] * D + offs_d[None, :], contrib, mask=row_mask, sem="relaxed")
 
@@ -154,7 +154,7 @@ def _sel_bwd_kernel(
         delta = tl.load(DELTA + bh_q * N + rows, mask=r_ok, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC)  # [BLOCK_Q, BLOCK_S]
         z2 = score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM)
-        p = tl.where(valid, tl.exp2(z2 - lse[:, None]), 0.0)
+        p = tl.exp2(tl.where(valid, z2 - lse[:, None], float("-inf")))  # masked exponent: no inf
         dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         dz = p * (dp - delta[:, None])

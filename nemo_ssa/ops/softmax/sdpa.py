@@ -38,6 +38,8 @@ def softmax_attention_sdpa(
     softmax_scale: Optional[float] = None,
     keep_mask: Optional[torch.Tensor] = None,
     dropout_p: float = 0.0,
+    n: Optional[torch.Tensor] = None,
+    b: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Softmax attention via SDPA.
 
@@ -49,11 +51,13 @@ def softmax_attention_sdpa(
         keep_mask: optional bool tensor broadcastable to ``[B, Hq, Sq, Sk]``, True = may
             attend; AND-ed with the causal mask.
         dropout_p: attention-probability dropout (SDPA's RNG).
+        n, b: must be None (accepted only to refuse them with a ValueError, like every
+            softmax attention of the registry: they are SSA parameters).
 
     Returns:
         ``[B, Hq, Sq, D]`` in q's dtype; rows without a visible key are 0.
     """
-    _validate(q, k, v, transform="softmax", n=None, b=None, keep_mask=keep_mask,
+    _validate(q, k, v, transform="softmax", n=n, b=b, keep_mask=keep_mask,
               dropout_p=dropout_p, softmax_scale=softmax_scale)
     hq, sq = q.shape[1], q.shape[2]
     hkv, sk = k.shape[1], k.shape[2]

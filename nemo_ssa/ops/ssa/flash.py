@@ -424,11 +424,11 @@ def _validate_flash(q, k, v, *, transform, n, b, keep_mask, dropout_p, softmax_s
         raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv}) for GQA")
     if not varlen:
         if q.shape[0] != k.shape[0]:
-            raise ValueError(f"batch mismatch: q has B={q.shape[0]}, k/v have B={k.shape[0]}")
+            raise ValueError(f"batch mismatch: q has B={q.shape[0]}, k/v have B={k.shape[0]}; they must match")
         if q.shape[2] == 0 or k.shape[2] == 0 or q.shape[0] == 0:
-            raise ValueError(f"empty batch or sequence: q {tuple(q.shape)}, k {tuple(k.shape)}")
+            raise ValueError(f"empty batch or sequence: q {tuple(q.shape)}, k {tuple(k.shape)}; B, Sq and Sk must be >= 1")
         if q.shape[0] * hq > 65535:
-            raise ValueError(f"B * Hq = {q.shape[0] * hq} exceeds the grid limit 65535")
+            raise ValueError(f"B * Hq = {q.shape[0] * hq} exceeds the grid limit; supported: B * Hq <= 65535")
     if transform not in TRANSFORMS:
         raise ValueError(f"unknown transform {transform!r}; supported: {TRANSFORMS}")
     if transform == "ssa":
@@ -438,7 +438,8 @@ def _validate_flash(q, k, v, *, transform, n, b, keep_mask, dropout_p, softmax_s
             if t.device != dev:
                 raise ValueError(f"`{name}` is on {t.device}, q on {dev}; they must share a device")
     elif n is not None or b is not None:
-        raise ValueError(f"transform={transform!r} takes no `n`/`b` (they are SSA parameters)")
+        raise ValueError(f"transform={transform!r} takes no `n`/`b`: they are SSA parameters, supported only "
+                         f"with transform='ssa'")
     if not isinstance(dropout_p, (int, float)) or not (0.0 <= float(dropout_p) < 1.0):
         raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p}")
     if softmax_scale is not None:

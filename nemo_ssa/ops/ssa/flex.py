@@ -41,18 +41,22 @@ With ``dz = p (dp - delta)``, ``dp_ij = do_i . v_j``, ``delta_i = do_i . o_i``:
   recomputes ``s`` and ``p = exp(z - lse)`` tile by tile (never the N x N matrix),
   ``dp = do @ v^T`` and ``dz``, and writes one fp32 partial (row sums over its key
   loop) per program; the host sums the partials in fp64 in a fixed order, so dn/db are
-  deterministic. Cost ~ one forward pass (2 GEMMs + the transform). Causal/full masks
-  only.
+  deterministic. Like the flash dQ kernel it uses the *exact* row delta
+  ``sum_j p dp`` (accumulated in the same loop), not ``do . o`` of the stored 16-bit
+  ``o``: ``dn`` carries ``-sum_i (delta error)_i sum_j p g`` otherwise, up to ~4x the
+  eager error in fp16 (issue 16). Cost ~ one forward pass (2 GEMMs + the transform).
+  Causal/full masks only.
 * ``"flex"`` (default on CUDA with ``mask_mod``/``keep_mask``): the same identity
   Function, but the extra pass is one more *FlexAttention forward* in fp32, so any mask
   works and flex's block sparsity is reused. Trick: with weights ``w >= 0``,
   ``sum_j p_ij w_ij v_j = exp(lse'_i - lse_i) * o'_i`` where ``(o', lse')`` is flex
   with score ``z + ln w``; ``g`` and ``h`` are split into positive and negative parts,
   stacked as 2 (or 4, when db is needed) extra "heads" of one call. Then
-  ``dn = sum_i do_i . (A+ - A-)_i - delta_i (c+ - c-)_i``. Deterministic; costs 2-4
-  fp32 forwards.
+  ``dn = sum_i do_i . (A+ - A-)_i - delta_i (c+ - c-)_i``. For 16-bit inputs one more
+  head with ``w = 1`` gives the fp32 output and the exact ``delta`` (not the stored
+  ``o``'s). Deterministic; costs 2-5 fp32 forward heads.
 * ``"chunked"``: the same sums in plain torch over query chunks (fp32; fp64 for fp64
-  inputs), masks evaluated with ``create_mask`` per chunk. Slow, any device; the CPU
+  inputs; exact row delta), masks evaluated with ``create_mask`` per chunk. Slow, any device; the CPU
   default and the ground truth the others are checked against.
 * ``"capture"``: the naive path (n, b captured with grad; flex's captured-grad
   atomics). Kept for the benchmark. Non-deterministic (atomics).
@@ -184,6 +188,10 @@ if _TRITON_IMPORT_ERROR is None:
         c0, c1 = transform_consts(scale, n, b, TRANSFORM)
         acc_n = tl.zeros([BLOCK_M], dtype=tl.float32)  # sum_j dz * sgn(s) log2(1 + b|s|)
         acc_b = tl.zeros([BLOCK_M], dtype=tl.float32)  # sum_j dz * qk / (1 + b|s|)
+        # for the exact row delta (as in the flash dQ kernel): sum_j p g, sum_j p h, sum_j p dp
+        acc_gn = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc_gb = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc_de = tl.zeros([BLOCK_M], dtype=tl.float32)
 
         if CAUSAL:  # bottom-right: key j visible from query i iff j <= i + SK - SQ
             hi = tl.minimum((pid_m + 1) * BLOCK_M + SK - SQ, SK)
@@ -202,12 +210,23 @@ if _TRITON_IMPORT_ERROR is None:
             if CAUSAL:
                 valid = valid & (offs_kn[None, :] <= offs_m[:, None] + (SK - SQ))
             z2, smag, rinv = score_bwd_parts(qk, c0, c1, TRANSFORM, FAST_LOG2)  # one log2
-            p = tl.where(valid, tl.exp2(z2 - lse2[:, None]), 0.0)  # [BLOCK_M, BLOCK_N]
+            # mask the exponent (a masked score may exceed the row lse: exp2 would overflow)
+            p = tl.exp2(tl.where(valid, z2 - lse2[:, None], float("-inf")))  # [BLOCK_M, BLOCK_N]
             dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)  # [BLOCK_M, BLOCK_N]
             dz = p * (dp - delta[:, None])  # dL/dz, natural domain; 0 where masked
+            h = qk * rinv
             acc_n += tl.sum(dz * smag, axis=1)
-            acc_b += tl.sum(dz * (qk * rinv), axis=1)
+            acc_b += tl.sum(dz * h, axis=1)
+            acc_gn += tl.sum(p * smag, axis=1)
+            acc_gb += tl.sum(p * h, axis=1)
+            acc_de += tl.sum(p * dp, axis=1)
 
+        # DELTA = do . o comes from the stored o (rounded to bf16/fp16): dn, db carry its
+        # error times sum_j p g (the flash dQ kernel's fix, README "exact row delta");
+        # acc_de = sum_j p dp is the exact delta of this row, so correct by the difference.
+        corr = delta - acc_de
+        acc_n += corr * acc_gn
+        acc_b += corr * acc_gb
         _g_s, g_n, g_b = grad_consts(scale, n, b, TRANSFORM)  # ln 2, n * scale
         out = PART + (pid_bh.to(tl.int64) * NUM_M + pid_m) * 2
         tl.store(out, g_n * tl.sum(acc_n, axis=0))
@@ -309,43 +328,54 @@ def _dparams_chunked(q, k, v, do, lse, delta, n_c, b_c, scale, dense_mask, need_
         p = torch.where(keep, torch.exp(z - torch.where(ok, lse_c, 0.0)), 0.0)
         doc = do[:, :, q0:q1].to(cdt).reshape(bsz, hkv, g, c, d)
         dp = torch.matmul(doc, vt).reshape(bsz, hq, c, sk)
-        dz = p * (dp - delta[:, :, q0:q1, None].to(cdt))
+        # exact row delta sum_j p dp (the whole row is here), not do . o from the stored o,
+        # whose 16-bit rounding dn/db would inherit (see _ssa_flex_dparams_kernel)
+        dz = p * (dp - (p * dp).sum(-1, keepdim=True))
         tot_n += (dz * torch.where(s >= 0, mag, -mag)).sum(dtype=torch.float64)
         if need_b:
             tot_b += (dz * (n_ * s / (1.0 + b_ * a))).sum(dtype=torch.float64)
     return tot_n, tot_b
 
 
-def _weight_score_mod(n_c, b_c, modes: int):
-    """score_mod for dn_mode='flex': head ``h*modes + m`` gets ``z + ln w_m`` (see docstring).
+def _weight_score_mod(n_c, b_c, modes: int, ones: bool = False):
+    """score_mod for dn_mode='flex': head ``h*M + m`` gets ``z + ln w_m`` (see docstring),
+    ``M = modes + ones``.
 
     m = 0: g+ = ln(1+b|s|) where s > 0;  m = 1: g- = ln(1+b|s|) where s < 0;
-    m = 2: h+ = max(n s/(1+b|s|), 0);    m = 3: h- = max(-n s/(1+b|s|), 0).
+    m = 2: h+ = max(n s/(1+b|s|), 0);    m = 3: h- = max(-n s/(1+b|s|), 0);
+    m = modes (when ``ones``): w = 1, i.e. the fp32 output itself (for the exact delta).
     ``ln 0 = -inf`` drops the entry, exactly like a mask.
     """
+    total = modes + int(bool(ones))
 
     def score_mod(score, batch, head, q_idx, kv_idx):
         n_, b_ = n_c[0], b_c[0]
         z, mag, a = _ssa_z_parts(score, n_, b_)
-        mode = head % modes
+        mode = head % total
         w = torch.where(mode == 0, torch.where(score > 0, mag, 0.0), torch.where(score < 0, mag, 0.0))
         if modes == 4:
             hb = n_ * score / (1.0 + b_ * a)
             w = torch.where(mode == 2, torch.clamp(hb, min=0.0), torch.where(mode == 3, torch.clamp(-hb, min=0.0), w))
+        if ones:
+            w = torch.where(mode == modes, torch.ones_like(w), w)
         return z + torch.log(w)
 
     return score_mod
 
 
-def _dparams_flex(q, k, v, do, lse, delta, n_c, b_c, scale, cfg: "_Cfg", need_b: bool):
-    """(dn, db) from one extra fp32 FlexAttention forward with 2 or 4 weight "heads"."""
+def _dparams_flex(q, k, v, do, lse, delta, n_c, b_c, scale, cfg: "_Cfg", need_b: bool,
+                  exact_delta: bool = False):
+    """(dn, db) from one extra fp32 FlexAttention forward with 2 or 4 weight "heads" (+1
+    with ``exact_delta``: the fp32 output, so ``delta`` does not inherit the rounding of a
+    16-bit stored ``o``)."""
     bsz, hq, sq, d = q.shape
-    modes = 4 if need_b else 2
+    base = 4 if need_b else 2
+    modes = base + int(bool(exact_delta))
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     q_aug = q.to(cdt)[:, :, None].expand(bsz, hq, modes, sq, d).reshape(bsz, hq * modes, sq, d)
     block_mask = cfg.block_mask_for(modes)
     o_aug, lse_aug = _flex_call(
-        q_aug, k.to(cdt), v.to(cdt), _weight_score_mod(n_c, b_c, modes), block_mask, scale,
+        q_aug, k.to(cdt), v.to(cdt), _weight_score_mod(n_c, b_c, base, exact_delta), block_mask, scale,
         return_lse=True, cfg=cfg, kind="weights",
     )
     o_aug = o_aug.to(cdt).reshape(bsz, hq, modes, sq, d)
@@ -354,8 +384,11 @@ def _dparams_flex(q, k, v, do, lse, delta, n_c, b_c, scale, cfg: "_Cfg", need_b:
     ok = torch.isfinite(lse_)
     c = torch.where(ok, torch.exp(lse_aug - torch.where(ok, lse_, 0.0)), 0.0)  # sum_j p w
     dof = do.to(cdt)[:, :, None]
+    apw = (dof * o_aug).sum(-1) * c  # do_i . sum_j p w v_j  [B, Hq, modes, Sq]
+    if exact_delta:  # the w = 1 head: do_i . sum_j p_ij v_j = sum_j p dp, in fp32
+        delta = apw[:, :, base]
     # sum_i do_i . (sum_j p w v_j) - delta_i * sum_j p w, per mode
-    per_mode = (dof * o_aug).sum(-1) * c - delta.to(cdt)[:, :, None] * c  # [B, Hq, modes, Sq]
+    per_mode = apw - delta.to(cdt)[:, :, None] * c
     tot = per_mode.sum(dim=(0, 1, 3), dtype=torch.float64)
     dn = tot[0] - tot[1]
     db = tot[2] - tot[3] if need_b else torch.zeros((), dtype=torch.float64, device=q.device)
@@ -401,7 +434,8 @@ def _param_grads(cfg: "_Cfg", q, k, v, o, do, lse, n, b, need_b: bool):
             raise RuntimeError(f"dn_mode='triton': {reason}")
         return _dparams_triton(q, k, v, do, lse, delta, n_c, b_c, cfg.scale, cfg.causal)
     if cfg.mode == "flex":
-        return _dparams_flex(q, k, v, do, lse, delta, n_c, b_c, cfg.scale, cfg, need_b)
+        return _dparams_flex(q, k, v, do, lse, delta, n_c, b_c, cfg.scale, cfg, need_b,
+                             exact_delta=o.dtype in (torch.float16, torch.bfloat16))
     return _dparams_chunked(q, k, v, do, lse, delta, n_c, b_c, cfg.scale, cfg.dense_mask, need_b)
 
 
@@ -822,6 +856,8 @@ def ssa_attention_flex(
     if float(dropout_p) != 0.0:
         raise ValueError("ssa_flex has no dropout (FlexAttention has none); use dropout_p=0 or "
                          "attention=ssa_reference")
+    if q.shape[0] == 0:
+        raise ValueError(f"empty batch: q {tuple(q.shape)}; ssa_flex needs B >= 1")
     if softmax_scale is not None and not float(softmax_scale) > 0.0:
         raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
     if mask_mod is not None and not callable(mask_mod):

@@ -101,13 +101,14 @@ def _validate(q, k, v, *, transform, n, b, keep_mask, dropout_p, softmax_scale) 
     bq, hq, sq, d = q.shape
     bk, hkv, sk, dk = k.shape
     if bq != bk:
-        raise ValueError(f"batch mismatch: q has B={bq}, k/v have B={bk}")
+        raise ValueError(f"batch mismatch: q has B={bq}, k/v have B={bk}; q, k, v must share the batch size")
     if d != dk:
-        raise ValueError(f"head-dim mismatch: q has D={d}, k/v have D={dk}")
+        raise ValueError(f"head-dim mismatch: q has D={d}, k/v have D={dk}; q, k, v must share the head dim")
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv}) for GQA")
     if sq == 0 or sk == 0 or d == 0:
-        raise ValueError(f"empty sequence or head dim: q {tuple(q.shape)}, k {tuple(k.shape)}")
+        raise ValueError(f"empty sequence or head dim: q {tuple(q.shape)}, k {tuple(k.shape)}; Sq, Sk and D "
+                         f"must be >= 1")
     if q.dtype != k.dtype or q.dtype != v.dtype:
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.device != k.device or q.device != v.device:
@@ -117,12 +118,19 @@ def _validate(q, k, v, *, transform, n, b, keep_mask, dropout_p, softmax_scale) 
     if transform == "ssa":
         _check_scalar_param("n", n, transform)
         _check_scalar_param("b", b, transform)
+        for name, t in (("n", n), ("b", b)):
+            if t.device != q.device and not (t.dim() == 0 and t.device.type == "cpu"):
+                raise ValueError(f"`{name}` is on {t.device}, q on {q.device}; they must share a device "
+                                 f"(or be a 0-d CPU tensor)")
     elif n is not None or b is not None:
-        raise ValueError(f"transform={transform!r} takes no `n`/`b` (they are SSA parameters)")
+        raise ValueError(f"transform={transform!r} takes no `n`/`b`: they are SSA parameters, supported only "
+                         f"with transform='ssa'")
     if not (0.0 <= float(dropout_p) < 1.0):
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if softmax_scale is not None and not isinstance(softmax_scale, (int, float)):
-        raise ValueError(f"softmax_scale must be a Python number or None, got {type(softmax_scale).__name__}")
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+                                      or not (math.isfinite(softmax_scale) and softmax_scale > 0)):
+        raise ValueError(f"softmax_scale must be > 0 and finite, or None (supported: a Python number, "
+                         f"softmax_scale > 0); got {softmax_scale!r}")
     if keep_mask is not None:
         if not isinstance(keep_mask, torch.Tensor) or keep_mask.dtype != torch.bool:
             raise ValueError("keep_mask must be a bool tensor (True = may attend)")
@@ -134,7 +142,7 @@ def _validate(q, k, v, *, transform, n, b, keep_mask, dropout_p, softmax_scale) 
         if bshape != torch.Size(target):
             raise ValueError(
                 f"keep_mask of shape {tuple(keep_mask.shape)} is not broadcastable to "
-                f"[B, Hq, Sq, Sk] = {list(target)}"
+                f"[B, Hq, Sq, Sk] = {list(target)}; it must broadcast to that shape"
             )
 
 
