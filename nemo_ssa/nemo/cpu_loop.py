@@ -677,6 +677,14 @@ def _load(path: str, ddp, optimizer, scheduler, layout: Optional[ParallelLayout]
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
+    from nemo_ssa.megatron.checkpoints import describe_optimizer, uses_distributed_optimizer
+
+    saved_dist = uses_distributed_optimizer(path)
+    ours = bool(ddp.ddp_config.use_distributed_optimizer)
+    if saved_dist is not None and saved_dist != ours:
+        raise ValueError(f"{path} was written by {describe_optimizer(saved_dist)} and this run uses "
+                         f"{describe_optimizer(ours)}; megatron reshards across TP/CP/DP but not between optimizer "
+                         f"types: set train.distributed_optimizer={str(saved_dist).lower()} (or auto) to resume it")
     template = _state_template(ddp, optimizer, is_loading=True)
     state = dist_checkpointing.load(template, path)
     ddp.module.load_state_dict(state["model"])

@@ -13,6 +13,7 @@ recorded with its error and the rest still run.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -139,6 +140,33 @@ def cp_op_check(attention, seq=16, batch=2, heads=4, groups=2, head_dim=16, caus
     return errs
 
 
+#: job keys that switch a fix off for that job (negative controls): module, attribute, stand-in
+NEGATIVE_CONTROLS = {
+    # n's gradient not all-reduced over TP
+    "no_tp_scalar_reduce": ("nemo_ssa.megatron.core_attention", "replicate_over_tp", lambda t, g: t),
+    # megatron-core 0.15.3's optimizers as they are
+    "no_optimizer_fixes": ("nemo_ssa.megatron.optimizer_fixes", "patch_megatron_optimizer", lambda opt: []),
+}
+
+
+@contextlib.contextmanager
+def _negative_controls(controls):
+    import importlib
+
+    saved = []
+    try:
+        for key, on in controls.items():
+            if on:
+                mod, attr, stand_in = NEGATIVE_CONTROLS[key]
+                module = importlib.import_module(mod)
+                saved.append((module, attr, getattr(module, attr)))
+                setattr(module, attr, stand_in)
+        yield
+    finally:
+        for module, attr, value in saved:
+            setattr(module, attr, value)
+
+
 def main(path):
     import torch
     import torch.distributed as dist
@@ -155,15 +183,10 @@ def main(path):
                     args = {k: v for k, v in job.items() if k not in ("kind", "name", "run_dir")}
                     results[name] = {"errors": cp_op_check(**args)}
                     continue
-                if job.get("no_tp_scalar_reduce"):  # negative control: n's TP all-reduce off
-                    import nemo_ssa.megatron.core_attention as ca
-
-                    job = {k: v for k, v in job.items() if k != "no_tp_scalar_reduce"}
-                    saved, ca.replicate_over_tp = ca.replicate_over_tp, (lambda t, g: t)
-                    try:
+                controls = {k: job.pop(k) for k in list(job) if k in NEGATIVE_CONTROLS}
+                if controls:
+                    with _negative_controls(controls):
                         _, results[name] = run_job(spec["corpus"], job)
-                    finally:
-                        ca.replicate_over_tp = saved
                     continue
                 _, results[name] = run_job(spec["corpus"], job)
                 if dist.get_rank() == 0 and "run_dir" in job:
