@@ -245,11 +245,22 @@ def pretrain_recipe(
         recipe.data.micro_batch_size = micro_batch_size
         recipe.data.global_batch_size = global_batch_size
 
-    # Checkpoints: keep the last, save on an interval if asked.
-    from nemo_ssa.megatron.introspect import no_weight_decay_cond
+    # Optimizer: NeMo's module + nemo_ssa's fixes for megatron-core 0.15.3's optimizer
+    # checkpoints (fp32 n in bf16 models; the distributed optimizer with torch's Adam).
+    import fiddle as fdl
 
+    from nemo_ssa.megatron.introspect import no_weight_decay_cond
+    from nemo_ssa.nemo.optim import SSAMegatronOptimizerModule
+
+    fdl.update_callable(recipe.optim, SSAMegatronOptimizerModule)
     recipe.optim.no_weight_decay_cond = no_weight_decay_cond
 
+    # Checkpoints: keep the last, save on an interval if asked. Every checkpoint can be
+    # resumed: NeMo saves the one at max_steps without optimizer state unless
+    # save_optim_on_train_end (extending a finished run then failed with a KeyError for
+    # optimizer.state.exp_avg..., the "second-generation resume", H200 2026-11-22); and
+    # fresh and resumed runs share <dir>/<name>/checkpoints (NeMo's default puts a fresh
+    # run under a <date-time> version directory that resume=true never looks in).
     ckpt = recipe.log.ckpt
     ckpt.save_top_k = 1
     ckpt.save_last = True
@@ -257,6 +268,8 @@ def pretrain_recipe(
     ckpt.train_time_interval = None
     ckpt.every_n_train_steps = ckpt_every_n_steps or max_steps
     ckpt.filename = "{model_name}--{step}-{consumed_samples}"
+    ckpt.save_optim_on_train_end = True
+    recipe.log.use_datetime_version = False
     recipe.log.tensorboard.name = name
     return recipe
 
