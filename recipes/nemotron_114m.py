@@ -2,7 +2,8 @@
 
 Starts from ``nemo.collections.llm.recipes.nemotron3_4b.pretrain_recipe`` and changes only
 what the SSA study pinned (seed 000): 12 layers, 24 heads, 8 query groups, hidden 768,
-ffn 3072, ``kv_channels=None`` (-> 32), tied embeddings, TP=1, CP=1. With the local
+ffn 3072, ``kv_channels=None`` (-> 32), tied embeddings; TP=1, CP=1 unless asked
+(``tensor_parallel``, ``context_parallel``, ``sequence_parallel``). With the local
 tokenizer's ~50k vocabulary (padded to 50,304) the softmax model has 114,169,344
 parameters; SSA adds one ``n`` per layer (12).
 
@@ -124,7 +125,11 @@ def pretrain_recipe(
     vocab_size: Optional[int] = None,
     num_workers: int = 2,
     precision: str = "bf16-mixed",
-    use_distributed_optimizer: bool = False,
+    use_distributed_optimizer: Optional[bool] = None,
+    tensor_parallel: int = 1,
+    context_parallel: int = 1,
+    sequence_parallel: bool = False,
+    overlap_grad_reduce: Optional[bool] = None,
     fn=None,
 ) -> run.Partial:
     """Pre-training recipe for the 114M Nemotron with a selectable core attention.
@@ -132,8 +137,10 @@ def pretrain_recipe(
     Args:
         dir: run directory (NeMo logs, TensorBoard, checkpoints).
         name: experiment name.
-        num_nodes: nodes (1 for this model).
-        num_gpus_per_node: GPUs per node (data parallel; TP and CP are pinned to 1).
+        num_nodes: nodes.
+        num_gpus_per_node: GPUs per node. The world (``num_nodes x num_gpus_per_node``)
+            is split into tensor x context x data parallel; data parallel takes what TP
+            and CP leave.
         attention: ``attention=<name>``; see :func:`model`.
         attention_options: SSA options; see :func:`model`.
         policy: ``pinned`` or ``free``.
@@ -158,12 +165,19 @@ def pretrain_recipe(
         vocab_size: padded vocabulary; None derives it from the tokenizer.
         num_workers: data-loader workers.
         precision: ``bf16-mixed`` (default), ``16-mixed`` or ``32``.
-        use_distributed_optimizer: shard optimizer state across data-parallel ranks.
-            Off by default: megatron-core 0.15.3's distributed optimizer fails to write a
-            checkpoint of the SSA model (AssertionError in
-            ``sharded_param_state_dp_reshardable``, measured on an H200,
-            docs/results/2026-11-22-gpu-proof.md), and a 114M model gains little from
-            sharding its optimizer state.
+        use_distributed_optimizer: shard optimizer state (fp32 master weights, Adam
+            moments) across data-parallel ranks. ``None`` (default): on when data parallel
+            is > 1, where it saves memory for the same communication volume
+            (reduce-scatter + all-gather instead of all-reduce); off at DP 1, where it
+            only adds copies. Checkpoints use megatron's fully reshardable optimizer
+            format, so a run saved at one layout resumes at another.
+        tensor_parallel: tensor-model-parallel size (every attention; SSA's n is kept
+            identical on the TP ranks, ``nemo_ssa/megatron/parallel.py``).
+        context_parallel: context-parallel size (causal; megatron's load-balanced split
+            into 2·CP chunks; ``seq_length`` must be a multiple of 2·CP).
+        sequence_parallel: megatron's sequence parallel (needs tensor_parallel > 1).
+        overlap_grad_reduce: overlap the data-parallel gradient reduction with the
+            backward pass; ``None``: on when data (or context) parallel > 1.
         fn: the NeMo entry (default ``llm.pretrain``).
 
     Returns:
@@ -178,15 +192,23 @@ def pretrain_recipe(
 
     _apply_arch(recipe.model.config, attention, attention_options, policy, seq_length, vocab_size)
 
-    # Parallelism (pinned)
+    # Parallelism: checked before anything is built (one line naming what is supported)
+    from nemo_ssa.config_check import check_parallel
+
+    world = int(num_nodes) * int(num_gpus_per_node)
+    dp = check_parallel(attention=attention, world=world, tensor_parallel=tensor_parallel,
+                        context_parallel=context_parallel, sequence_parallel=sequence_parallel,
+                        pipeline_parallel=1, seq_length=seq_length, micro_batch_size=micro_batch_size,
+                        global_batch_size=global_batch_size, arch=ARCH)
+    if use_distributed_optimizer is None:
+        use_distributed_optimizer = dp > 1
+    if overlap_grad_reduce is None:
+        overlap_grad_reduce = dp * int(context_parallel) > 1
+    apply_parallel(recipe, tensor_parallel=tensor_parallel, context_parallel=context_parallel,
+                   sequence_parallel=sequence_parallel, use_distributed_optimizer=use_distributed_optimizer,
+                   overlap_grad_reduce=overlap_grad_reduce)
     strategy = recipe.trainer.strategy
-    strategy.tensor_model_parallel_size = 1
-    strategy.pipeline_model_parallel_size = 1
-    strategy.context_parallel_size = 1
-    strategy.sequence_parallel = False
     strategy.ckpt_async_save = False
-    strategy.ddp.overlap_param_gather = False
-    strategy.ddp.overlap_grad_reduce = False
 
     # Schedule
     recipe.trainer.max_steps = max_steps
@@ -197,8 +219,6 @@ def pretrain_recipe(
     recipe.optim.config.lr = lr
     recipe.optim.config.weight_decay = weight_decay
     recipe.optim.config.clip_grad = clip_grad
-    recipe.optim.config.use_distributed_optimizer = use_distributed_optimizer
-    strategy.ddp.use_distributed_optimizer = use_distributed_optimizer
     recipe.optim.lr_scheduler.warmup_steps = warmup_steps
     recipe.optim.lr_scheduler.min_lr = min_lr
     recipe.optim.lr_scheduler.max_steps = max_steps
@@ -225,11 +245,22 @@ def pretrain_recipe(
         recipe.data.micro_batch_size = micro_batch_size
         recipe.data.global_batch_size = global_batch_size
 
-    # Checkpoints: keep the last, save on an interval if asked.
-    from nemo_ssa.megatron.introspect import no_weight_decay_cond
+    # Optimizer: NeMo's module + nemo_ssa's fixes for megatron-core 0.15.3's optimizer
+    # checkpoints (fp32 n in bf16 models; the distributed optimizer with torch's Adam).
+    import fiddle as fdl
 
+    from nemo_ssa.megatron.introspect import no_weight_decay_cond
+    from nemo_ssa.nemo.optim import SSAMegatronOptimizerModule
+
+    fdl.update_callable(recipe.optim, SSAMegatronOptimizerModule)
     recipe.optim.no_weight_decay_cond = no_weight_decay_cond
 
+    # Checkpoints: keep the last, save on an interval if asked. Every checkpoint can be
+    # resumed: NeMo saves the one at max_steps without optimizer state unless
+    # save_optim_on_train_end (extending a finished run then failed with a KeyError for
+    # optimizer.state.exp_avg..., the "second-generation resume", H200 2026-11-22); and
+    # fresh and resumed runs share <dir>/<name>/checkpoints (NeMo's default puts a fresh
+    # run under a <date-time> version directory that resume=true never looks in).
     ckpt = recipe.log.ckpt
     ckpt.save_top_k = 1
     ckpt.save_last = True
@@ -237,8 +268,41 @@ def pretrain_recipe(
     ckpt.train_time_interval = None
     ckpt.every_n_train_steps = ckpt_every_n_steps or max_steps
     ckpt.filename = "{model_name}--{step}-{consumed_samples}"
+    ckpt.save_optim_on_train_end = True
+    recipe.log.use_datetime_version = False
     recipe.log.tensorboard.name = name
     return recipe
+
+
+def apply_parallel(recipe, tensor_parallel: int = 1, context_parallel: int = 1, sequence_parallel: bool = False,
+                   use_distributed_optimizer: bool = False, overlap_grad_reduce: bool = False) -> None:
+    """Set the parallel layout on a recipe: the strategy (what NeMo's trainer uses), the
+    model config (what the CPU loop and ``configure_model`` read), DDP and optimizer.
+
+    Also pins the padded vocabulary to a multiple of 128 whatever the TP size: megatron
+    pads to 128 x TP by default, which would give a TP2 model 50,432 embedding rows and a
+    TP1 model 50,304, and a checkpoint could not move between them.
+    """
+    import math as _math
+
+    tp, cp = int(tensor_parallel), int(context_parallel)
+    strategy = recipe.trainer.strategy
+    strategy.tensor_model_parallel_size = tp
+    strategy.pipeline_model_parallel_size = 1
+    strategy.context_parallel_size = cp
+    strategy.sequence_parallel = bool(sequence_parallel)
+    strategy.ddp.overlap_grad_reduce = bool(overlap_grad_reduce)
+    strategy.ddp.overlap_param_gather = False
+    strategy.ddp.use_distributed_optimizer = bool(use_distributed_optimizer)
+    # the distributed optimizer's checkpoint in the format that reshards across TP/CP/DP
+    strategy.ckpt_optim_fully_reshardable = bool(use_distributed_optimizer)
+    recipe.optim.config.use_distributed_optimizer = bool(use_distributed_optimizer)
+    cfg = recipe.model.config
+    cfg.tensor_model_parallel_size = tp
+    cfg.context_parallel_size = cp
+    cfg.pipeline_model_parallel_size = 1
+    cfg.sequence_parallel = bool(sequence_parallel)
+    cfg.make_vocab_size_divisible_by = 128 // _math.gcd(128, tp)
 
 
 def local_data(data_prefix, tokenizer_dir, seq_length, micro_batch_size, global_batch_size,

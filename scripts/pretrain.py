@@ -13,6 +13,16 @@ megatron-core CPU loop at a tiny size (``model.cpu_arch``). Either way the run d
 gets ``metrics.csv``, TensorBoard events, the effective attention policy and
 checkpoints, and the last line printed says where.
 
+Several GPUs / nodes / CPU ranks (README "Several GPUs"): ``train.num_gpus_per_node``,
+``train.num_nodes``, ``train.tensor_parallel``, ``train.context_parallel``,
+``train.sequence_parallel``, ``train.distributed_optimizer`` (auto: on with data parallel
+> 1, or as the checkpoint being resumed was written). ``python scripts/pretrain.py
+train.num_gpus_per_node=2 ...`` lets Lightning start the second process; ``torchrun
+--nproc-per-node=2 scripts/pretrain.py ...`` (or nemo-run's torchrun / Slurm executors)
+starts every rank itself -- the way to run the CPU loop on several processes. Every
+configuration is validated before anything is built (``nemo_ssa.config_check``); only
+global rank 0 writes the run directory's own files.
+
 With ``compare_to=[a, b]`` (default ``[softmax]``) the launcher trains each of those
 attentions and then ``attention``, each in its own process with the same overrides and
 seed (so they differ only in the attention), and ends with the compare tool's plot and
@@ -57,19 +67,72 @@ def _train_cfg(cfg: DictConfig, cuda: bool) -> DictConfig:
     return train
 
 
+def _rank() -> int:
+    """This process's global rank as a launcher set it (torchrun, Slurm, Lightning's
+    subprocess launcher); 0 for a plain launch (and for the process that starts the others)."""
+    for key in ("RANK", "SLURM_PROCID"):
+        if os.environ.get(key):
+            return int(os.environ[key])
+    if os.environ.get("LOCAL_RANK"):  # Lightning's launcher: node rank x devices + local rank
+        return int(os.environ.get("NODE_RANK", "0") or 0) * 10**6 + int(os.environ["LOCAL_RANK"])
+    return 0
+
+
+def _launched_world() -> int:
+    """World size set by an external launcher (torchrun / Slurm); 1 otherwise."""
+    for key in ("WORLD_SIZE", "SLURM_NTASKS"):
+        if os.environ.get(key):
+            return int(os.environ[key])
+    return 1
+
+
 def _data(cfg: DictConfig):
-    """(prefix, tokenizer_dir): the user's dataset, or the embedded corpus (built once)."""
+    """(prefix, tokenizer_dir): the user's dataset, or the embedded corpus (built once).
+
+    Several processes of one node build it under a file lock: the first builds, the others
+    reuse it (multi-node runs on a shared file system: build it once beforehand with
+    ``scripts/build_corpus.py``)."""
     data = cfg.data
     if data.get("prefix"):
         if not data.get("tokenizer_dir"):
             raise SystemExit("data.prefix needs data.tokenizer_dir (the tokenizer the dataset was built with)")
         return str(data.prefix), str(data.tokenizer_dir)
+    import fcntl
+
     from nemo_ssa.data import build_corpus, default_corpus_dir
 
     out = data.get("dir") or default_corpus_dir()
-    info = build_corpus(out, source=data.source, vocab_size=int(data.vocab_size),
-                        max_bytes=data.get("max_bytes"))
+    os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
+    with open(os.path.abspath(out).rstrip("/") + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        info = build_corpus(out, source=data.source, vocab_size=int(data.vocab_size),
+                            max_bytes=data.get("max_bytes"))
     return info.prefix, info.tokenizer_dir
+
+
+def _nemo_checkpoint_dir(run_dir: str, name: str) -> str:
+    """Where the NeMo path keeps checkpoints (the recipe pins NeMoLogger to
+    ``<run_dir>/<name>/checkpoints`` for fresh and resumed runs alike)."""
+    return os.path.join(run_dir, name, "checkpoints")
+
+
+def _distributed_optimizer(train: DictConfig, cfg: DictConfig, run_dir: str, name: str, cuda: bool):
+    """train.distributed_optimizer: true/false as given; auto/null -> the resumed checkpoint's
+    optimizer type when resuming one, else the recipe's default (on with data parallel > 1)."""
+    value = train.get("distributed_optimizer")
+    if value is not None and value != "auto":
+        return bool(value)
+    if not cfg.resume:
+        return None
+    from nemo_ssa.megatron.checkpoints import nemo_resume_checkpoint, uses_distributed_optimizer
+
+    if cuda:
+        ckpt = nemo_resume_checkpoint(_nemo_checkpoint_dir(run_dir, name))
+    else:
+        from nemo_ssa.nemo.cpu_loop import latest_checkpoint
+
+        ckpt = latest_checkpoint(os.path.join(run_dir, "checkpoints"))
+    return uses_distributed_optimizer(ckpt) if ckpt else None
 
 
 def build_recipe(cfg: DictConfig, train: DictConfig, prefix: str, tokenizer_dir: str, run_dir: str):
@@ -79,14 +142,22 @@ def build_recipe(cfg: DictConfig, train: DictConfig, prefix: str, tokenizer_dir:
     options = {k: v for k, v in OmegaConf.to_container(cfg.attention.options).items() if v is not None}
     import torch
 
+    cuda = torch.cuda.is_available()
     resolved = resolve_attention(cfg.attention.name, options, policy=cfg.policy,
-                                 device="cuda" if torch.cuda.is_available() else "cpu")
-    resolved.write(run_dir)
+                                 device="cuda" if cuda else "cpu")
+    if _rank() == 0:
+        resolved.write(run_dir)
+    # the CPU loop's world is the launcher's (torchrun); the GPU path's is nodes x GPUs
+    nodes = int(train.get("num_nodes") or 1) if cuda else 1
+    gpus = int(train.get("num_gpus_per_node") or 1) if cuda else _launched_world()
     recipe = nemotron_114m.pretrain_recipe(
         dir=run_dir,
         name=f"{resolved.name}",
-        num_nodes=int(train.get("num_nodes", 1)),
-        num_gpus_per_node=int(train.get("num_gpus_per_node", 1)),
+        num_nodes=nodes,
+        num_gpus_per_node=gpus,
+        tensor_parallel=int(train.get("tensor_parallel") or 1),
+        context_parallel=int(train.get("context_parallel") or 1),
+        sequence_parallel=bool(train.get("sequence_parallel") or False),
         attention=resolved.name,
         attention_options=resolved.options,
         policy=cfg.policy,
@@ -109,7 +180,7 @@ def build_recipe(cfg: DictConfig, train: DictConfig, prefix: str, tokenizer_dir:
         vocab_size=cfg.model.get("vocab_size"),
         num_workers=int(train.get("num_workers", 2)),
         precision=str(train.precision),
-        use_distributed_optimizer=bool(train.get("distributed_optimizer") or False),
+        use_distributed_optimizer=_distributed_optimizer(train, cfg, run_dir, resolved.name, cuda),
     )
     return recipe, resolved
 
@@ -136,8 +207,20 @@ def run_gpu(cfg, train, recipe, resolved, run_dir) -> None:
         callbacks.append(run.Config(StopAfterCallback, step=int(cfg.stop_after)))
     recipe.trainer.callbacks = callbacks
     recipe.resume.resume_if_exists = bool(cfg.resume)
-    print(f"[pretrain] path: NeMo trainer on {os.environ.get('CUDA_VISIBLE_DEVICES', 'all')} GPU(s), "
-          f"attention={resolved.name}", flush=True)
+    if cfg.resume:
+        from nemo_ssa.megatron.checkpoints import nemo_resume_checkpoint
+
+        ckpt = nemo_resume_checkpoint(_nemo_checkpoint_dir(run_dir, resolved.name))
+        if _rank() == 0:
+            print(f"[pretrain] resume: {ckpt or 'no complete checkpoint found, starting from step 0'}", flush=True)
+    strategy = recipe.trainer.strategy
+    world = int(recipe.trainer.num_nodes) * int(recipe.trainer.devices)
+    if _rank() == 0:
+        print(f"[pretrain] path: NeMo trainer on {os.environ.get('CUDA_VISIBLE_DEVICES', 'all')} GPU(s), "
+              f"attention={resolved.name}, world {world} = DP{world // (strategy.tensor_model_parallel_size * strategy.context_parallel_size)}"
+              f" x TP{strategy.tensor_model_parallel_size}{'+SP' if strategy.sequence_parallel else ''}"
+              f" x CP{strategy.context_parallel_size}, distributed optimizer "
+              f"{'on' if recipe.optim.config.use_distributed_optimizer else 'off'}", flush=True)
     run.run(recipe, direct=True)
 
 
@@ -163,6 +246,15 @@ _NOT_IN_IDENTITY = ("resume", "compare_to", "reuse_baselines", "reuse_if_complet
 _ARTIFACTS = ("metrics.csv", "summary.json", "complete.json", "tb", "checkpoints")
 
 
+def _nemo_log_dirs(run_dir: str) -> tuple:
+    """NeMo's per-attention log directories in ``run_dir`` (``<run_dir>/<name>/``, holding
+    its checkpoints): set aside with the rest on a fresh run, or a ``resume=true`` would
+    find a stale run's checkpoint there."""
+    from nemo_ssa.policy import ATTENTIONS
+
+    return tuple(n for n in ATTENTIONS if os.path.isdir(os.path.join(run_dir, n)))
+
+
 def _identity(resolved_cfg: dict) -> str:
     """Hash of what determines a run's result (not how it was launched or resumed)."""
     ident = {k: v for k, v in resolved_cfg.items() if k not in _NOT_IN_IDENTITY}
@@ -177,6 +269,24 @@ def _finished(run_dir: str, identity: str) -> bool:
         return json.load(open(path)).get("identity") == identity
     except (OSError, ValueError):
         return False
+
+
+def _check_config(cfg: DictConfig, cuda: bool) -> None:
+    """Every unsupported combination fails here, before any data or model is built."""
+    from nemo_ssa.config_check import check_run_config
+
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    resolved["train"] = OmegaConf.to_container(_train_cfg(cfg, cuda), resolve=True)
+    world = None if cuda else _launched_world()
+    if cuda and _launched_world() > 1:
+        want = int(resolved["train"].get("num_nodes") or 1) * int(resolved["train"].get("num_gpus_per_node") or 1)
+        if want != _launched_world():
+            raise SystemExit(f"[pretrain] the launcher started {_launched_world()} processes but train.num_nodes x "
+                             f"train.num_gpus_per_node = {want}; make them agree")
+    try:
+        check_run_config(resolved, cuda=cuda, world=world)
+    except (ValueError, NotImplementedError) as e:
+        raise SystemExit(f"[pretrain] invalid configuration: {e}") from None
 
 
 def _set_aside_previous(run_dir: str, extra: tuple = ()) -> None:
@@ -196,8 +306,10 @@ def train_one(cfg: DictConfig) -> None:
     import torch
 
     cuda = torch.cuda.is_available()
+    _check_config(cfg, cuda)
     train = _train_cfg(cfg, cuda)
     run_dir = os.path.abspath(cfg.run_dir)
+    main = _rank() == 0
     resolved_cfg = OmegaConf.to_container(cfg, resolve=True)
     resolved_cfg["train"] = OmegaConf.to_container(train, resolve=True)
     resolved_cfg["path"] = "gpu" if cuda else "cpu"
@@ -208,10 +320,11 @@ def train_one(cfg: DictConfig) -> None:
         print(f"[pretrain] done. logs: {run_dir} (metrics.csv, tb/, attention_policy.json, checkpoints/)", flush=True)
         return
     os.makedirs(run_dir, exist_ok=True)
-    if not cfg.resume:
-        _set_aside_previous(run_dir)
-    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-        f.write(OmegaConf.to_yaml(resolved_cfg))
+    if main:
+        if not cfg.resume:
+            _set_aside_previous(run_dir, extra=_nemo_log_dirs(run_dir))
+        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+            f.write(OmegaConf.to_yaml(resolved_cfg))
     prefix, tokenizer_dir = _data(cfg)
     recipe, resolved = build_recipe(cfg, train, prefix, tokenizer_dir, run_dir)
     print(f"[pretrain] attention={cfg.attention.name} -> {resolved.name} (policy={cfg.policy}); "
@@ -221,6 +334,8 @@ def train_one(cfg: DictConfig) -> None:
     else:
         run_cpu(cfg, train, recipe, run_dir)
     stopped_early = bool(cfg.get("stop_after")) and int(cfg.stop_after) < int(train.max_steps)
+    if not main:
+        return
     if not stopped_early:
         with open(os.path.join(run_dir, "complete.json"), "w") as f:
             json.dump({"identity": identity, "attention": cfg.attention.name, "seed": int(cfg.seed),
@@ -253,6 +368,11 @@ def train_and_compare(cfg: DictConfig) -> None:
 
     from nemo_ssa.compare import main as compare_main
 
+    if _launched_world() > 1:
+        raise SystemExit("[pretrain] compare_to trains several runs one after another; under torchrun / Slurm "
+                         "launch one attention per command (compare_to=[]) and compare with "
+                         "scripts/compare_losses.py, or launch the story with plain `python` "
+                         "(train.num_gpus_per_node=N: Lightning starts the other GPU processes)")
     names = _story_names(cfg)
     for name in names:
         _attention_group(name)

@@ -17,11 +17,14 @@ Megatron layouts.
 
 Supported: self attention, mask types ``causal`` and ``no_mask`` (plus ``padding`` /
 ``arbitrary`` / ``padding_causal`` with an explicit mask), GQA, attention dropout under
-Megatron's RNG tracker, tensor parallel 1 (SSA) or any (softmax). Unsupported inputs
+Megatron's RNG tracker, tensor parallel (with or without sequence parallel) for every
+attention — SSA's ``n``/``b`` gradients summed over the TP group so they stay identical
+on every TP rank — and context parallel (megatron's load-balanced 2·CP-chunk split,
+``causal``/``no_mask``), both in ``nemo_ssa/megatron/parallel.py``. Unsupported inputs
 raise ``NotImplementedError`` naming the option — at construction where the config
-already tells (context parallel > 1, tensor parallel > 1 for SSA, cross attention,
-unknown mask types), at the first forward otherwise (packed THD sequences, attention
-bias), since those only arrive with a batch.
+already tells (context parallel with a mask type other than causal/no_mask, cross
+attention, unknown mask types), at the first forward otherwise (packed THD sequences,
+attention bias), since those only arrive with a batch.
 
 For causal mask types the ``attention_mask`` tensor is not read: causality is applied
 inside the op (bottom-right aligned), exactly like megatron's fused upper-triangular
@@ -42,11 +45,23 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+from nemo_ssa.megatron.parallel import (
+    cp_group_of,
+    gather_sequence_chunks,
+    group_rank,
+    group_size,
+    local_chunk_ids,
+    replicate_over_tp,
+    tp_group_of,
+)
 from nemo_ssa.ops.registry import get_attention_fn
 
 _CAUSAL_TYPES = (AttnMaskType.causal,)
 _MASKED_TYPES = (AttnMaskType.padding, AttnMaskType.arbitrary, AttnMaskType.padding_causal)
 _SUPPORTED_MASK_TYPES = _CAUSAL_TYPES + (AttnMaskType.no_mask,) + _MASKED_TYPES
+#: mask types under context parallel > 1 (a mask tensor would have to be sliced like the
+#: load-balanced chunks; causal/no_mask need none)
+_CP_MASK_TYPES = (AttnMaskType.causal, AttnMaskType.no_mask)
 
 
 def _tp_size(pg_collection) -> int:
@@ -71,6 +86,9 @@ class _TransformedSoftmaxAttention(MegatronModule):
     #: mask types the op can apply (None = every type in _SUPPORTED_MASK_TYPES)
     supported_mask_types: Optional[tuple] = None
     supports_tensor_parallel: bool = True
+    #: context parallel > 1 (parallel.py): every op here implements bottom-right-aligned
+    #: causality for Sq != Sk, which is all the all-gathered-K/V schedule needs
+    supports_context_parallel: bool = True
     supports_dropout: bool = True
     #: (min, max) head dim the op supports; None = any
     supported_head_dims: Optional[tuple] = None
@@ -91,11 +109,6 @@ class _TransformedSoftmaxAttention(MegatronModule):
         super().__init__(config=config)
         name = self.attention_name
         self.kernel_options = dict(kernel_options or {})
-        if config.context_parallel_size != 1:
-            raise NotImplementedError(
-                f"attention={name}: context_parallel_size={config.context_parallel_size} is not "
-                "supported (supported: 1). Set context_parallel_size=1."
-            )
         if attention_type != "self":
             raise NotImplementedError(
                 f"attention={name}: attention_type={attention_type!r} is not supported "
@@ -112,6 +125,7 @@ class _TransformedSoftmaxAttention(MegatronModule):
                 f"(supported: {', '.join(t.name for t in self.supported_mask_types)}); arbitrary/padding "
                 "masks need attention=ssa_reference (or softmax)."
             )
+        self._init_parallel(config, attn_mask_type, pg_collection)
         tp = _tp_size(pg_collection)
         if tp != 1 and not self.supports_tensor_parallel:
             raise NotImplementedError(
@@ -171,6 +185,9 @@ class _TransformedSoftmaxAttention(MegatronModule):
         name = self.attention_name
         if attention_bias is not None:
             raise NotImplementedError(f"attention={name}: attention_bias is not supported.")
+        if self.cp_size > 1:
+            raise NotImplementedError(f"attention={name}: packed (THD) sequences are not supported with "
+                                      f"context_parallel_size={self.cp_size} (supported: the [s, b, h, d] layout).")
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
         squeeze = query.dim() == 4
@@ -220,6 +237,8 @@ class _TransformedSoftmaxAttention(MegatronModule):
             raise NotImplementedError(f"attention={name}: attention_bias is not supported.")
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+        if self.cp_size > 1:
+            return self._forward_context_parallel(query, key, value, mask_type)
         keep_mask = None
         if mask_type in _MASKED_TYPES:
             if attention_mask is None:
@@ -242,6 +261,64 @@ class _TransformedSoftmaxAttention(MegatronModule):
             out = self._call_op(q, k, v, causal=causal, keep_mask=keep_mask, dropout_p=dropout_p)
         # [b, h, sq, d] -> [sq, b, h*d]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+    # -- tensor / context parallel (nemo_ssa/megatron/parallel.py) -------------------------
+    def _init_parallel(self, config, attn_mask_type, pg_collection) -> None:
+        """TP/CP groups; refuse what context parallel cannot do (one line naming the supported)."""
+        name = self.attention_name
+        self.tp_group = tp_group_of(pg_collection)
+        self.cp_group = cp_group_of(pg_collection)
+        self.cp_size = int(config.context_parallel_size)
+        if self.cp_size == 1:
+            return
+        if not self.supports_context_parallel:
+            raise NotImplementedError(
+                f"attention={name}: context_parallel_size={self.cp_size} is not supported by this attention "
+                "(supported: 1; context parallel runs softmax, softmax_triton, ssa_reference, ssa_triton, "
+                "ssa_flex, elsa, elsa_ssa)."
+            )
+        if attn_mask_type not in _CP_MASK_TYPES:
+            raise NotImplementedError(
+                f"attention={name}: attn_mask_type={attn_mask_type.name} is not supported with "
+                f"context_parallel_size={self.cp_size} (supported: causal, no_mask)."
+            )
+        if group_size(self.cp_group) != self.cp_size:
+            raise ValueError(
+                f"attention={name}: context_parallel_size={self.cp_size} but the context-parallel process "
+                f"group has {group_size(self.cp_group)} rank(s); initialise megatron's parallel state "
+                "(or pass pg_collection) with the same size."
+            )
+
+    def _forward_context_parallel(self, query, key, value, mask_type) -> Tensor:
+        """Local q chunks vs the all-gathered K/V (parallel.py): two op calls per layer.
+
+        ``query`` [2c, b, hq, d] holds chunks (r, 2cp-1-r) of the sequence; K/V are
+        gathered to [S, b, hkv, d] in sequence order, and query chunk i attends the key
+        prefix [0, (i+1)c) bottom-right-causally (or every key for no_mask).
+        """
+        name = self.attention_name
+        if mask_type not in _CP_MASK_TYPES:
+            raise NotImplementedError(f"attention={name}: attn_mask_type={mask_type.name} is not supported with "
+                                      f"context parallel (supported: causal, no_mask).")
+        causal = mask_type == AttnMaskType.causal
+        two_c, b = query.shape[0], query.shape[1]
+        c = two_c // 2
+        key_all = gather_sequence_chunks(key, self.cp_group)
+        value_all = gather_sequence_chunks(value, self.cp_group)
+        dropout_p = self.dropout_p if self.training else 0.0
+        outs = []
+        for half, chunk in enumerate(local_chunk_ids(group_rank(self.cp_group), self.cp_size)):
+            end = (chunk + 1) * c if causal else key_all.shape[0]
+            # [s, b, h, d] -> [b, h, s, d]; contiguous like the single-rank path (seed 000)
+            q, k, v = (t.permute(1, 2, 0, 3).contiguous()
+                       for t in (query[half * c:(half + 1) * c], key_all[:end], value_all[:end]))
+            if dropout_p > 0.0 and not self.config.sequence_parallel:
+                with tensor_parallel.get_cuda_rng_tracker().fork():
+                    o = self._call_op(q, k, v, causal=causal, keep_mask=None, dropout_p=dropout_p)
+            else:
+                o = self._call_op(q, k, v, causal=causal, keep_mask=None, dropout_p=dropout_p)
+            outs.append(o.permute(2, 0, 1, 3).reshape(c, b, -1))
+        return torch.cat(outs, dim=0)
 
 
 class SoftmaxCoreAttention(_TransformedSoftmaxAttention):
@@ -275,15 +352,18 @@ class SSAScalars:
     ``learnable_b``. Both are named ``n`` / ``b`` in every SSA implementation so a
     checkpoint written by one resumes under another.
 
-    Precision: fixed SSA scalars are fp32 buffers and stay fp32 (and exact) when Megatron
-    casts the model to bf16/fp16 (``_apply`` below) — bf16 would turn b=0.8 into
-    0.80078125. Learnable ones (n; b with ``learnable_b``) follow the model's dtype like
-    every other parameter, with their fp32 master copy in Megatron's mixed-precision
-    optimizer: megatron-core 0.15.3's optimizers cannot checkpoint an fp32 parameter inside
-    a bf16 model (``Float16OptimizerWithFloat16Params.sharded_state_dict`` maps only the
-    half-precision groups: "Optimizer shape (1,) does not match model shape (768,)"),
-    measured on an H200 (docs/results/2026-11-22-gpu-proof.md). The transform itself is
-    always evaluated in fp32.
+    Precision: n and b are stored in fp32 whatever the model's dtype, and stay exact when
+    Megatron casts the model to bf16/fp16 (``_apply`` below): bf16 would turn b=0.8 into
+    0.80078125 and move a learnable n only in steps of 2^-7 near 1.5 (1.5078125,
+    1.4921875, ... -- what the first bf16 GPU runs logged). A learnable n (and b with
+    ``learnable_b``) is then an fp32 parameter inside a half-precision model: megatron
+    keeps it in its own fp32 DDP buffer and optimizer group (no master copy needed), and
+    ``nemo_ssa/megatron/optimizer_fixes.py`` fixes megatron-core 0.15.3's
+    ``Float16OptimizerWithFloat16Params.sharded_state_dict``, which could not checkpoint
+    such a parameter ("Optimizer shape (1,) does not match model shape (768,)", H200,
+    docs/results/2026-11-22-gpu-proof.md). The transform is always evaluated in fp32.
+    Tensor parallel: every TP rank holds n whole; its gradient is summed over the TP
+    group (``_op_args``), so n stays identical on every rank.
     """
 
     _ssa_fp32_names = ("n", "b")
@@ -309,12 +389,13 @@ class SSAScalars:
                 tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
 
     def _apply(self, fn, recurse=True):
-        # Keep fixed scalars (buffers) fp32 and exact: casting to bf16 and back would round
-        # b=0.8 to 0.80078125. Parameters follow the module (see the class docstring).
+        # Keep n and b fp32 and exact through Megatron's bf16/fp16 cast (Float16Module
+        # calls module.bfloat16()); device moves still apply. The Parameter objects stay
+        # the same (only .data changes), so optimizers and DDP hooks keep working.
         saved = {}
         for name in self._ssa_fp32_names:
             t = getattr(self, name, None)
-            if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
                 saved[name] = t.data.clone()
         super()._apply(fn, recurse)
         for name, value in saved.items():
@@ -330,8 +411,6 @@ class SSACoreAttention(SSAScalars, _TransformedSoftmaxAttention):
     z = n·sgn(s)·log1p(b·|s|) replaces the scores s before the row softmax. ``n`` and
     ``b`` (shapes, names, dtypes, checkpointing) follow :class:`SSAScalars`.
     """
-
-    supports_tensor_parallel = False
 
     def __init__(
         self,
@@ -357,13 +436,17 @@ class SSACoreAttention(SSAScalars, _TransformedSoftmaxAttention):
         self._init_ssa_scalars(self.attention_name, n_init, b_init, learnable_n, learnable_b)
 
     def _call_op(self, q, k, v, *, causal, keep_mask, dropout_p):
+        n, b = self._op_args()
         return self._attend(
-            q, k, v, self.n, self.b, causal=causal, softmax_scale=self.softmax_scale,
+            q, k, v, n, b, causal=causal, softmax_scale=self.softmax_scale,
             keep_mask=keep_mask, dropout_p=dropout_p, **self.kernel_options,
         )
 
     def _op_args(self) -> tuple:
-        return (self.n, self.b)
+        # TP: each rank sees its own heads, so d(loss)/dn here is a partial sum; the
+        # identity-forward / all-reduce-backward copy makes it the full sum on every TP
+        # rank (n stays identical). No-op with one TP rank.
+        return replicate_over_tp(self.n, self.tp_group), replicate_over_tp(self.b, self.tp_group)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         state_dict = self.state_dict(prefix="", keep_vars=True)

@@ -5,12 +5,20 @@ megatron's schedules place tensors on ``cuda``), but megatron-core's GPTModel tr
 CPU. This loop takes the *same* NeMo recipe — model config (our spec inside), data
 module, optimizer config and LR schedule — shrinks the dimensions, and runs:
 
-- ``torch.distributed`` over gloo, world size 1, megatron's parallel state;
-- the model from ``GPTConfig.configure_model`` wrapped in megatron's DDP;
+- ``torch.distributed`` over gloo and megatron's parallel state: world size 1, or
+  several processes launched by ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_*``) with the
+  recipe's tensor / context / sequence parallel sizes and data parallel filling the rest
+  (:func:`parallel_layout`);
+- the model from ``GPTConfig.configure_model`` wrapped in megatron's DDP (grad reduce over
+  the data-and-context-parallel group, overlapped with backward when the recipe asks),
+  gradients finished by megatron's ``finalize_model_grads`` (the sequence-parallel
+  LayerNorm all-reduce included), micro-batches in ``no_sync`` until the last, like
+  megatron's schedule;
 - ``get_megatron_optimizer`` with our ``no_weight_decay_cond`` (SSA's n exempt);
 - NeMo's own LR scheduler (``recipe.optim.lr_scheduler``) through NeMo's optimizer adapter;
 - batches from the recipe's ``PreTrainingDataModule`` in megatron's pretraining sampler
-  order (what NeMo's trainer would feed);
+  order for this data-parallel rank, sliced for context parallel by megatron's
+  ``get_batch_on_this_cp_rank`` (what NeMo's trainer would feed);
 - ``dist_checkpointing`` (torch_dist format) for save/resume, with the RNG states and
   the data position in the checkpoint so a resumed run continues the same curve;
 - the same logs as the GPU path: TensorBoard (``reduced_train_loss``, ``lr``,
@@ -21,6 +29,8 @@ It says which path it took, and is sized for minutes on 2 cores.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -88,7 +98,6 @@ def shrink_for_cpu(recipe, arch: Optional[Dict[str, Any]] = None, seq_length: Op
     cfg.apply_rope_fusion = False
     recipe.optim.config.bf16 = False
     recipe.optim.config.fp16 = False
-    recipe.optim.config.use_distributed_optimizer = False
     # No validation/test in the CPU loop: tiny corpora would give empty splits, on which
     # megatron's GPTDataset epoch count never terminates.
     if hasattr(recipe.data, "split"):
@@ -99,27 +108,96 @@ def shrink_for_cpu(recipe, arch: Optional[Dict[str, Any]] = None, seq_length: Op
         recipe.data.pin_memory = False
 
 
+def use_bf16_on_cpu(recipe) -> None:
+    """Switch a shrunk recipe to bf16 mixed precision, as NeMo's ``bf16-mixed`` plugin does
+    (bf16 parameters and activations, fp32 master weights in the optimizer). For tests of
+    the mixed-precision optimizers and their checkpoints on CPU; the CPU path trains fp32."""
+    cfg = recipe.model.config
+    cfg.bf16 = True
+    cfg.fp16 = False
+    cfg.params_dtype = torch.bfloat16
+    cfg.pipeline_dtype = torch.bfloat16
+    cfg.autocast_dtype = torch.bfloat16
+    recipe.optim.config.bf16 = True
+    recipe.optim.config.fp16 = False
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _init_distributed(seed: int) -> bool:
-    """Gloo world of 1 + megatron parallel state; seeds every RNG. True if it created them."""
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Model-parallel sizes of a run; data parallel fills the world."""
+
+    tp: int = 1
+    cp: int = 1
+    sp: bool = False
+    pp: int = 1
+    world: int = 1
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.tp * self.cp * self.pp)
+
+    def describe(self) -> str:
+        return (f"world {self.world} = DP{self.dp} x TP{self.tp}{'+SP' if self.sp else ''} x CP{self.cp}"
+                + (f" x PP{self.pp}" if self.pp > 1 else ""))
+
+
+def parallel_layout(recipe, world: Optional[int] = None) -> ParallelLayout:
+    """The recipe's TP/CP/SP/PP sizes and the world size (torch.distributed's, else
+    ``WORLD_SIZE`` as torchrun sets it, else 1); refuses layouts that do not tile the world."""
+    strategy = recipe.trainer.strategy
+    if world is None:
+        import torch.distributed as dist
+
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    layout = ParallelLayout(tp=int(strategy.tensor_model_parallel_size or 1),
+                            cp=int(strategy.context_parallel_size or 1),
+                            sp=bool(strategy.sequence_parallel), pp=int(strategy.pipeline_model_parallel_size or 1),
+                            world=int(world))
+    if layout.world % (layout.tp * layout.cp * layout.pp):
+        raise ValueError(f"world size {layout.world} is not a multiple of tensor_model_parallel_size x "
+                         f"context_parallel_size x pipeline_model_parallel_size = {layout.tp * layout.cp * layout.pp}")
+    return layout
+
+
+def _init_distributed(seed: int, layout: Optional[ParallelLayout] = None) -> bool:
+    """Gloo world (1 rank, or torchrun's) + megatron parallel state; seeds every RNG.
+
+    True if it created the process group. An existing parallel state with other sizes
+    is rebuilt (one process group can train several layouts in turn, as the tests do).
+    """
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
+    layout = layout or ParallelLayout()
     created = False
     if not dist.is_initialized():
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(_free_port())
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            dist.init_process_group("gloo")  # torchrun's env:// rendezvous
+        else:
+            os.environ["MASTER_ADDR"] = "127.0.0.1"
+            os.environ["MASTER_PORT"] = str(_free_port())
+            dist.init_process_group("gloo", rank=0, world_size=1)
         created = True
+    if dist.get_world_size() != layout.world:
+        raise ValueError(f"the process group has {dist.get_world_size()} rank(s) but the layout wants "
+                         f"{layout.world} ({layout.describe()})")
+    if parallel_state.model_parallel_is_initialized() and (
+            parallel_state.get_tensor_model_parallel_world_size() != layout.tp
+            or parallel_state.get_context_parallel_world_size() != layout.cp
+            or parallel_state.get_pipeline_model_parallel_world_size() != layout.pp):
+        parallel_state.destroy_model_parallel()
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=layout.tp,
+                                                 pipeline_model_parallel_size=layout.pp,
+                                                 context_parallel_size=layout.cp)
     # CPU: no CUDA generators to seed; megatron's inference tracker forks nothing, so
-    # dropout draws from torch's CPU generator (seeded below).
+    # dropout draws from torch's CPU generator (seeded below, the same on every rank).
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     random.seed(seed)
     np.random.seed(seed)
@@ -137,8 +215,9 @@ def teardown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def _batches(dataset, micro_batch_size: int, global_batch_size: int, consumed_samples: int):
-    """Micro-batches in megatron's pretraining-sampler order (data parallel size 1)."""
+def _batches(dataset, micro_batch_size: int, global_batch_size: int, consumed_samples: int,
+             dp_rank: int = 0, dp_size: int = 1):
+    """This data-parallel rank's micro-batches in megatron's pretraining-sampler order."""
     from nemo.lightning.data import MegatronPretrainingSampler
 
     sampler = MegatronPretrainingSampler(
@@ -146,8 +225,8 @@ def _batches(dataset, micro_batch_size: int, global_batch_size: int, consumed_sa
         consumed_samples=consumed_samples,
         micro_batch_size=micro_batch_size,
         global_batch_size=global_batch_size,
-        data_parallel_rank=0,
-        data_parallel_size=1,
+        data_parallel_rank=dp_rank,
+        data_parallel_size=dp_size,
         drop_last=True,
     )
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=0,
@@ -240,13 +319,19 @@ def train_on_cpu(
 ) -> CPUTrainResult:
     """Train ``recipe`` (already shrunk with :func:`shrink_for_cpu`) on CPU.
 
+    Runs in a world of one process, or in every process of a ``torchrun`` launch (each
+    rank calls this with the same arguments); the recipe's strategy gives the tensor /
+    context / sequence parallel sizes, data parallel takes the rest of the world.
+
     Args:
         recipe: a ``run.Partial`` from ``recipes.nemotron_114m.pretrain_recipe``.
-        run_dir: where logs and checkpoints go.
+        run_dir: where logs and checkpoints go (written by global rank 0; checkpoints
+            by every rank, megatron's dist_checkpointing).
         max_steps: optimizer steps of the full schedule (LR schedule length).
         log_every: print every N steps (CSV/TensorBoard get every step).
         ckpt_every: save a checkpoint every N steps (and at the end) when set.
-        resume: continue from the newest checkpoint in ``run_dir/checkpoints``.
+        resume: continue from the newest complete checkpoint in ``run_dir/checkpoints``
+            (saved at any parallel layout).
         warmup: warm the core attentions up before step 0.
         warmup_restores_rng: restore every RNG after warm-up (False only for the
             negative-control test).
@@ -256,8 +341,13 @@ def train_on_cpu(
         save_at_end: checkpoint at the last step run (False with ``stop_after`` simulates a
             crash: the resume restarts from the previous periodic checkpoint).
         quiet: print less.
+
+    Returns:
+        :class:`CPUTrainResult` (the same on every rank: losses are reduced over the
+        data- and context-parallel ranks; ``extra["layout"]`` says how it ran).
     """
     import fiddle as fdl
+    import torch.distributed as dist
     from nemo.core.optim.mcore_optim import McoreDistributedOptimizer
 
     from nemo_ssa.megatron.cpu import cpu_device_shims
@@ -265,22 +355,47 @@ def train_on_cpu(
 
     t_start = time.time()
     seed = int(seed if seed is not None else getattr(recipe.data, "seed", 1234))
-    os.makedirs(run_dir, exist_ok=True)
+    layout = parallel_layout(recipe)
+    created = _init_distributed(seed, layout)
+    rank = dist.get_rank()
+    main = rank == 0
+    say = (lambda *a: None) if (quiet or not main) else (lambda *a: print("[cpu]", *a, flush=True))
+    if main:
+        os.makedirs(run_dir, exist_ok=True)
     ckpt_root = os.path.join(run_dir, "checkpoints")
-    say = (lambda *a: None) if quiet else (lambda *a: print("[cpu]", *a, flush=True))
     say(f"path: megatron-core CPU loop (no CUDA here: NeMo's trainer needs a GPU); run dir {run_dir}")
+    if layout.world > 1:
+        say(f"parallel: {layout.describe()} (gloo)")
 
-    created = _init_distributed(seed)
     try:
         with cpu_device_shims():
+            from megatron.core import parallel_state
+            from megatron.core.distributed import finalize_model_grads
+
             cfg = fdl.build(recipe.model.config)
+            apply_layout_to_config(cfg, layout)
+            from nemo_ssa.config_check import check_parallel
+
+            check_parallel(attention=str(getattr(recipe.model.config.transformer_layer_spec, "attention", "softmax")),
+                           world=layout.world, tensor_parallel=layout.tp, context_parallel=layout.cp,
+                           sequence_parallel=layout.sp, pipeline_parallel=layout.pp, seq_length=cfg.seq_length,
+                           micro_batch_size=recipe.data.micro_batch_size,
+                           global_batch_size=recipe.data.global_batch_size,
+                           arch={"num_attention_heads": cfg.num_attention_heads,
+                                 "num_query_groups": cfg.num_query_groups})
             datamodule = fdl.build(recipe.data)
             tokenizer = getattr(datamodule, "tokenizer", None)
             model = cfg.configure_model(tokenizer)
             n_params = sum(p.numel() for p in model.parameters())
+            if cfg.bf16 or cfg.fp16:
+                from megatron.core.transformer.module import Float16Module
+
+                model = Float16Module(cfg, model)  # what NeMo's mixed-precision plugin does
             say(f"model: {cfg.num_layers}L h{cfg.hidden_size} heads {cfg.num_attention_heads}/"
-                f"{cfg.num_query_groups} ffn {cfg.ffn_hidden_size} seq {cfg.seq_length}: {n_params:,} params")
-            ddp, optimizer = wrap_for_training(cfg, model, fdl.build(recipe.optim.config))
+                f"{cfg.num_query_groups} ffn {cfg.ffn_hidden_size} seq {cfg.seq_length}: {n_params:,} params"
+                + (" on this rank" if layout.tp > 1 else ""))
+            ddp, optimizer = wrap_for_training(cfg, model, fdl.build(recipe.optim.config),
+                                               ddp_config=_ddp_config(recipe, layout))
             torch_opt = McoreDistributedOptimizer(optimizer)
             sched_module = fdl.build(recipe.optim.lr_scheduler)
             sched_module.max_steps = max_steps
@@ -288,35 +403,43 @@ def train_on_cpu(
 
             mbs = datamodule.micro_batch_size
             gbs = datamodule.global_batch_size
-            if gbs % mbs:
-                raise ValueError(f"global_batch_size={gbs} must be a multiple of micro_batch_size={mbs}")
-            num_micro = gbs // mbs
+            if gbs % (mbs * layout.dp):
+                raise ValueError(f"global_batch_size={gbs} must be a multiple of micro_batch_size x data parallel "
+                                 f"size = {mbs} x {layout.dp} ({layout.describe()})")
+            num_micro = gbs // (mbs * layout.dp)
             datamodule.build(trainer_max_steps=max_steps, trainer_val_check_interval=max_steps,
                              trainer_limit_val_batches=0, trainer_limit_test_batches=0)
             dataset = datamodule._train_ds
+            dp_rank = parallel_state.get_data_parallel_rank()
+            dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+            tp_group = parallel_state.get_tensor_model_parallel_group()
 
             step = 0
             if resume:
-                latest = _latest_checkpoint(ckpt_root)
+                latest = latest_checkpoint(ckpt_root)
                 if latest is None:
                     say("resume: no checkpoint found, starting from step 0")
                 else:
-                    step = _load(latest, ddp, optimizer, scheduler)
-                    say(f"resume: loaded {latest} (global step {step})")
+                    step, note = _load(latest, ddp, optimizer, scheduler, layout)
+                    say(f"resume: loaded {latest} (global step {step}{note})")
 
-            batches = _batches(dataset, mbs, gbs, consumed_samples=step * gbs)
-            writer = MetricsWriter(run_dir, append=resume and step > 0)
+            def next_batch(it):
+                return _cp_slice(next(it))
+
+            batches = _batches(dataset, mbs, gbs, consumed_samples=step * gbs, dp_rank=dp_rank, dp_size=layout.dp)
+            writer = MetricsWriter(run_dir, append=resume and step > 0) if main else None
 
             if warmup and step == 0:
                 # inside the block: creating a DataLoader iterator draws its base seed
                 # from torch's generator, so even the peek at the batch shape counts
                 with preserved_rng(warmup_restores_rng):
-                    peek = _batches(dataset, mbs, gbs, consumed_samples=0)
-                    warmed = warmup_attention(ddp, next(peek))
+                    peek = _batches(dataset, mbs, gbs, consumed_samples=0, dp_rank=dp_rank, dp_size=layout.dp)
+                    warmed = warmup_attention(ddp, next_batch(peek))
                 say(f"warm-up: {warmed} attention type(s), RNG "
                     f"{'restored' if warmup_restores_rng else 'NOT restored (negative control)'}")
 
             losses: List[float] = []
+            n_history: List[List[float]] = []
             last_ckpt = None
             end = max_steps if stop_after is None else min(max_steps, stop_after)
             tokens_per_step = gbs * cfg.seq_length
@@ -326,47 +449,101 @@ def train_on_cpu(
                 ddp.zero_grad_buffer()
                 optimizer.zero_grad()
                 total = 0.0
-                for _ in range(num_micro):
-                    batch = next(batches)
-                    out = ddp(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-                    loss = _loss_from_output(out, batch["loss_mask"]) / num_micro
-                    loss.backward()
+                for i in range(num_micro):
+                    batch = next_batch(batches)
+                    # like megatron's schedule: no grad sync until the last micro-batch
+                    with (ddp.no_sync() if i < num_micro - 1 else contextlib.nullcontext()):
+                        out = ddp(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+                        loss = _loss_from_output(out, batch["loss_mask"]) / num_micro
+                        loss.backward()
                     total += float(loss.detach())
-                ddp.finish_grad_sync()
+                finalize_model_grads([ddp])
                 ok, grad_norm, _ = optimizer.step()
                 lr = optimizer.param_groups[0]["lr"]
                 scheduler.step()
                 step += 1
+                if layout.dp * layout.cp > 1:
+                    # each rank's total is the mean over its own tokens: average over dp x cp
+                    t = torch.tensor([total], dtype=torch.float64)
+                    dist.all_reduce(t, group=dp_cp_group)
+                    total = float(t[0]) / (layout.dp * layout.cp)
                 dt = time.time() - t0
                 if not math.isfinite(total):
                     raise FloatingPointError(f"non-finite loss {total} at global step {step}")
                 losses.append(total)
                 n_vals = ssa_values(ddp)["n"]
-                writer.write(step=step, loss=total, lr=lr, tokens_per_s=tokens_per_step / dt,
-                             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-                             ssa_n=n_vals)
+                n_history.append([v for _, v in sorted(n_vals.items())])
+                if n_vals and layout.tp > 1:
+                    from nemo_ssa.megatron.parallel import assert_identical_over_group
+
+                    assert_identical_over_group(torch.tensor([v for _, v in sorted(n_vals.items())]), tp_group,
+                                                f"SSA n after step {step}")
+                if writer is not None:
+                    writer.write(step=step, loss=total, lr=lr, tokens_per_s=tokens_per_step / dt,
+                                 grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+                                 ssa_n=n_vals)
                 if step % log_every == 0 or step == end:
                     n_txt = (" n=" + ",".join(f"{v:.4f}" for _, v in sorted(n_vals.items()))) if n_vals else ""
                     say(f"step {step:5d}/{max_steps} loss {total:.4f} lr {lr:.3e} "
                         f"{tokens_per_step / dt:,.0f} tok/s{n_txt}")
                 if (ckpt_every and step % ckpt_every == 0) or (step == end and save_at_end):
-                    last_ckpt = _save(ckpt_root, step, ddp, optimizer, scheduler)
-            writer.close()
+                    last_ckpt = save_checkpoint(ckpt_root, step, ddp, optimizer, scheduler, layout)
+            if writer is not None:
+                writer.close()
             result = CPUTrainResult(
                 run_dir=run_dir, steps=step, losses=losses, ssa_n=ssa_values(ddp)["n"],
-                checkpoint=last_ckpt, metrics_csv=writer.csv_path, elapsed_s=time.time() - t_start,
+                checkpoint=last_ckpt, metrics_csv=os.path.join(run_dir, "metrics.csv"),
+                elapsed_s=time.time() - t_start,
                 extra={"params": n_params, "tokens_per_step": tokens_per_step,
-                       "no_weight_decay": no_decay_parameter_names(ddp, optimizer)},
+                       "no_weight_decay": no_decay_parameter_names(ddp, optimizer),
+                       "layout": layout.describe(), "rank": rank, "n_history": n_history,
+                       "distributed_optimizer": bool(ddp.ddp_config.use_distributed_optimizer)},
             )
-            with open(os.path.join(run_dir, "cpu_run.json"), "w") as f:
-                json.dump({k: v for k, v in result.__dict__.items()}, f, indent=2, default=str)
+            if main:
+                with open(os.path.join(run_dir, "cpu_run.json"), "w") as f:
+                    json.dump({k: v for k, v in result.__dict__.items()}, f, indent=2, default=str)
             return result
     finally:
         if created:
             teardown_distributed()
 
 
-def wrap_for_training(cfg, model, opt_cfg):
+def apply_layout_to_config(cfg, layout: ParallelLayout) -> None:
+    """Copy the parallel sizes into the model config, as NeMo's strategy does before
+    ``configure_model`` (``nemo.lightning._strategy_lib.set_model_parallel_attributes``)."""
+    cfg.tensor_model_parallel_size = layout.tp
+    cfg.context_parallel_size = layout.cp
+    cfg.pipeline_model_parallel_size = layout.pp
+    cfg.sequence_parallel = layout.sp
+    if hasattr(cfg, "__post_init__"):
+        cfg.__post_init__()
+
+
+def _cp_slice(batch: Dict[str, Any]) -> Dict[str, Any]:
+    """Megatron's load-balanced context-parallel slicing (what NeMo's data step does)."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    keys = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
+    return get_batch_on_this_cp_rank({k: batch.get(k) for k in keys if batch.get(k) is not None})
+
+
+def _ddp_config(recipe, layout: ParallelLayout):
+    """The recipe's DDP settings, minus what gloo/CPU cannot do (``average_in_collective``:
+    gloo has no AVG reduce op; pre-scaling by 1/dp then summing is the same arithmetic)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    src = recipe.trainer.strategy.ddp
+    get = (lambda k, d: getattr(src, k, d)) if src is not None and not isinstance(src, str) else (lambda k, d: d)
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=bool(get("overlap_grad_reduce", False)) and layout.dp * layout.cp > 1,
+        use_distributed_optimizer=bool(recipe.optim.config.use_distributed_optimizer),
+        overlap_param_gather=False,
+        average_in_collective=False,
+    )
+
+
+def wrap_for_training(cfg, model, opt_cfg, ddp_config=None):
     """megatron DDP around ``model`` and ``get_megatron_optimizer`` with our weight-decay
     rule, multipliers folded in (call inside :func:`cpu_device_shims` on CPU)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -374,13 +551,16 @@ def wrap_for_training(cfg, model, opt_cfg):
 
     from nemo_ssa.megatron.introspect import no_weight_decay_cond
 
-    ddp = DistributedDataParallel(
-        cfg,
-        DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False,
-                                      overlap_grad_reduce=False),
-        model,
-    )
+    if ddp_config is None:
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False,
+                                                   overlap_grad_reduce=False)
+    if bool(opt_cfg.use_distributed_optimizer) != bool(ddp_config.use_distributed_optimizer):
+        raise ValueError("use_distributed_optimizer must be the same in the optimizer and DDP configs")
+    ddp = DistributedDataParallel(cfg, ddp_config, model)
     optimizer = get_megatron_optimizer(opt_cfg, [ddp], no_weight_decay_cond=no_weight_decay_cond)
+    from nemo_ssa.megatron.optimizer_fixes import patch_megatron_optimizer
+
+    patch_megatron_optimizer(optimizer)
     _apply_param_group_multipliers(optimizer)
     return ddp, optimizer
 
@@ -416,38 +596,121 @@ def no_decay_parameter_names(ddp, optimizer) -> List[str]:
     return sorted(out)
 
 
-def _latest_checkpoint(root: str) -> Optional[str]:
+# ------------------------------------------------------------------------- checkpoints
+#
+# A checkpoint is written to ``step_NNNNNNN.partial/`` by every rank and renamed to
+# ``step_NNNNNNN/`` by rank 0 once every rank has finished (a rename within one directory
+# is atomic on POSIX file systems). A process killed during a save therefore leaves at
+# most a ``.partial`` directory, which resume ignores (and the next save of that step
+# replaces): a resume always starts from the newest *complete* checkpoint and loses only
+# the steps after it.
+
+_CKPT_PREFIX = "step_"
+_PARTIAL = ".partial"
+
+
+def latest_checkpoint(root: str) -> Optional[str]:
+    """Newest complete checkpoint directory under ``root`` (None if there is none)."""
     if not os.path.isdir(root):
         return None
-    steps = sorted(int(d.split("_")[1]) for d in os.listdir(root) if d.startswith("step_"))
-    return os.path.join(root, f"step_{steps[-1]:07d}") if steps else None
+    steps = []
+    for d in os.listdir(root):
+        if d.startswith(_CKPT_PREFIX) and d[len(_CKPT_PREFIX):].isdigit() \
+                and os.path.isfile(os.path.join(root, d, "metadata.json")):
+            steps.append(int(d[len(_CKPT_PREFIX):]))
+    return os.path.join(root, f"{_CKPT_PREFIX}{max(steps):07d}") if steps else None
 
 
-def _save(root: str, step: int, ddp, optimizer, scheduler) -> str:
+def _optimizer_metadata() -> Dict[str, Any]:
+    # The distributed optimizer's fully reshardable format: a checkpoint written at one
+    # (DP, TP, CP) layout loads at another. The default (dp_reshardable) reshards DP only.
+    return {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _state_template(ddp, optimizer, is_loading: bool) -> Dict[str, Any]:
+    model_sd = ddp.module.sharded_state_dict()
+    kw = {"is_loading": True} if is_loading else {}
+    try:
+        opt_sd = optimizer.sharded_state_dict(model_sd, metadata=_optimizer_metadata(), **kw)
+    except TypeError:  # an optimizer without the metadata argument
+        opt_sd = optimizer.sharded_state_dict(model_sd, **kw)
+    return {"model": model_sd, "optimizer": opt_sd}
+
+
+def save_checkpoint(root: str, step: int, ddp, optimizer, scheduler, layout: Optional[ParallelLayout] = None) -> str:
+    """Collective: every rank calls it. Returns the final (complete) directory."""
+    import shutil
+
+    import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    path = os.path.join(root, f"step_{step:07d}")
-    os.makedirs(path, exist_ok=True)
-    model_sd = ddp.module.sharded_state_dict()
-    state = {
-        "model": model_sd,
-        "optimizer": optimizer.sharded_state_dict(model_sd),
+    layout = layout or ParallelLayout(world=dist.get_world_size())
+    final = os.path.join(root, f"{_CKPT_PREFIX}{step:07d}")
+    partial = final + _PARTIAL
+    if dist.get_rank() == 0:
+        for stale in (partial, final):  # a killed earlier attempt, or a re-run of this step
+            if os.path.isdir(stale):
+                shutil.rmtree(stale)
+        os.makedirs(partial)
+    dist.barrier()
+    rngs: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(rngs, _rng_to_obj(snapshot_rng()))
+    state = _state_template(ddp, optimizer, is_loading=False)
+    state.update({
         "step": step,
         "scheduler": scheduler.state_dict(),
-        "rng": _rng_to_obj(snapshot_rng()),
-    }
-    dist_checkpointing.save(state, path)
-    return path
+        "rng": rngs[0],  # every rank's, below; rank 0's is what another layout restores
+        "rng_per_rank": rngs,
+        "layout": dataclasses.asdict(layout),
+    })
+    dist_checkpointing.save(state, partial)
+    _fault_injection("after_save", step)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.replace(partial, final)
+    dist.barrier()
+    return final
 
 
-def _load(path: str, ddp, optimizer, scheduler) -> int:
+def _load(path: str, ddp, optimizer, scheduler, layout: Optional[ParallelLayout] = None):
+    """Load a checkpoint written at any layout; returns (step, note for the log)."""
+    import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    model_sd = ddp.module.sharded_state_dict()
-    template = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)}
+    from nemo_ssa.megatron.checkpoints import describe_optimizer, uses_distributed_optimizer
+
+    saved_dist = uses_distributed_optimizer(path)
+    ours = bool(ddp.ddp_config.use_distributed_optimizer)
+    if saved_dist is not None and saved_dist != ours:
+        raise ValueError(f"{path} was written by {describe_optimizer(saved_dist)} and this run uses "
+                         f"{describe_optimizer(ours)}; megatron reshards across TP/CP/DP but not between optimizer "
+                         f"types: set train.distributed_optimizer={str(saved_dist).lower()} (or auto) to resume it")
+    template = _state_template(ddp, optimizer, is_loading=True)
     state = dist_checkpointing.load(template, path)
     ddp.module.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    restore_rng(_rng_from_obj(state["rng"]))
-    return int(state["step"])
+    saved_layout = state.get("layout")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    per_rank = state.get("rng_per_rank")
+    note = ""
+    if layout is not None and saved_layout is not None and saved_layout != dataclasses.asdict(layout):
+        s = ParallelLayout(**saved_layout)
+        note = f"; saved at {s.describe()}, resharded to {layout.describe()}"
+    if per_rank is not None and not note and rank < len(per_rank):
+        restore_rng(_rng_from_obj(per_rank[rank]))
+    else:
+        restore_rng(_rng_from_obj(state["rng"]))
+    return int(state["step"]), note
+
+
+def _fault_injection(point: str, step: int) -> None:
+    """Test hook: ``NEMO_SSA_FAULT=<point>:<step>:<seconds>`` sleeps there (a test then kills
+    the process mid-save). Never set in normal runs."""
+    spec = os.environ.get("NEMO_SSA_FAULT")
+    if not spec:
+        return
+    want, want_step, seconds = spec.split(":")
+    if want == point and int(want_step) == step:
+        print(f"[cpu] fault injection: sleeping {seconds}s at {point} of step {step}", flush=True)
+        time.sleep(float(seconds))

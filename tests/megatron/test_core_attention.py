@@ -210,23 +210,22 @@ def test_ssa_n_and_b_defaults():
 
 @pytest.mark.parametrize("cast", ["bfloat16", "half"])
 @pytest.mark.parametrize("learnable_b", [False, True])
-def test_fixed_ssa_scalars_stay_fp32_parameters_follow_the_model(cast, learnable_b):
-    """Buffers (fixed b; n when not learnable) stay fp32 and exact through Megatron's
-    half-precision cast; parameters follow the model dtype (megatron-core 0.15.3's
-    mixed-precision optimizer cannot checkpoint an fp32 parameter in a bf16 model)."""
+def test_ssa_scalars_stay_fp32_and_exact_through_the_half_cast(cast, learnable_b):
+    """n and b -- parameters and buffers alike -- stay fp32 and exact through Megatron's
+    half-precision cast, as the same Parameter objects (optimizers and DDP hooks hold
+    them); their checkpointing in half models is nemo_ssa/megatron/optimizer_fixes.py's
+    (tested in tests/scripts/test_parallel_cpu.py)."""
     mod = build(SSAReferenceCoreAttention, learnable_b=learnable_b, n_init=1.3)
+    n_obj = mod.n
     wrapper = torch.nn.ModuleDict({"core_attention": mod, "proj": torch.nn.Linear(4, 4)})
     getattr(wrapper, cast)()
     low = torch.bfloat16 if cast == "bfloat16" else torch.float16
     assert wrapper["proj"].weight.dtype == low  # the cast did happen around it
-    assert isinstance(mod.n, torch.nn.Parameter) and mod.n.dtype == low
-    assert mod.n.item() == torch.tensor(1.3, dtype=low).item()
+    assert mod.n is n_obj and isinstance(mod.n, torch.nn.Parameter) and mod.n.dtype == torch.float32
+    assert mod.n.item() == torch.tensor(1.3, dtype=torch.float32).item()  # not bf16's 1.296875
     assert isinstance(mod.b, torch.nn.Parameter) == learnable_b
-    if learnable_b:
-        assert mod.b.dtype == low
-    else:
-        assert mod.b.dtype == torch.float32
-        assert mod.b.item() == torch.tensor(0.8, dtype=torch.float32).item()  # not 0.80078125
+    assert mod.b.dtype == torch.float32
+    assert mod.b.item() == torch.tensor(0.8, dtype=torch.float32).item()  # not 0.80078125
 
 
 @pytest.mark.parametrize("cast", ["bfloat16", "half"])
@@ -256,19 +255,24 @@ def test_n_receives_the_reference_gradient():
 
 # ----------------------------------------------------------------- unsupported options
 @pytest.mark.parametrize("cls", CLASSES, ids=IDS)
-def test_context_parallel_refused(cls):
+def test_context_parallel_needs_a_matching_group_and_a_causal_or_no_mask(cls):
+    """CP itself runs (tests/megatron/test_parallel_attention.py); what it cannot do is refused
+    at construction, naming what is supported."""
+    cp2 = SimpleNamespace(tp=None, cp=SimpleNamespace(size=lambda: 2, rank=lambda: 0))
     cfg = make_config(context_parallel_size=2)
-    assert cfg.context_parallel_size == 2
-    with pytest.raises(NotImplementedError, match="context_parallel_size"):
-        build(cls, cfg)
+    build(cls, cfg, pg_collection=cp2)  # causal: fine
+    build(cls, cfg, mask=AttnMaskType.no_mask, pg_collection=cp2)
+    with pytest.raises(NotImplementedError, match="supported: causal, no_mask"):
+        build(cls, cfg, mask=AttnMaskType.padding_causal, pg_collection=cp2)
+    with pytest.raises(ValueError, match="context-parallel process group has 1 rank"):
+        build(cls, cfg)  # no CP group of size 2 anywhere
 
 
-def test_tensor_parallel_refused_for_ssa_only():
-    tp2 = SimpleNamespace(tp=SimpleNamespace(size=lambda: 2))
-    with pytest.raises(NotImplementedError, match="tensor_model_parallel_size"):
-        build(SSAReferenceCoreAttention, pg_collection=tp2)
-    soft = build(SoftmaxCoreAttention, pg_collection=tp2)  # softmax supports TP
-    assert soft.num_heads_per_partition == NP // 2 and soft.num_groups_per_partition == NG // 2
+@pytest.mark.parametrize("cls", CLASSES, ids=IDS)
+def test_tensor_parallel_splits_heads_for_every_attention(cls):
+    tp2 = SimpleNamespace(tp=SimpleNamespace(size=lambda: 2), cp=None)
+    mod = build(cls, pg_collection=tp2)
+    assert mod.num_heads_per_partition == NP // 2 and mod.num_groups_per_partition == NG // 2
 
 
 @pytest.mark.parametrize("cls", CLASSES, ids=IDS)

@@ -221,7 +221,7 @@ def ssa_reference_core(config=None, **kw):
 
 def test_nsa_ssa_scalars_follow_the_ssa_core_attentions(megatron_cpu):
     """Same names, shapes, dtypes, persistence and Megatron attributes as ssa_reference's
-    n / b, also after Megatron's bf16 cast (n follows the model, b stays exact fp32)."""
+    n / b, also after Megatron's bf16 cast (both stay exact fp32)."""
     mod, core = build(transform="ssa"), ssa_reference_core()
     assert mod.transform == "ssa" and build().n is None and build().b is None
     for ours, theirs in ((mod, core), (mod.bfloat16(), core.bfloat16())):
@@ -229,7 +229,7 @@ def test_nsa_ssa_scalars_follow_the_ssa_core_attentions(megatron_cpu):
             a, b_ = getattr(ours, name), getattr(theirs, name)
             assert type(a) is type(b_), name  # n: Parameter, b: buffer
             assert (a.shape, a.dtype) == (b_.shape, b_.dtype) and torch.equal(a, b_), name
-    assert mod.n.dtype == torch.bfloat16 and mod.linear_qkv.weight.dtype == torch.bfloat16
+    assert mod.n.dtype == torch.float32 and mod.linear_qkv.weight.dtype == torch.bfloat16
     assert mod.b.dtype == torch.float32 and mod.b.item() == torch.tensor(0.8).item()  # exact, not 0.80078125
     assert [k for k in mod.state_dict() if k in ("n", "b")] == ["n", "b"]  # b persistent
     assert mod.n.sequence_parallel is False and mod.n.tensor_model_parallel is False

@@ -1,0 +1,85 @@
+"""What a megatron distributed checkpoint holds, read without building a model.
+
+Both training paths write megatron ``dist_checkpointing`` directories (torch_dist):
+the CPU loop under ``<run_dir>/checkpoints/step_NNNNNNN`` and NeMo under
+``<run_dir>/<name>/checkpoints/<name>--step=N-...[-last]``. A directory is complete when
+``metadata.json`` exists (megatron writes it last) and, for NeMo, no ``-unfinished``
+marker sits beside it; only complete ones are resumed from.
+
+The optimizer type matters when resuming: megatron-core reshards a checkpoint across
+TP/CP/DP, but a distributed-optimizer checkpoint loads only into a distributed optimizer
+(and a regular one only into a regular one). :func:`uses_distributed_optimizer` tells which
+one wrote a checkpoint, so ``distributed_optimizer=auto`` can follow it and an explicit
+mismatch can fail with one clear line.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from typing import Any, Optional
+
+__all__ = ["is_complete", "uses_distributed_optimizer", "nemo_resume_checkpoint", "describe_optimizer"]
+
+_UNFINISHED = "-unfinished"
+
+
+def is_complete(path: str) -> bool:
+    """A finished dist checkpoint: metadata.json written, no NeMo ``-unfinished`` marker."""
+    path = path.rstrip("/")
+    return os.path.isfile(os.path.join(path, "metadata.json")) and not os.path.exists(path + _UNFINISHED)
+
+
+def _find_key(obj: Any, key: str, depth: int = 0) -> bool:
+    if depth > 6:
+        return False
+    if isinstance(obj, dict):
+        if key in obj:
+            return True
+        return any(_find_key(v, key, depth + 1) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_find_key(v, key, depth + 1) for v in obj)
+    return False
+
+
+def uses_distributed_optimizer(path: str) -> Optional[bool]:
+    """True / False for a checkpoint with optimizer state written by the distributed / a
+    regular megatron optimizer; None if it has no optimizer state (or cannot be read)."""
+    common = os.path.join(path, "common.pt")
+    if not os.path.isfile(common):
+        return None
+    import torch
+
+    try:
+        state = torch.load(common, map_location="cpu", weights_only=False)
+    except Exception:  # noqa: BLE001 -- unreadable: say "unknown"
+        return None
+    opt = state.get("optimizer") if isinstance(state, dict) else None
+    if not opt:
+        return None
+    return _find_key(opt, "param_state_sharding_type")
+
+
+def describe_optimizer(flag: Optional[bool]) -> str:
+    return {True: "the distributed optimizer", False: "a regular (non-distributed) optimizer",
+            None: "no optimizer state"}[flag]
+
+
+_STEP_RE = re.compile(r"step=(\d+)")
+
+
+def nemo_resume_checkpoint(checkpoint_dir: str) -> Optional[str]:
+    """The checkpoint NeMo's AutoResume would pick in ``checkpoint_dir``: the newest complete
+    ``*-last`` directory (None if there is none)."""
+    if not os.path.isdir(checkpoint_dir):
+        return None
+    cands = [d for d in glob.glob(os.path.join(checkpoint_dir, "*last")) if os.path.isdir(d) and is_complete(d)]
+    if not cands:
+        return None
+
+    def key(d):
+        m = _STEP_RE.search(os.path.basename(d))
+        return (int(m.group(1)) if m else -1, os.path.getmtime(d))
+
+    return max(cands, key=key)
