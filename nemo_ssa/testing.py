@@ -269,7 +269,11 @@ def ssa_scalar_grad_terms(
     (times ``keep / (1 - dropout_p)`` with dropout) and ``dz = p (dp - sum_j p dp)``:
     ``dn = sum dz sgn(s) ln(1 + b|s|)`` and ``db = sum dz n s / (1 + b|s|)``. Returns the
     sums of the absolute values of those terms: the scale of the rounding error of any
-    implementation of dn / db. Dense ``[B, H, S, D]`` inputs (GQA as in the kernels).
+    implementation of dn / db. The sums are taken with ``dz`` split into its two terms
+    (``p |dp| + p |delta|``, ``attention_grad_terms``'s ``*_split``): a row with one
+    visible key has ``dz = 0`` exactly in fp64, yet an fp32 kernel computes ``dp - delta``
+    with an ~eps residue (an H100 run gave dn = 1e-15 against a bound of 0 at T=1).
+    Dense ``[B, H, S, D]`` inputs (GQA as in the kernels).
     ``keep`` is a dropout keep-mask; ``mask`` an attention mask (bool, True = may attend,
     broadcastable to ``[B, Hq, Sq, Sk]``, AND-ed with ``causal``: documents, NSA branches).
     ``return_sums=True`` appends the signed sums ``(dn, db)`` themselves (tests of this
@@ -277,7 +281,7 @@ def ssa_scalar_grad_terms(
     """
     t = attention_grad_terms(q, k, v, go, transform="ssa", n=n, b=b, causal=causal, softmax_scale=softmax_scale,
                              keep=keep, dropout_p=dropout_p, mask=mask)
-    out = (t["dn"], t["db"])
+    out = (t["dn_split"], t["db_split"])
     return out + (t["dn_sum"], t["db_sum"]) if return_sums else out
 
 
@@ -419,7 +423,7 @@ def nsa_scalar_grad_terms(
     (``nsa_grad_terms``; ``return_sums`` appends the signed sums ``(dn, db)``)."""
     t = nsa_grad_terms(q, gate_logits, config, do, aux, k=k_slc, v=v_slc, k_slc=k_slc, v_slc=v_slc, k_win=k_win,
                        v_win=v_win, transform="ssa", n=n, b=b, softmax_scale=softmax_scale)
-    out = (t["dn"], t["db"])
+    out = (t["dn_split"], t["db_split"])
     return out + (t["dn_sum"], t["db_sum"]) if return_sums else out
 
 

@@ -508,11 +508,20 @@ _elsa_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 # ======================================================================================
 
 
-def kernels_interpreted() -> bool:
-    """True when the kernels were built by the Triton interpreter (decided at import time)."""
+def _interpreted_at_import() -> bool:
     from triton.runtime.interpreter import InterpretedFunction
 
     return isinstance(_elsa_fwd_partial_kernel, InterpretedFunction)
+
+
+# a module constant, not an isinstance() per call: torch.compile(fullgraph=True) cannot
+# trace isinstance() on a Triton kernel object (H100, 2026-11-24)
+_KERNELS_INTERPRETED = _interpreted_at_import()
+
+
+def kernels_interpreted() -> bool:
+    """True when the kernels were built by the Triton interpreter (decided at import time)."""
+    return _KERNELS_INTERPRETED
 
 
 def _validate_elsa(q, k, v, *, transform, n, b, causal, softmax_scale, keep_mask, dropout_p,
