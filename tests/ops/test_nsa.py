@@ -295,16 +295,17 @@ def test_each_branch_is_attention_naive_with_its_keep_mask(transform):
                                  return_aux=True)
     N, G = q.shape[2], 3
     common = dict(transform=transform, **ssa)
-    t = torch.arange(N)[:, None]
-    last = torch.arange(aux["k_cmp"].shape[2])[None, :] * cfg.stride + cfg.block_len - 1
+    t = torch.arange(N, device=q.device)[:, None]
+    last = torch.arange(aux["k_cmp"].shape[2], device=q.device)[None, :] * cfg.stride + cfg.block_len - 1
     ref_c = attention_naive(q, aux["k_cmp"], aux["v_cmp"], keep_mask=last <= t, **common)
     # selection as a dense one-hot over blocks, expanded to tokens
-    onehot = torch.zeros(*aux["block_idx"].shape[:3], num_select_blocks(N, cfg) + 1, dtype=torch.bool)
+    onehot = torch.zeros(*aux["block_idx"].shape[:3], num_select_blocks(N, cfg) + 1, dtype=torch.bool,
+                         device=q.device)
     onehot.scatter_(-1, aux["block_idx"].clamp(min=-1) % (onehot.shape[-1]), True)
-    keep_s = onehot[..., torch.arange(N) // cfg.select_block].repeat_interleave(G, 1)
+    keep_s = onehot[..., torch.arange(N, device=q.device) // cfg.select_block].repeat_interleave(G, 1)
     ref_s = attention_naive(q, kw["k_slc"], kw["v_slc"], causal=True, keep_mask=keep_s, **common)
     ref_w = attention_naive(q, kw["k_win"], kw["v_win"], causal=True,
-                            keep_mask=(t - torch.arange(N)[None, :]) < cfg.window, **common)
+                            keep_mask=(t - torch.arange(N, device=q.device)[None, :]) < cfg.window, **common)
     for got, ref in ((aux["o_cmp"], ref_c), (aux["o_slc"], ref_s), (aux["o_win"], ref_w)):
         torch.testing.assert_close(got, ref, atol=1e-12, rtol=1e-10)
     assert (aux["o_cmp"][:, :, : cfg.block_len - 1] == 0).all()  # nothing visible yet
