@@ -59,6 +59,9 @@ def test_preset_writes_results_even_when_killed(tmp_path, monkeypatch):
                      "def test_c(): time.sleep(60)\n"
                      "def test_d(): pass\n")
     (tmp_path / "conftest.py").write_text(open(os.path.join(REPO, "tests", "conftest.py")).read())
+    # the inner pytest inherits the environment: an order override (the suite run
+    # reversed, NEMO_SSA_TEST_ORDER) would reverse the tiny file too
+    monkeypatch.delenv("NEMO_SSA_TEST_ORDER", raising=False)
     monkeypatch.setitem(gs.PRESETS, "quick", dict(about="tiny", expect=5, budget=60,
                                                   steps=[("pytest", "tests-quick", 20, [str(tests)], None, 0)]))
     out = tmp_path / "out"
