@@ -173,7 +173,10 @@ class _TransformedSoftmaxAttention(MegatronModule):
         self._attend_varlen = get_attention_fn(*self.varlen_op_key) if self.varlen_op_key else None
 
     # -- op call ------------------------------------------------------------------------
-    def _call_op(self, q, k, v, *, causal, keep_mask, dropout_p):  # pragma: no cover
+    # the op takes ``out=`` (a strided [b, h, s, d] view to write into): the fused kernels
+    writes_out = False
+
+    def _call_op(self, q, k, v, *, causal, keep_mask, dropout_p, **extra):  # pragma: no cover
         raise NotImplementedError
 
     def _op_args(self) -> tuple:
@@ -254,11 +257,17 @@ class _TransformedSoftmaxAttention(MegatronModule):
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
 
         dropout_p = self.dropout_p if self.training else 0.0
+        extra = {}
+        if self.writes_out and not torch.compiler.is_compiling():
+            # the kernel writes Megatron's [sq, b, h, d] directly (a strided view of it), so
+            # the [b, h, sq, d] -> [sq, b, h*d] step below is a view, not a copy
+            buf = torch.empty(sq, b, q.shape[1], q.shape[3], dtype=q.dtype, device=q.device)
+            extra["out"] = buf.permute(1, 2, 0, 3)
         if dropout_p > 0.0 and not self.config.sequence_parallel:
             with tensor_parallel.get_cuda_rng_tracker().fork():
-                out = self._call_op(q, k, v, causal=causal, keep_mask=keep_mask, dropout_p=dropout_p)
+                out = self._call_op(q, k, v, causal=causal, keep_mask=keep_mask, dropout_p=dropout_p, **extra)
         else:
-            out = self._call_op(q, k, v, causal=causal, keep_mask=keep_mask, dropout_p=dropout_p)
+            out = self._call_op(q, k, v, causal=causal, keep_mask=keep_mask, dropout_p=dropout_p, **extra)
         # [b, h, sq, d] -> [sq, b, h*d]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
@@ -327,10 +336,10 @@ class SoftmaxCoreAttention(_TransformedSoftmaxAttention):
     attention_name = "softmax"
     op_key = ("softmax", "sdpa")
 
-    def _call_op(self, q, k, v, *, causal, keep_mask, dropout_p):
+    def _call_op(self, q, k, v, *, causal, keep_mask, dropout_p, **extra):
         return self._attend(
             q, k, v, causal=causal, softmax_scale=self.softmax_scale,
-            keep_mask=keep_mask, dropout_p=dropout_p, **self.kernel_options,
+            keep_mask=keep_mask, dropout_p=dropout_p, **self.kernel_options, **extra,
         )
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
@@ -435,11 +444,11 @@ class SSACoreAttention(SSAScalars, _TransformedSoftmaxAttention):
         )
         self._init_ssa_scalars(self.attention_name, n_init, b_init, learnable_n, learnable_b)
 
-    def _call_op(self, q, k, v, *, causal, keep_mask, dropout_p):
+    def _call_op(self, q, k, v, *, causal, keep_mask, dropout_p, **extra):
         n, b = self._op_args()
         return self._attend(
             q, k, v, n, b, causal=causal, softmax_scale=self.softmax_scale,
-            keep_mask=keep_mask, dropout_p=dropout_p, **self.kernel_options,
+            keep_mask=keep_mask, dropout_p=dropout_p, **self.kernel_options, **extra,
         )
 
     def _op_args(self) -> tuple:
@@ -476,6 +485,7 @@ class SSATritonCoreAttention(SSACoreAttention):
     varlen_op_key = ("ssa", "triton_varlen")
     supported_mask_types = _TRITON_MASK_TYPES
     supported_head_dims = (16, 256)
+    writes_out = True
 
 
 class SoftmaxTritonCoreAttention(SoftmaxCoreAttention):
@@ -486,6 +496,7 @@ class SoftmaxTritonCoreAttention(SoftmaxCoreAttention):
     varlen_op_key = ("softmax", "triton_varlen")
     supported_mask_types = _TRITON_MASK_TYPES
     supported_head_dims = (16, 256)
+    writes_out = True
 
 
 class SSAFlexCoreAttention(SSACoreAttention):

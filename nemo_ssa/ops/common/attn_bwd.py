@@ -809,8 +809,12 @@ def attention_bwd(
     dv = new_output_like(v)
     delta = new_output_like(M)
     if dparams:  # one partial per query row (M's layout), written by the dQ kernel
-        dn_part = new_output_like(M)
-        db_part = new_output_like(M)
+        # dn and db partials in one buffer, so one reduction launch serves both
+        dparts = new_output((2,) + tuple(M.shape), torch.float32, dev)
+        dn_part, db_part = dparts[0], dparts[1]
+        if dn_part.stride() != M.stride():  # M from a caller with its own layout
+            dparts = None
+            dn_part, db_part = new_output_like(M), new_output_like(M)
     else:
         dn_part = db_part = M  # never written (DPARAMS is off)
     ms = _stat_strides(M, varlen)
@@ -847,9 +851,14 @@ def attention_bwd(
             *kv_args, BLOCK_M=cfg.block_m_kv, BLOCK_N=cfg.block_n_kv,
             num_warps=cfg.warps_kv, num_stages=cfg.stages_kv, **common)
     if dparams:
-        # fixed-size buffer, fixed order, float64: bit-identical run to run
-        dn = dn_part.to(torch.float64).sum().to(torch.float32).reshape(1)
-        db = db_part.to(torch.float64).sum().to(torch.float32).reshape(1)
+        # fixed-size buffer, fixed order, accumulated in float64 (one launch for both
+        # scalars, no fp64 copy of the partials): bit-identical run to run
+        if dparts is not None:
+            both = dparts.sum(dim=tuple(range(1, dparts.dim())), dtype=torch.float64).to(torch.float32)
+            dn, db = both[0:1], both[1:2]
+        else:
+            dn = dn_part.sum(dtype=torch.float64).to(torch.float32).reshape(1)
+            db = db_part.sum(dtype=torch.float64).to(torch.float32).reshape(1)
     else:
         dn = db = None
     return dq, dk, dv, dn, db

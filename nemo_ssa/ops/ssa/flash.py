@@ -24,9 +24,10 @@ with masked loads), fp16 / bf16 / fp32 (fp32 uses IEEE dots by default).
 Dropout on ``p`` (before ``@ v``) is generated in-kernel by Philox (``tl.rand``) from an
 int64 ``[2]`` ``(seed, offset)`` tensor; the backward regenerates the identical mask.
 
-Autograd goes through ``torch.library.custom_op`` (``nemo_ssa::flash_attn_fwd`` /
-``nemo_ssa::flash_attn_bwd``, with fake impls) so ``torch.compile`` traces models using
-it without graph breaks; ``n`` and ``b`` are tensors (never Python floats) and get
+Autograd: eager calls go through a plain ``torch.autograd.Function`` (``_FlashAttnFn``,
+the cheapest host path); under ``torch.compile`` the same launchers are reached through
+``torch.library.custom_op`` (``nemo_ssa::flash_attn_fwd`` / ``nemo_ssa::flash_attn_bwd``,
+with fake impls) so compiled models trace it without graph breaks; ``n`` and ``b`` are tensors (never Python floats) and get
 gradients.
 
 Differences from ``naive.attention_naive``: no ``keep_mask`` (raises); dropout masks come
@@ -256,8 +257,10 @@ def _flash_fwd(
     rng_state: Optional[Tensor], cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
     transform: str, causal: bool, scale: float, dropout_p: float, max_seqlen_q: int,
     max_seqlen_k: int, input_precision: str, fast_math: bool, config: Optional[FwdConfig] = None,
+    out: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
-    """Launch the forward kernel; returns ``(o, M)`` (no autograd)."""
+    """Launch the forward kernel; returns ``(o, M)`` (no autograd). ``out`` (q's shape and
+    dtype, any strides) receives ``o`` instead of a new tensor."""
     varlen = cu_seqlens_q is not None
     tid = transform_id(transform)
     dev = q.device
@@ -272,7 +275,8 @@ def _flash_fwd(
         hkv, sk = k.shape[1], k.shape[2]
         total_q = None
         M = new_output((bz, hq, sq), torch.float32, dev)
-    o = new_output_like(q)  # keeps q's memory order when q is a dense permuted view
+    # a new o keeps q's memory order when q is a dense permuted view
+    o = new_output_like(q) if out is None else out
     has_dropout = dropout_p > 0.0
     # pointers a constexpr branch never dereferences get M as a placeholder (no allocation)
     rng = rng_state if has_dropout else M
@@ -341,6 +345,8 @@ def _flash_attn_bwd_op(
     if dn is None:  # custom ops return tensors: zeros stand in for "no gradient"
         dn = torch.zeros(1, dtype=torch.float32, device=q.device)
         db = torch.zeros(1, dtype=torch.float32, device=q.device)
+    else:  # dn, db are two entries of one buffer; a custom op's outputs may not alias
+        db = db.clone()
     return dq, dk, dv, dn, db
 
 
@@ -372,6 +378,45 @@ def _fwd_backward(ctx, do, dM):
 
 
 _flash_attn_fwd_op.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
+
+
+class _FlashAttnFn(torch.autograd.Function):
+    """The eager path: the same launchers as the custom ops, without the dispatcher.
+
+    ``torch.library.custom_op`` costs ~0.6 ms of host time per forward+backward (schema
+    checks, the generated autograd node, a materialised zero gradient for the unused
+    ``M`` output; measured on an H100, docs/results/2026-11-25-attention). Eager calls go
+    through this Function: only ``o`` is an output, ``M`` is saved, gradients that are
+    not needed are not materialised. ``torch.compile`` still sees the custom ops
+    (``_flash_call`` dispatches on ``torch.compiler.is_compiling()``); both paths run the
+    same kernels with the same arguments, so their results are bitwise equal (tested).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, n, b, rng_state, cu_q, cu_k, transform, causal, scale, dropout_p,
+                max_q, max_k, input_precision, fast_math, out):
+        o, M = _flash_fwd(q, k, v, n, b, rng_state, cu_q, cu_k, transform, causal, scale, dropout_p,
+                          max_q, max_k, input_precision, fast_math, None, out)
+        ctx.save_for_backward(q, k, v, o, M, n, b, rng_state, cu_q, cu_k)
+        ctx.scalars = (transform, causal, scale, dropout_p, max_q, max_k, input_precision, fast_math)
+        ctx.set_materialize_grads(False)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        if do is None:
+            return (None,) * 17
+        q, k, v, o, M, n, b, rng_state, cu_q, cu_k = ctx.saved_tensors
+        transform, causal, scale, dropout_p, max_q, max_k, input_precision, fast_math = ctx.scalars
+        need_dn, need_db = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+        dq, dk, dv, dn, db = attention_bwd(
+            do, q, k, v, o, M, transform=transform, n=n, b=b, causal=causal, scale=scale,
+            dropout_p=dropout_p, rng_state=rng_state, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+            max_seqlen_q=max_q, max_seqlen_k=max_k, input_precision=input_precision, fast_math=fast_math,
+            need_dparams=transform == "ssa" and (need_dn or need_db))
+        dn_out = dn.to(n.dtype).reshape(n.shape) if (dn is not None and need_dn) else None
+        db_out = db.to(b.dtype).reshape(b.shape) if (db is not None and need_db) else None
+        return (dq, dk, dv, dn_out, db_out) + (None,) * 12
 
 
 # ----------------------------------------------------------------------------------------
@@ -459,19 +504,38 @@ def _resolve(q, d, softmax_scale, input_precision, fast_math):
 
 
 def _flash_call(q, k, v, n, b, cu_q, cu_k, max_q, max_k, *, transform, causal, softmax_scale, dropout_p,
-                dropout_seed, dropout_offset, force_contiguous_qkv, input_precision, fast_math) -> Tensor:
+                dropout_seed, dropout_offset, force_contiguous_qkv, input_precision, fast_math,
+                out=None) -> Tensor:
     """Shared host-side tail of ``flash_attention`` / ``flash_attention_varlen`` (after
-    validation): optional contiguous copy, scalar resolution, dropout RNG, custom-op call."""
+    validation): optional contiguous copy, scalar resolution, dropout RNG, then the eager
+    autograd Function (or, under ``torch.compile``, the custom op)."""
     if force_contiguous_qkv:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     scale, prec, fast = _resolve(q, q.shape[-1], softmax_scale, input_precision, fast_math)
     dropout_p = float(dropout_p)
     rng = make_rng_state(q.device, dropout_seed, dropout_offset) if dropout_p > 0.0 else None
     ssa = transform == "ssa"
-    o, _ = torch.ops.nemo_ssa.flash_attn_fwd(
-        q, k, v, n if ssa else None, b if ssa else None, rng, cu_q, cu_k, transform, bool(causal), scale,
-        dropout_p, max_q, max_k, prec, fast)
-    return o
+    n, b = (n, b) if ssa else (None, None)
+    if torch.compiler.is_compiling():  # traced: the custom op (out= is only an eager saving)
+        o, _ = torch.ops.nemo_ssa.flash_attn_fwd(
+            q, k, v, n, b, rng, cu_q, cu_k, transform, bool(causal), scale, dropout_p, max_q, max_k, prec, fast)
+        return o
+    return _FlashAttnFn.apply(q, k, v, n, b, rng, cu_q, cu_k, transform, bool(causal), scale, dropout_p,
+                              max_q, max_k, prec, fast, out)
+
+
+def _check_out(out: Optional[Tensor], q: Tensor) -> None:
+    if out is None:
+        return
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"`out` must be a torch.Tensor or None, got {type(out).__name__}")
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"`out` must match q: shape {tuple(q.shape)}, dtype {q.dtype}, device {q.device}; "
+                         f"got {tuple(out.shape)}, {out.dtype}, {out.device}")
+    if out.requires_grad:
+        raise ValueError("`out` must not require grad (the result is returned with its own autograd node)")
+    if out.numel() > 0 and any(st == 0 for st, sz in zip(out.stride(), out.shape) if sz > 1):
+        raise ValueError("`out` must not be an expanded (stride-0) view: every element needs its own memory")
 
 
 def flash_attention(
@@ -491,6 +555,7 @@ def flash_attention(
     force_contiguous_qkv: bool = False,
     input_precision: Optional[str] = None,
     fast_math: Optional[bool] = None,
+    out: Optional[Tensor] = None,
 ) -> Tensor:
     """Fused attention ``o = dropout(softmax(transform(scale q k^T) + mask)) @ v``.
 
@@ -511,10 +576,16 @@ def flash_attention(
             default); the kernel itself handles any strides.
         input_precision: ``tl.dot`` precision for fp32 inputs; default ``"ieee"``.
         fast_math: PTX ``lg2.approx`` for the SSA log (default on CUDA).
+        out: optional preallocated ``[B, Hq, Sq, D]`` tensor of q's dtype with any
+            (non-overlapping) strides that the kernel writes the output into, e.g.
+            ``buf.permute(1, 2, 0, 3)`` of a ``[Sq, B, Hq, D]`` buffer so Megatron's
+            ``[s, b, h*d]`` layout needs no copy. The returned tensor shares ``out``'s
+            memory and carries the autograd graph: use the return value, not ``out``.
+            Under ``torch.compile`` the output is a new tensor instead.
 
     Returns:
-        ``[B, Hq, Sq, D]`` in q's dtype (memory order of q when q is dense); rows without
-        a visible key are 0 with zero gradients.
+        ``[B, Hq, Sq, D]`` in q's dtype (memory order of q when q is dense, else of
+        ``out``); rows without a visible key are 0 with zero gradients.
 
     Raises:
         ValueError: unsupported dtype (supported: fp16, bf16, fp32), head dim (16..256),
@@ -522,10 +593,11 @@ def flash_attention(
     """
     _validate_flash(q, k, v, transform=transform, n=n, b=b, keep_mask=keep_mask, dropout_p=dropout_p,
                     softmax_scale=softmax_scale, varlen=False, input_precision=input_precision)
+    _check_out(out, q)
     return _flash_call(q, k, v, n, b, None, None, q.shape[2], k.shape[2], transform=transform, causal=causal,
                        softmax_scale=softmax_scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
                        dropout_offset=dropout_offset, force_contiguous_qkv=force_contiguous_qkv,
-                       input_precision=input_precision, fast_math=fast_math)
+                       input_precision=input_precision, fast_math=fast_math, out=out)
 
 
 def flash_attention_fwd(
