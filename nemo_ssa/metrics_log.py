@@ -77,3 +77,32 @@ class MetricsWriter:
             self._tb.flush()
             self._tb.close()
             self._tb = None
+
+
+# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by device-name substring, for MFU.
+PEAK_BF16_TFLOPS = (("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("A100", 312.0), ("L40S", 362.0))
+
+
+def device_peak_tflops(name: str) -> Optional[float]:
+    """Dense bf16 peak of the named GPU (``torch.cuda.get_device_name()``), or None if unknown."""
+    for key, peak in PEAK_BF16_TFLOPS:
+        if key in (name or ""):
+            return peak
+    return None
+
+
+def flops_per_token(hidden: int, layers: int, ffn: int, kv_channels: int, query_groups: int,
+                    vocab: int, seq: int) -> float:
+    """Model FLOPs per trained token (fwd + bwd = 3 x fwd), the MFU numerator.
+
+    ``6 * (matmul params incl. the output layer) + 6 * layers * seq * hidden``: a matmul
+    with P parameters costs 2P FLOPs per token forward and 4P backward; attention's scores
+    and PV are ``2 * 2 * seq * hidden`` per token and layer forward, halved by the causal
+    mask, times 3 for fwd+bwd. Matmul params per layer: QKV ``h * (h + 2 * kv)``
+    (``kv = kv_channels * query_groups``), output projection ``h * h``, squared-ReLU MLP
+    ``2 * h * ffn`` (no gate). Embedding lookups and norms are not counted (as in PaLM's
+    MFU); the tied output layer is, once.
+    """
+    kv = kv_channels * query_groups
+    per_layer = hidden * (hidden + 2 * kv) + hidden * hidden + 2 * hidden * ffn
+    return 6.0 * (layers * per_layer + hidden * vocab) + 6.0 * layers * seq * hidden

@@ -64,6 +64,12 @@ def _train_cfg(cfg: DictConfig, cuda: bool) -> DictConfig:
     if train.device == "gpu" and not cuda:
         raise SystemExit("train config asks for a GPU (device=gpu) but CUDA is not available; "
                          "use train=cpu_smoke (or train=auto)")
+    cap = cfg.attention.get("max_micro_batch_size") if "attention" in cfg else None
+    if cap and train.device == "gpu" and int(train.micro_batch_size) > int(cap) \
+            and int(train.global_batch_size) % int(cap) == 0:
+        # an unfused attention whose fp32 scores do not fit at the recipe's micro batch:
+        # the same global batch by gradient accumulation (same curve in expectation)
+        train = OmegaConf.merge(train, {"micro_batch_size": int(cap)})
     return train
 
 
@@ -188,11 +194,18 @@ def build_recipe(cfg: DictConfig, train: DictConfig, prefix: str, tokenizer_dir:
 def run_gpu(cfg, train, recipe, resolved, run_dir) -> None:
     import nemo_run as run
 
+    from nemo_ssa.metrics_log import flops_per_token
     from nemo_ssa.nemo.callbacks import AttentionWarmupCallback, MetricsCallback
 
     callbacks = list(recipe.trainer.callbacks or [])
+    mc = recipe.model.config
+    vocab = mc.vocab_size or -(-int(cfg.data.get("vocab_size") or 50257) // 128) * 128  # padded as megatron pads
+    fpt = flops_per_token(int(mc.hidden_size), int(mc.num_layers), int(mc.ffn_hidden_size),
+                          int(mc.kv_channels or mc.hidden_size // mc.num_attention_heads),
+                          int(mc.num_query_groups or mc.num_attention_heads), int(vocab), int(train.seq_length))
     callbacks.append(run.Config(MetricsCallback, run_dir=run_dir, seq_length=int(train.seq_length),
-                                global_batch_size=int(train.global_batch_size), attention=resolved.name))
+                                global_batch_size=int(train.global_batch_size), attention=resolved.name,
+                                flush_every=int(train.log_every_n_steps), flops_per_token=fpt))
     if cfg.warmup:
         callbacks.append(run.Config(AttentionWarmupCallback, micro_batch_size=int(train.micro_batch_size),
                                     seq_length=int(train.seq_length)))
@@ -326,6 +339,10 @@ def train_one(cfg: DictConfig) -> None:
         with open(os.path.join(run_dir, "config.yaml"), "w") as f:
             f.write(OmegaConf.to_yaml(resolved_cfg))
     prefix, tokenizer_dir = _data(cfg)
+    if cfg.attention.get("max_micro_batch_size") and int(train.micro_batch_size) == int(cfg.attention.max_micro_batch_size) \
+            and int(train.global_batch_size) > int(train.micro_batch_size) and main:
+        print(f"[pretrain] attention={cfg.attention.name}: micro batch {train.micro_batch_size} (its memory cap; "
+              f"global batch {train.global_batch_size} by gradient accumulation)", flush=True)
     recipe, resolved = build_recipe(cfg, train, prefix, tokenizer_dir, run_dir)
     print(f"[pretrain] attention={cfg.attention.name} -> {resolved.name} (policy={cfg.policy}); "
           f"options {json.dumps(resolved.options)}", flush=True)

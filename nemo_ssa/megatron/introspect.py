@@ -26,15 +26,27 @@ def ssa_values(model: torch.nn.Module) -> Dict[str, Dict[int, float]]:
     ``NSASelfAttention`` with the SSA transform (``nsa_ssa``).
     """
     out: Dict[str, Dict[int, float]] = {"n": {}, "b": {}}
+    mods = ssa_modules(model)
+    if not mods:
+        return out
+    # one device-to-host read for every layer's n and b (was two syncs per layer)
+    vals = torch.cat([t.detach().float().reshape(-1)[:1] for _, m in mods for t in (m.n, m.b)]).tolist()
+    for i, (layer, _) in enumerate(mods):
+        out["n"][layer], out["b"][layer] = vals[2 * i], vals[2 * i + 1]
+    return out
+
+
+def ssa_modules(model: torch.nn.Module) -> List[Tuple[int, torch.nn.Module]]:
+    """``[(layer (1-based), module)]`` for every module holding SSA scalars, in model order."""
+    found = []
     for name, mod in model.named_modules():
         if isinstance(mod, SSAScalars) and getattr(mod, "n", None) is not None:
             layer = getattr(mod, "layer_number", None)
             match = _LAYER_RE.search(name + ".")
             if match is not None:
                 layer = int(match.group(1)) + 1
-            out["n"][layer] = float(mod.n.detach().float().cpu()[0])
-            out["b"][layer] = float(mod.b.detach().float().cpu()[0])
-    return out
+            found.append((layer, mod))
+    return found
 
 
 def is_ssa_parameter(name: str) -> bool:

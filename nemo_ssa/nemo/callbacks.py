@@ -20,69 +20,125 @@ def _unwrap(pl_module):
 
 
 class MetricsCallback(Callback):
-    """Writes ``metrics.csv`` (+ TensorBoard under ``run_dir/tb``) every step.
+    """Writes ``metrics.csv`` (+ TensorBoard under ``run_dir/tb``): one row per step.
 
     Columns: step, loss (``reduced_train_loss``), lr, tokens/s, grad_norm, n per layer
-    (SSA models). n per layer is also logged through Lightning (``ssa/n/layer_XX``) so
-    NeMo's own TensorBoard has it. At the end, ``summary.json`` records steady-state
-    tokens/s (median over steps after the first 10), peak GPU memory and the losses.
+    (SSA models). No per-step host sync: each step keeps the loss and every layer's n on
+    the device (one small concatenation) and the rows are read back and written every
+    ``flush_every`` steps (the trainer's ``log_every_n_steps``) and at the end -- one
+    device-to-host read per flush. tokens/s is the step's host wall time (megatron reads
+    the gradient norm once per step, so the host never runs more than a step ahead; the
+    median over steps is the steady rate). n per layer is also logged through Lightning
+    (``ssa/n/layer_XX``) at flush steps. At the end, ``summary.json`` records the
+    steady-state tokens/s (median over steps after the first 10), MFU (model FLOPs per
+    token x tokens/s / the GPU's dense bf16 peak; ``nemo_ssa.metrics_log.flops_per_token``
+    documents the formula), peak GPU memory and the losses; the flush rows print a
+    progress line with the same figures.
     """
 
-    def __init__(self, run_dir: str, seq_length: int, global_batch_size: int, attention: str):
+    def __init__(self, run_dir: str, seq_length: int, global_batch_size: int, attention: str,
+                 flush_every: int = 10, flops_per_token: Optional[float] = None):
         self.run_dir = run_dir
         self.tokens_per_step = seq_length * global_batch_size
         self.attention = attention
+        self.flush_every = max(1, int(flush_every))
+        self.flops_per_token = flops_per_token
         self._writer: Optional[MetricsWriter] = None
         self._t_last: Optional[float] = None
         self._rates = []
         self._losses = {}
+        self._pending = []  # (step, loss tensor | float, lr, rate, n tensor | None)
+        self._ssa = []
 
     def on_train_start(self, trainer, pl_module):
+        from nemo_ssa.megatron.introspect import ssa_modules
+
         self._writer = MetricsWriter(self.run_dir, append=trainer.global_step > 0)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
+        self._ssa = ssa_modules(_unwrap(pl_module))
         self._t_last = time.time()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        from nemo_ssa.megatron.introspect import ssa_values
-
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
         now = time.time()
         dt = now - self._t_last if self._t_last else float("nan")
         self._t_last = now
         step = trainer.global_step
         loss = trainer.callback_metrics.get(TB_LOSS_TAG)
-        loss = float(loss) if loss is not None else float("nan")
+        if isinstance(loss, torch.Tensor):
+            loss = loss.detach().float().reshape(-1)[:1].clone()
+        else:
+            loss = float(loss) if loss is not None else float("nan")
         lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else float("nan")
-        n_vals = ssa_values(_unwrap(pl_module))["n"]
+        n_now = torch.cat([m.n.detach().float().reshape(-1)[:1] for _, m in self._ssa]) if self._ssa else None
         rate = self.tokens_per_step / dt if dt and dt > 0 else float("nan")
         self._rates.append(rate)
-        self._losses[step] = loss
-        for layer, value in n_vals.items():
-            pl_module.log(f"ssa/n/layer_{layer:02d}", value, batch_size=1)
-        if self._writer is not None:
-            self._writer.write(step=step, loss=loss, lr=lr, tokens_per_s=rate, ssa_n=n_vals)
+        self._pending.append((step, loss, float(lr), rate, n_now))
+        if len(self._pending) >= self.flush_every or step >= trainer.max_steps:
+            self._flush(pl_module)
+
+    def _flush(self, pl_module=None):
+        if not self._pending:
+            return
+        # one read for the whole block: losses and n values stacked on the device
+        tensors = [t for row in self._pending for t in (row[1], row[4]) if isinstance(t, torch.Tensor)]
+        flat = torch.cat([t.reshape(-1).float().to(tensors[0].device) for t in tensors]).tolist() if tensors else []
+        pos = 0
+        layers = [layer for layer, _ in self._ssa]
+        last_n = {}
+        for step, loss, lr, rate, n_now in self._pending:
+            if isinstance(loss, torch.Tensor):
+                loss, pos = flat[pos], pos + 1
+            n_vals = {}
+            if isinstance(n_now, torch.Tensor):
+                n_vals = dict(zip(layers, flat[pos:pos + len(layers)]))
+                pos += len(layers)
+            self._losses[step] = loss
+            last_n = n_vals
+            if self._writer is not None:
+                self._writer.write(step=step, loss=loss, lr=lr, tokens_per_s=rate, ssa_n=n_vals)
+        self._pending = []
+        if pl_module is not None:
+            for layer, value in last_n.items():
+                pl_module.log(f"ssa/n/layer_{layer:02d}", value, batch_size=1)
+
+    def _steady_rate(self):
+        steady = sorted(r for r in self._rates[10:] if r == r) or sorted(r for r in self._rates if r == r)
+        return steady[len(steady) // 2] if steady else None
 
     def on_train_end(self, trainer, pl_module):
+        self._flush(None)
         if self._writer is not None:
             self._writer.close()
         from nemo_ssa.megatron.introspect import ssa_values
+        from nemo_ssa.metrics_log import device_peak_tflops
 
         ssa = ssa_values(_unwrap(pl_module))
-        steady = sorted(r for r in self._rates[10:] if r == r) or sorted(r for r in self._rates if r == r)
+        rate = self._steady_rate()
+        cuda = torch.cuda.is_available()
+        name = torch.cuda.get_device_name() if cuda else "cpu"
+        peak = device_peak_tflops(name)
+        mfu = (self.flops_per_token * rate / (peak * 1e12)) if (self.flops_per_token and rate and peak) else None
         summary = {
             "attention": self.attention,
             "steps": trainer.global_step,
-            "tokens_per_s_median": steady[len(steady) // 2] if steady else None,
-            "peak_memory_gib": (torch.cuda.max_memory_allocated() / 2**30) if torch.cuda.is_available() else None,
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "tokens_per_s_median": rate,
+            "mfu": mfu,
+            "flops_per_token": self.flops_per_token,
+            "peak_tflops_bf16": peak,
+            "peak_memory_gib": (torch.cuda.max_memory_allocated() / 2**30) if cuda else None,
+            "device": name,
             "ssa_n": ssa["n"],
             "ssa_b": ssa["b"],
             "loss": {str(k): v for k, v in sorted(self._losses.items())},
         }
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
+        if int(os.environ.get("RANK", "0")) == 0:
+            mem = summary["peak_memory_gib"]
+            print(f"[metrics] {self.attention}: {rate or float('nan'):,.0f} tokens/s (median), "
+                  f"MFU {100 * mfu:.1f} %" if mfu else f"[metrics] {self.attention}: {rate or float('nan'):,.0f} tokens/s",
+                  f"peak memory {mem:.1f} GiB" if mem else "", flush=True)
 
 
 class AttentionWarmupCallback(Callback):

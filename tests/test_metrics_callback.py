@@ -1,0 +1,78 @@
+"""MetricsCallback: one row per step, values read back only at flush steps, MFU in the summary."""
+
+import csv
+import json
+import types
+
+import torch
+
+from nemo_ssa.megatron.core_attention import SSAScalars
+from nemo_ssa.metrics_log import TB_LOSS_TAG, device_peak_tflops, flops_per_token
+from nemo_ssa.nemo.callbacks import MetricsCallback
+
+
+class _Attn(torch.nn.Module, SSAScalars):
+    def __init__(self, layer):
+        super().__init__()
+        self.layer_number = layer
+        self.n = torch.nn.Parameter(torch.tensor([1.5]))
+        self.b = torch.nn.Parameter(torch.tensor([0.8]), requires_grad=False)
+
+
+class _Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.decoder = torch.nn.Module()
+        self.decoder.layers = torch.nn.ModuleList(
+            [torch.nn.Module() for _ in range(3)])
+        for i, layer in enumerate(self.decoder.layers):
+            layer.self_attention = torch.nn.Module()
+            layer.self_attention.core_attention = _Attn(i + 1)
+
+
+def test_rows_every_step_flushed_in_blocks(tmp_path, monkeypatch):
+    model = _Model()
+    logged = []
+    pl_module = types.SimpleNamespace(module=model, log=lambda k, v, batch_size: logged.append((k, v)))
+    opt = types.SimpleNamespace(param_groups=[{"lr": 1e-3}])
+    trainer = types.SimpleNamespace(global_step=0, max_steps=7, callback_metrics={}, optimizers=[opt])
+    cb = MetricsCallback(str(tmp_path), seq_length=4, global_batch_size=2, attention="ssa", flush_every=3,
+                         flops_per_token=100.0)
+    cb.on_train_start(trainer, pl_module)
+    reads = []
+    orig_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or orig_tolist(self))
+    for step in range(1, 8):
+        trainer.global_step = step
+        trainer.callback_metrics[TB_LOSS_TAG] = torch.tensor(10.0 - step)
+        with torch.no_grad():
+            for layer in model.decoder.layers:
+                layer.self_attention.core_attention.n.add_(0.01)
+        cb.on_train_batch_end(trainer, pl_module, None, None, step)
+        rows = list(csv.DictReader(open(tmp_path / "metrics.csv"))) if (tmp_path / "metrics.csv").exists() else []
+        assert len(rows) == (step // 3) * 3 + (step == 7) * (7 % 3), (step, len(rows))  # written in blocks
+    cb.on_train_end(trainer, pl_module)
+    monkeypatch.undo()
+    assert len(reads) == 3 + 1  # one read per flush (3, 6, 7) + the final ssa_values read
+    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    assert [int(r["step"]) for r in rows] == list(range(1, 8))
+    assert [float(r["loss"]) for r in rows] == [10.0 - s for s in range(1, 8)]
+    # n of every layer at every step (not the value at flush time)
+    assert [round(float(r["n_layer_02"]), 6) for r in rows] == [round(1.5 + 0.01 * s, 6) for s in range(1, 8)]
+    # Lightning gets every layer's n at each flush (steps 3, 6, 7), the latest value
+    assert [k for k, _ in logged] == [f"ssa/n/layer_{i:02d}" for i in (1, 2, 3)] * 3
+    assert round(logged[-1][1], 6) == round(1.5 + 0.07, 6)
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert summary["flops_per_token"] == 100.0 and summary["loss"]["7"] == 3.0
+    assert summary["mfu"] is None  # no GPU here: no peak, no MFU
+
+
+def test_flops_formula_and_peaks():
+    # the 114M recipe at seq 1024: 6 * (12 * (768 * (768 + 2 * 256) + 768^2 + 2 * 768 * 3072) + 768 * 50304)
+    # + 6 * 12 * 1024 * 768
+    f = flops_per_token(768, 12, 3072, 32, 8, 50304, 1024)
+    per_layer = 768 * (768 + 512) + 768 * 768 + 2 * 768 * 3072
+    assert f == 6.0 * (12 * per_layer + 768 * 50304) + 6.0 * 12 * 1024 * 768
+    assert device_peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert device_peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert device_peak_tflops("cpu") is None
