@@ -48,7 +48,8 @@ def _layer_spec_partial(attention: str, attention_options: Optional[Dict[str, An
     )
 
 
-def _apply_arch(config, attention, attention_options, policy, seq_length, vocab_size) -> None:
+def _apply_arch(config, attention, attention_options, policy, seq_length, vocab_size,
+                fused_cross_entropy="auto") -> None:
     for key, value in ARCH.items():
         setattr(config, key, value)
     config.seq_length = seq_length
@@ -64,7 +65,7 @@ def _apply_arch(config, attention, attention_options, policy, seq_length, vocab_
     from nemo_ssa.nemo.steps import data_step, forward_step
 
     config.data_step_fn = data_step
-    config.forward_step_fn = forward_step
+    config.forward_step_fn = run.Partial(forward_step, fused_cross_entropy=fused_cross_entropy)
 
 
 def model(
@@ -123,6 +124,7 @@ def pretrain_recipe(
     limit_val_batches: int = 4,
     ckpt_every_n_steps: Optional[int] = None,
     vocab_size: Optional[int] = None,
+    fused_cross_entropy: Any = "auto",
     num_workers: int = 2,
     precision: str = "bf16-mixed",
     use_distributed_optimizer: Optional[bool] = None,
@@ -162,6 +164,8 @@ def pretrain_recipe(
         val_check_interval: validation interval in steps.
         limit_val_batches: validation batches per check.
         ckpt_every_n_steps: checkpoint interval (None: at the end only).
+        fused_cross_entropy: the fused LM loss (nemo_ssa.ops.cross_entropy): auto (on with
+            CUDA and TP=1), true, false.
         vocab_size: padded vocabulary; None derives it from the tokenizer.
         num_workers: data-loader workers.
         precision: ``bf16-mixed`` (default), ``16-mixed`` or ``32``.
@@ -190,7 +194,8 @@ def pretrain_recipe(
         kwargs["fn"] = fn
     recipe = nemotron3_4b.pretrain_recipe(**kwargs)
 
-    _apply_arch(recipe.model.config, attention, attention_options, policy, seq_length, vocab_size)
+    _apply_arch(recipe.model.config, attention, attention_options, policy, seq_length, vocab_size,
+                fused_cross_entropy)
 
     # Parallelism: checked before anything is built (one line naming what is supported)
     from nemo_ssa.config_check import check_parallel

@@ -184,6 +184,7 @@ def build_recipe(cfg: DictConfig, train: DictConfig, prefix: str, tokenizer_dir:
         limit_val_batches=int(train.get("limit_val_batches", 1)),
         ckpt_every_n_steps=train.get("ckpt_every_n_steps"),
         vocab_size=cfg.model.get("vocab_size"),
+        fused_cross_entropy=cfg.model.get("fused_cross_entropy", "auto"),
         num_workers=int(train.get("num_workers", 2)),
         precision=str(train.precision),
         use_distributed_optimizer=_distributed_optimizer(train, cfg, run_dir, resolved.name, cuda),

@@ -46,8 +46,15 @@ def data_step(dataloader_iter, use_mtp: bool = False) -> Dict[str, torch.Tensor]
     return out
 
 
-def forward_step(model, batch) -> torch.Tensor:
-    """Forward without requiring an attention mask (our attention is causal by type)."""
+def forward_step(model, batch, fused_cross_entropy="auto") -> torch.Tensor:
+    """Forward without requiring an attention mask (our attention is causal by type).
+
+    ``fused_cross_entropy`` (``auto`` = on with CUDA, ``true``, ``false``; the recipe binds
+    it from ``model.fused_cross_entropy``): on the first call the fused LM cross-entropy
+    replaces megatron's loss (``nemo_ssa.megatron.output_layer``; TP = 1 only)."""
+    from nemo_ssa.megatron.output_layer import ensure_installed
+
+    ensure_installed(model, fused_cross_entropy)
     args = {
         "input_ids": batch["tokens"],
         "position_ids": batch["position_ids"],
