@@ -90,6 +90,12 @@ KERNEL_OPTION_KEYS: Dict[str, tuple] = {
     "nsa_ssa": NSA_OPTION_KEYS,
 }
 
+#: options every attention accepts under every policy (they change launches, not math):
+#: ``fused_rope_layout`` -- RoPE fused with the q/k/v layout pass (nemo_ssa/ops/rope), null =
+#: on where the core attention supports it (softmax_triton, ssa_triton), true elsewhere is
+#: refused when the model is built
+LAYOUT_OPTION_KEYS = ("fused_rope_layout",)
+
 
 @dataclass
 class ResolvedAttention:
@@ -146,7 +152,7 @@ def resolve_attention(
     if policy not in ("pinned", "free"):
         raise ValueError(f"policy={policy!r} is not supported (supported: 'pinned', 'free').")
     options = {k: v for k, v in dict(options or {}).items() if v is not None}
-    kernel_keys = KERNEL_OPTION_KEYS.get(attention, ())
+    kernel_keys = KERNEL_OPTION_KEYS.get(attention, ()) + LAYOUT_OPTION_KEYS
     unknown = sorted(set(options) - set(SSA_OPTION_KEYS) - set(kernel_keys))
     if unknown:
         raise ValueError(f"unknown attention option(s) {unknown} for attention={attention}; supported: "
