@@ -62,7 +62,8 @@ def core_attention_spec(attention: str, options: Optional[Dict[str, Any]] = None
         params["force_contiguous_qkv"] = options["force_contiguous_qkv"]
     if options.get("fused_rope_layout") is not None:
         params["fused_rope_layout"] = bool(options["fused_rope_layout"])
-    kernel = {k: options[k] for k in KERNEL_OPTION_KEYS.get(attention, ()) if k in options}
+    kernel = {k: options[k] for k in KERNEL_OPTION_KEYS.get(attention, ())
+              if k in options and k != "fused_rope_layout"}
     if kernel:
         params["kernel_options"] = kernel
     if ATTENTIONS[attention].transform == "ssa":
@@ -131,9 +132,8 @@ def layer_spec(
 def _use_fused_rope_layout(layer: ModuleSpec, attention: str, options: Dict[str, Any]) -> None:
     """RoPE + q/k/v layout in one Triton pass (nemo_ssa/ops/rope) for the fused core attentions.
 
-    ``fused_rope_layout`` (attention option): null = on where the core attention supports
-    it (softmax_triton, ssa_triton), false = megatron's RoPE + the layout copies; true on
-    another attention is refused by its core attention when the model is built.
+    ``fused_rope_layout`` (attention option of softmax_triton / ssa_triton; the policy
+    refuses it elsewhere): null or true = on, false = megatron's RoPE + the layout copies.
     """
     flag = options.get("fused_rope_layout")
     if flag is False or (flag is None and not CORE_ATTENTIONS[attention].supports_fused_rope_layout):

@@ -109,8 +109,11 @@ def test_option_wiring_and_refusal(megatron_cpu):
     assert spec.layer_specs[0].submodules.self_attention.module is SelfAttention
     spec = layer_spec(cfg, attention="ssa_triton")
     assert spec.layer_specs[0].submodules.self_attention.module is FusedRopeSelfAttention
-    with pytest.raises(NotImplementedError, match="fused_rope_layout"):
+    with pytest.raises(ValueError, match="fused_rope_layout"):  # the policy: not an option of softmax
         build_gpt("softmax", True, cfg)
+    with pytest.raises(NotImplementedError, match="fused_rope_layout"):  # the module itself refuses too
+        core_attention_mod.SoftmaxCoreAttention(cfg, 1, core_attention_mod.AttnMaskType.causal, "self",
+                                                fused_rope_layout=True)
 
 
 def test_out_argument_writes_megatron_layout_in_place(megatron_cpu):
