@@ -141,3 +141,17 @@ def test_out_argument_writes_megatron_layout_in_place(megatron_cpu):
     torch.testing.assert_close(got, want, atol=0, rtol=0)
     got.sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_block_benchmark_smoke(tmp_path):
+    """benchmarks/bench_rope_layout.py (the lead's GPU command) runs and checks agreement on CPU."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "bench_rope_layout.py")
+    spec = importlib.util.spec_from_file_location("bench_rope_layout", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "r.md"
+    assert bench.main(["--smoke", "--attentions", "softmax_triton", "--out", str(out)]) == 0
+    assert "| softmax_triton | B2 N9 H6/2 D16 float32 | True |" in out.read_text()
