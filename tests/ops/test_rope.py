@@ -128,3 +128,27 @@ def test_bad_freqs_raise_clear_errors(bad, msg):
     _, q, k, v = megatron_views(4, 2, 2, 1, 16, torch.float32)
     with pytest.raises(ValueError, match=msg):
         rope_layout_triton(q, k, v, bad(freqs_like_megatron(4, 16)))
+
+
+def test_layout_only_and_partial_grads():
+    """freqs None: a pure layout pass (exact); a loss on q alone still gives exact zero dk/dv."""
+    mixed, q, k, v = megatron_views(5, 2, 4, 2, 16, torch.float32, requires_grad=True)
+    got = rope_layout_triton(q, k, v, None)
+    for a, t in zip(got, (q, k, v)):
+        assert torch.equal(a, t.permute(1, 2, 0, 3))
+    fq = freqs_like_megatron(5, 8)
+    oq, _, _ = rope_layout_triton(q, k, v, fq)
+    (g,) = torch.autograd.grad(oq.square().sum(), mixed)
+    (want,) = torch.autograd.grad(rope_layout_naive(q, k, v, fq)[0].square().sum(), mixed)
+    torch.testing.assert_close(g, want, atol=1e-5, rtol=1e-5)
+    assert torch.all(g[..., 2 * 16:] == 0) and g[..., : 2 * 16].abs().max() > 0
+
+
+def test_mismatched_inputs_raise():
+    _, q, k, v = megatron_views(4, 2, 4, 2, 16, torch.float32)
+    with pytest.raises(ValueError, match="same number of heads"):
+        rope_layout_triton(q, k, v[:, :, :1], None)
+    with pytest.raises(ValueError, match="dtype"):
+        rope_layout_triton(q, k, v.double(), None)
+    with pytest.raises(ValueError, match="both"):
+        rope_layout_triton(q, k, v, freqs_like_megatron(4, 16), freqs_like_megatron(4, 8))
