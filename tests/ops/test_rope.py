@@ -14,17 +14,20 @@ from nemo_ssa.ops.rope import rope_layout_naive, rope_layout_triton
 from nemo_ssa.ops.rope import triton as rope_triton
 from nemo_ssa.testing import assert_within_2x_eager, rel_err
 
+#: the kernel runs compiled on a GPU machine, in the interpreter on CPU (tests/conftest.py)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def freqs_like_megatron(s, rot, base=10000.0, offset=0):
     inv = 1.0 / (base ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
     f = torch.outer(torch.arange(offset, offset + s, dtype=torch.float32), inv)
-    return torch.cat((f, f), dim=-1)[:, None, None, :]
+    return torch.cat((f, f), dim=-1)[:, None, None, :].to(DEVICE)
 
 
 def megatron_views(s, b, hq, hkv, d, dtype, requires_grad=False):
     """q [s, b, hq, d] and k, v [s, b, hkv, d] as strided views, like get_query_key_value_tensors."""
     g = hq // hkv
-    mixed = torch.randn(s, b, hkv, (g + 2) * d + 3, dtype=dtype)  # +3: odd row pitch
+    mixed = torch.randn(s, b, hkv, (g + 2) * d + 3, dtype=dtype, device=DEVICE)  # +3: odd row pitch
     mixed.requires_grad_(requires_grad)
     q = mixed[..., : g * d].reshape(s, b, hq, d)  # like megatron: a copy when g > 1, a view when g == 1
     k = mixed[..., g * d: (g + 1) * d]
@@ -90,9 +93,9 @@ def test_matches_megatron_apply_rotary_pos_emb():
     from nemo_ssa.megatron.cpu import cpu_device_shims
 
     with cpu_device_shims():
-        freqs = rope(s)
+        freqs = rope(s).to(DEVICE)
     assert freqs.shape == (s, 1, 1, d // 2)
-    mixed = torch.randn(s, b, hkv, (hq // hkv + 2) * d + 3, dtype=torch.float32)
+    mixed = torch.randn(s, b, hkv, (hq // hkv + 2) * d + 3, dtype=torch.float32, device=DEVICE)
     q, k, v = split(mixed, hq, hkv, d)
     cp = object()  # only read for packed (THD) sequences; avoids needing parallel_state
     want_q = apply_rotary_pos_emb(q, freqs, config=cfg, cp_group=cp)
