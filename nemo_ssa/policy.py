@@ -7,6 +7,14 @@ are refused. Any override of those parameters is warned about and reset.
 ``ssa_reference`` is always allowed (it is the baseline every comparison needs).
 ``policy=free`` opts out: the requested options are used as given.
 
+``force_contiguous_qkv`` (seed 000: the authors' kernel was unstable on strided inputs)
+means: the attention kernel reads dense [B, H, S, D] q, k, v. It does not mean separate
+copies: for softmax_triton / ssa_triton our layer spec meets it in the same Triton pass
+that applies RoPE (``fused_rope_layout``, nemo_ssa/ops/rope, replacing megatron's unfused
+RoPE); other attentions and the fallbacks (packed THD, inference, context parallel,
+recompute) copy with ``.contiguous()`` after megatron's RoPE. See the
+``force_contiguous_qkv`` section of nemo_ssa/ops/ssa/README.md.
+
 This module is pure Python (no torch/megatron import) so launchers and tests can use it
 cheaply.
 """
@@ -67,6 +75,8 @@ class SSAPolicy:
     learnable_n: bool = True
     b: float = 0.8
     learnable_b: bool = False
+    #: the kernel reads dense [B, H, S, D] q/k/v (met by the fused RoPE + layout pass where
+    #: it runs, else by .contiguous() copies; module docstring)
     force_contiguous_qkv: bool = True
     #: the kernel ``attention=ssa`` means (the fused stable kernel)
     pinned_kernel: str = "ssa_triton"
@@ -83,13 +93,15 @@ NSA_OPTION_KEYS = ("block_len", "stride", "select_block", "top_n", "window", "co
 #: per-attention options passed through under every policy: implementation knobs that do
 #: not change the math, and NSA's sizes (experimental, so only reachable with policy=free)
 KERNEL_OPTION_KEYS: Dict[str, tuple] = {
+    # RoPE + q/k/v layout in one Triton pass (nemo_ssa/ops/rope); null = on, false = off
+    "softmax_triton": ("fused_rope_layout",),
+    "ssa_triton": ("fused_rope_layout",),
     "elsa": ("num_partitions",),
     "elsa_ssa": ("num_partitions",),
     "ssa_flex": ("dn_mode", "backend", "compile"),
     "nsa": NSA_OPTION_KEYS,
     "nsa_ssa": NSA_OPTION_KEYS,
 }
-
 
 @dataclass
 class ResolvedAttention:

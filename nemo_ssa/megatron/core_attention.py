@@ -11,9 +11,13 @@ implements):
             attention_mask, attn_mask_type=None, attention_bias=None,
             packed_seq_params=None) -> [sq, b, np * hn]
 
-RoPE is already applied to q/k by ``SelfAttention``. Inside, tensors are viewed as
-[b, h, s, d] (no copy) and handed to ``nemo_ssa.ops`` — the op layer never sees
-Megatron layouts.
+RoPE is applied to q/k by ``SelfAttention`` -- except under ``FusedRopeSelfAttention``
+(nemo_ssa/megatron/self_attention.py, the spec's default for softmax_triton/ssa_triton),
+which hands megatron's rotary tensor to the core attention: RoPE and the [s, b, h, d] ->
+contiguous [b, h, s, d] layout are then one Triton pass (nemo_ssa/ops/rope). Otherwise
+tensors are viewed as [b, h, s, d] (no copy; ``force_contiguous_qkv`` copies) and handed
+to ``nemo_ssa.ops`` — the op layer never sees Megatron layouts. An op that takes ``out=``
+writes megatron's [sq, b, h*d] output in place (no copy back).
 
 Supported: self attention, mask types ``causal`` and ``no_mask`` (plus ``padding`` /
 ``arbitrary`` / ``padding_causal`` with an explicit mask), GQA, attention dropout under
@@ -33,6 +37,7 @@ softmax. Document-level masks therefore need ``padding_causal``/``arbitrary``.
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Optional
 
@@ -55,6 +60,7 @@ from nemo_ssa.megatron.parallel import (
     tp_group_of,
 )
 from nemo_ssa.ops.registry import get_attention_fn
+from nemo_ssa.ops.rope import rope_layout_triton
 
 _CAUSAL_TYPES = (AttnMaskType.causal,)
 _MASKED_TYPES = (AttnMaskType.padding, AttnMaskType.arbitrary, AttnMaskType.padding_causal)
@@ -62,6 +68,14 @@ _SUPPORTED_MASK_TYPES = _CAUSAL_TYPES + (AttnMaskType.no_mask,) + _MASKED_TYPES
 #: mask types under context parallel > 1 (a mask tensor would have to be sliced like the
 #: load-balanced chunks; causal/no_mask need none)
 _CP_MASK_TYPES = (AttnMaskType.causal, AttnMaskType.no_mask)
+
+
+def _accepts_out(fn) -> bool:
+    """Whether an attention op takes ``out=`` (a preallocated [B, H, Sq, D] tensor, any strides)."""
+    try:
+        return "out" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _tp_size(pg_collection) -> int:
@@ -92,6 +106,9 @@ class _TransformedSoftmaxAttention(MegatronModule):
     supports_dropout: bool = True
     #: (min, max) head dim the op supports; None = any
     supported_head_dims: Optional[tuple] = None
+    #: RoPE + layout fused into one Triton pass (nemo_ssa/ops/rope), driven by
+    #: ``FusedRopeSelfAttention`` (nemo_ssa/megatron/self_attention.py); the fused GPU kernels
+    supports_fused_rope_layout: bool = False
 
     def __init__(
         self,
@@ -105,6 +122,7 @@ class _TransformedSoftmaxAttention(MegatronModule):
         pg_collection=None,
         force_contiguous_qkv: bool = True,
         kernel_options: Optional[dict] = None,
+        fused_rope_layout: Optional[bool] = None,
     ):
         super().__init__(config=config)
         name = self.attention_name
@@ -171,12 +189,22 @@ class _TransformedSoftmaxAttention(MegatronModule):
             )
         self._attend = get_attention_fn(*self.op_key)
         self._attend_varlen = get_attention_fn(*self.varlen_op_key) if self.varlen_op_key else None
+        #: the op writes its [B, H, Sq, D] output into a given (strided) tensor: then the
+        #: [sq, b, h*d] output is written in place, without the copy back
+        self._op_takes_out = _accepts_out(self._attend)
+        if fused_rope_layout and not self.supports_fused_rope_layout:
+            raise NotImplementedError(
+                f"attention={name}: fused_rope_layout=True is not supported (supported by: softmax_triton, "
+                "ssa_triton)."
+            )
+        self.fused_rope_layout = (self.supports_fused_rope_layout if fused_rope_layout is None
+                                  else bool(fused_rope_layout))
+        #: (freqs_q, freqs_k, mscale) set by FusedRopeSelfAttention for the duration of one
+        #: forward: RoPE is then applied here, fused with the layout pass
+        self._pending_rope = None
 
     # -- op call ------------------------------------------------------------------------
-    # the op takes ``out=`` (a strided [b, h, s, d] view to write into): the fused kernels
-    writes_out = False
-
-    def _call_op(self, q, k, v, *, causal, keep_mask, dropout_p, **extra):  # pragma: no cover
+    def _call_op(self, q, k, v, *, causal, keep_mask, dropout_p, **out):  # pragma: no cover
         raise NotImplementedError
 
     def _op_args(self) -> tuple:
@@ -229,6 +257,11 @@ class _TransformedSoftmaxAttention(MegatronModule):
         packed_seq_params=None,
     ) -> Tensor:
         name = self.attention_name
+        rope, self._pending_rope = self._pending_rope, None
+        if rope is not None and (packed_seq_params is not None or self.cp_size > 1):
+            # FusedRopeSelfAttention falls back to megatron's RoPE before this can happen
+            raise RuntimeError(f"attention={name}: fused RoPE + layout was handed a packed / context-parallel "
+                               "batch (supported: [s, b, h, d] on one CP rank); megatron's RoPE path must be used.")
         if packed_seq_params is not None and self.varlen_op_key:
             return self._forward_packed(query, key, value, attn_mask_type, attention_bias, packed_seq_params)
         if packed_seq_params is not None:
@@ -249,26 +282,31 @@ class _TransformedSoftmaxAttention(MegatronModule):
             keep_mask = ~attention_mask.bool()  # megatron: True = masked out
 
         sq, b = query.shape[0], query.shape[1]
-        # [s, b, h, d] -> [b, h, s, d]: views, no copy
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        if self.force_contiguous_qkv:
-            # Seed 000: materialising q/k/v removed the strided-layout instabilities of
-            # the fused kernels; the reference does the same so both see identical inputs.
-            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        if rope is not None:
+            # FusedRopeSelfAttention handed us megatron's RoPE: one Triton pass per tensor
+            # reads the [s, b, h, d] views (any strides), rotates q/k and writes contiguous
+            # [b, h, s, d] -- seed 000's contiguous-q/k/v rule met without separate copies.
+            q, k, v = rope_layout_triton(query, key, value, *rope)
+        else:
+            # [s, b, h, d] -> [b, h, s, d]: views, no copy
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            if self.force_contiguous_qkv:
+                # Seed 000: materialising q/k/v removed the strided-layout instabilities of
+                # the fused kernels; the reference does the same so both see identical inputs.
+                q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
 
-        dropout_p = self.dropout_p if self.training else 0.0
         extra = {}
-        if self.writes_out and not torch.compiler.is_compiling():
-            # the kernel writes Megatron's [sq, b, h, d] directly (a strided view of it), so
-            # the [b, h, sq, d] -> [sq, b, h*d] step below is a view, not a copy
-            buf = torch.empty(sq, b, q.shape[1], q.shape[3], dtype=q.dtype, device=q.device)
-            extra["out"] = buf.permute(1, 2, 0, 3)
+        if self._op_takes_out:
+            # the op writes straight into megatron's [sq, b, h*d] output (a [B, H, Sq, D] view)
+            buf = torch.empty((sq, b, q.shape[1] * q.shape[3]), dtype=q.dtype, device=q.device)
+            extra["out"] = buf.view(sq, b, q.shape[1], q.shape[3]).permute(1, 2, 0, 3)
+        dropout_p = self.dropout_p if self.training else 0.0
         if dropout_p > 0.0 and not self.config.sequence_parallel:
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 out = self._call_op(q, k, v, causal=causal, keep_mask=keep_mask, dropout_p=dropout_p, **extra)
         else:
             out = self._call_op(q, k, v, causal=causal, keep_mask=keep_mask, dropout_p=dropout_p, **extra)
-        # [b, h, sq, d] -> [sq, b, h*d]
+        # [b, h, sq, d] -> [sq, b, h*d]: free (a view) when the op wrote into ``out``
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
     # -- tensor / context parallel (nemo_ssa/megatron/parallel.py) -------------------------
@@ -336,10 +374,10 @@ class SoftmaxCoreAttention(_TransformedSoftmaxAttention):
     attention_name = "softmax"
     op_key = ("softmax", "sdpa")
 
-    def _call_op(self, q, k, v, *, causal, keep_mask, dropout_p, **extra):
+    def _call_op(self, q, k, v, *, causal, keep_mask, dropout_p, **out):
         return self._attend(
             q, k, v, causal=causal, softmax_scale=self.softmax_scale,
-            keep_mask=keep_mask, dropout_p=dropout_p, **self.kernel_options, **extra,
+            keep_mask=keep_mask, dropout_p=dropout_p, **self.kernel_options, **out,
         )
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
@@ -437,18 +475,20 @@ class SSACoreAttention(SSAScalars, _TransformedSoftmaxAttention):
         learnable_n: bool = True,
         learnable_b: bool = False,
         kernel_options: Optional[dict] = None,
+        fused_rope_layout: Optional[bool] = None,
     ):
         super().__init__(
             config, layer_number, attn_mask_type, attention_type, attention_dropout,
             softmax_scale, cp_comm_type, pg_collection, force_contiguous_qkv, kernel_options,
+            fused_rope_layout,
         )
         self._init_ssa_scalars(self.attention_name, n_init, b_init, learnable_n, learnable_b)
 
-    def _call_op(self, q, k, v, *, causal, keep_mask, dropout_p, **extra):
+    def _call_op(self, q, k, v, *, causal, keep_mask, dropout_p, **out):
         n, b = self._op_args()
         return self._attend(
             q, k, v, n, b, causal=causal, softmax_scale=self.softmax_scale,
-            keep_mask=keep_mask, dropout_p=dropout_p, **self.kernel_options, **extra,
+            keep_mask=keep_mask, dropout_p=dropout_p, **self.kernel_options, **out,
         )
 
     def _op_args(self) -> tuple:
@@ -485,7 +525,7 @@ class SSATritonCoreAttention(SSACoreAttention):
     varlen_op_key = ("ssa", "triton_varlen")
     supported_mask_types = _TRITON_MASK_TYPES
     supported_head_dims = (16, 256)
-    writes_out = True
+    supports_fused_rope_layout = True
 
 
 class SoftmaxTritonCoreAttention(SoftmaxCoreAttention):
@@ -496,7 +536,7 @@ class SoftmaxTritonCoreAttention(SoftmaxCoreAttention):
     varlen_op_key = ("softmax", "triton_varlen")
     supported_mask_types = _TRITON_MASK_TYPES
     supported_head_dims = (16, 256)
-    writes_out = True
+    supports_fused_rope_layout = True
 
 
 class SSAFlexCoreAttention(SSACoreAttention):

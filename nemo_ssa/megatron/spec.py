@@ -35,6 +35,7 @@ from nemo_ssa.megatron.core_attention import (
     SSAReferenceCoreAttention,
 )
 from nemo_ssa.megatron.layernorm import LayerNorm1P
+from nemo_ssa.megatron.self_attention import FusedRopeSelfAttention
 from nemo_ssa.policy import ATTENTIONS, KERNEL_OPTION_KEYS, SSA_OPTION_KEYS, resolve_attention
 
 #: implementation name -> core attention class
@@ -59,7 +60,10 @@ def core_attention_spec(attention: str, options: Optional[Dict[str, Any]] = None
     params: Dict[str, Any] = {}
     if "force_contiguous_qkv" in options:
         params["force_contiguous_qkv"] = options["force_contiguous_qkv"]
-    kernel = {k: options[k] for k in KERNEL_OPTION_KEYS.get(attention, ()) if k in options}
+    if options.get("fused_rope_layout") is not None:
+        params["fused_rope_layout"] = bool(options["fused_rope_layout"])
+    kernel = {k: options[k] for k in KERNEL_OPTION_KEYS.get(attention, ())
+              if k in options and k != "fused_rope_layout"}
     if kernel:
         params["kernel_options"] = kernel
     if ATTENTIONS[attention].transform == "ssa":
@@ -120,5 +124,19 @@ def layer_spec(
         layer.submodules.self_attention.submodules.core_attention = core_attention_spec(
             resolved.name, resolved.options
         )
+        _use_fused_rope_layout(layer, resolved.name, resolved.options)
     num_layers = get_num_layers_to_build(config)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=LayerNorm1P)
+
+
+def _use_fused_rope_layout(layer: ModuleSpec, attention: str, options: Dict[str, Any]) -> None:
+    """RoPE + q/k/v layout in one Triton pass (nemo_ssa/ops/rope) for the fused core attentions.
+
+    ``fused_rope_layout`` (attention option of softmax_triton / ssa_triton; the policy
+    refuses it elsewhere): null or true = on, false = megatron's RoPE + the layout copies.
+    """
+    flag = options.get("fused_rope_layout")
+    if flag is False or (flag is None and not CORE_ATTENTIONS[attention].supports_fused_rope_layout):
+        return
+    layer.submodules.self_attention.module = FusedRopeSelfAttention
+

@@ -1,0 +1,161 @@
+"""FusedRopeSelfAttention + the core attention's fused RoPE/layout path, at model level (CPU).
+
+A tiny GPT built through our spec (rope, rotary_percent 0.5, GQA, odd s) with the fused
+path must give the same loss and gradients (fp32, tight tolerance) as the stock megatron
+RoPE + layout-copy path on the same weights; the Triton kernels run in the interpreter.
+"""
+
+import pytest
+import torch
+
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+import nemo_ssa.megatron.core_attention as core_attention_mod
+from nemo_ssa.megatron.core_attention import SoftmaxTritonCoreAttention
+from nemo_ssa.megatron.cpu import cpu_device_shims
+from nemo_ssa.megatron.self_attention import FusedRopeSelfAttention
+from nemo_ssa.megatron.spec import layer_spec
+
+S, B, HIDDEN, HEADS, GROUPS, VOCAB = 9, 2, 96, 6, 2, 64  # head dim 16, GQA 3, rot dim 8
+
+# CPU models with the Triton kernels in the interpreter (on a GPU machine the GPU side is
+# tests/ops/test_rope.py and benchmarks/bench_rope_layout.py)
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU model-level test (Triton interpreter)")
+
+
+def make_config(**overrides):
+    kw = dict(num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
+              use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0, apply_rope_fusion=False)
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+def build_gpt(attention, fused, cfg=None):
+    cfg = cfg or make_config()
+    spec = layer_spec(cfg, attention=attention, attention_options={"fused_rope_layout": fused})
+    with cpu_device_shims():
+        return GPTModel(cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=S,
+                        position_embedding_type="rope", rotary_percent=0.5)
+
+
+def loss_and_grads(model, tokens):
+    model.zero_grad(set_to_none=True)
+    with cpu_device_shims():
+        pos = torch.arange(S)[None].expand(B, S)
+        loss = model(tokens, pos, attention_mask=None, labels=tokens).mean()
+        loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+class Counter:
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *a, **k):
+        self.calls += 1
+        return self.fn(*a, **k)
+
+
+@pytest.mark.parametrize("attention", ["softmax_triton", "ssa_triton"])
+def test_fused_path_matches_megatron_rope_and_copies(megatron_cpu, monkeypatch, attention):
+    import megatron.core.transformer.attention as mattn
+
+    fused, stock = build_gpt(attention, None), build_gpt(attention, False)
+    stock.load_state_dict(fused.state_dict())
+    for layer in fused.decoder.layers:
+        assert type(layer.self_attention) is FusedRopeSelfAttention
+        assert layer.self_attention.core_attention.fused_rope_layout
+    for layer in stock.decoder.layers:
+        assert type(layer.self_attention) is SelfAttention
+    tokens = torch.randint(0, VOCAB, (B, S))
+    rope_kernel = Counter(core_attention_mod.rope_layout_triton)
+    megatron_rope = Counter(mattn.apply_rotary_pos_emb)
+    monkeypatch.setattr(core_attention_mod, "rope_layout_triton", rope_kernel)
+    monkeypatch.setattr(mattn, "apply_rotary_pos_emb", megatron_rope)
+
+    loss_f, grads_f = loss_and_grads(fused, tokens)
+    assert (rope_kernel.calls, megatron_rope.calls) == (2, 0)  # one fused pass per layer, no megatron RoPE
+    loss_s, grads_s = loss_and_grads(stock, tokens)
+    assert (rope_kernel.calls, megatron_rope.calls) == (2, 4)  # stock: megatron ropes q and k per layer
+    torch.testing.assert_close(loss_f, loss_s, atol=1e-6, rtol=1e-6)
+    assert set(grads_f) == set(grads_s) and any("linear_qkv" in n for n in grads_f)
+    for name in grads_s:
+        torch.testing.assert_close(grads_f[name], grads_s[name], atol=1e-6, rtol=1e-5, msg=name)
+
+    # negative control: the same model without RoPE at all gives a different loss, so the
+    # comparison above can see a missing rotation
+    monkeypatch.setattr(core_attention_mod, "rope_layout_triton",
+                        lambda q, k, v, fq, fk, m: rope_kernel.fn(q, k, v, None, None, m))
+    loss_norope, _ = loss_and_grads(fused, tokens)
+    assert abs(loss_norope.item() - loss_s.item()) > 1e-4
+
+
+def test_unsupported_configs_fall_back_to_megatron(megatron_cpu, caplog):
+    """Interleaved RoPE is not fused: megatron's path runs (logged once) and the result is unchanged."""
+    cfg = make_config(num_layers=1, rotary_interleaved=True)
+    fused, stock = build_gpt("softmax_triton", None, cfg), build_gpt("softmax_triton", False, cfg)
+    stock.load_state_dict(fused.state_dict())
+    tokens = torch.randint(0, VOCAB, (B, S))
+    with caplog.at_level("WARNING", logger="nemo_ssa.megatron.self_attention"):
+        loss_f, _ = loss_and_grads(fused, tokens)
+    loss_s, _ = loss_and_grads(stock, tokens)
+    assert loss_f.item() == loss_s.item()
+    sa = fused.decoder.layers[0].self_attention
+    assert "interleaved" in sa._fallback_reason(torch.zeros(S, 1, 1, 8), None, None, None, None, None, None)
+    assert sa.core_attention._pending_rope is None
+
+
+def test_option_wiring_and_refusal(megatron_cpu):
+    cfg = make_config(num_layers=1)
+    spec = layer_spec(cfg, attention="softmax")  # unfused attentions keep megatron's SelfAttention
+    assert spec.layer_specs[0].submodules.self_attention.module is SelfAttention
+    spec = layer_spec(cfg, attention="ssa_triton")
+    assert spec.layer_specs[0].submodules.self_attention.module is FusedRopeSelfAttention
+    with pytest.raises(ValueError, match="fused_rope_layout"):  # the policy: not an option of softmax
+        build_gpt("softmax", True, cfg)
+    with pytest.raises(NotImplementedError, match="fused_rope_layout"):  # the module itself refuses too
+        core_attention_mod.SoftmaxCoreAttention(cfg, 1, core_attention_mod.AttnMaskType.causal, "self",
+                                                fused_rope_layout=True)
+
+
+def test_out_argument_writes_megatron_layout_in_place(megatron_cpu):
+    """An op with ``out=`` gets a [B, H, Sq, D] view of the [sq, b, h*d] output: no copy back."""
+    cfg = make_config(num_layers=1)
+    mod = SoftmaxTritonCoreAttention(cfg, 1, core_attention_mod.AttnMaskType.causal, "self")
+    real = mod._attend
+    seen = {}
+
+    def with_out(q, k, v, *, out=None, **kw):
+        seen["out"] = out
+        res = real(q, k, v, **kw)
+        return out.copy_(res) if out is not None else res
+
+    mod._attend, mod._op_takes_out = with_out, core_attention_mod._accepts_out(with_out)
+    assert mod._op_takes_out
+    d = HIDDEN // HEADS
+    q = torch.randn(S, B, HEADS, d, requires_grad=True)
+    k, v = (torch.randn(S, B, GROUPS, d, requires_grad=True) for _ in range(2))
+    got = mod(q, k, v, None)
+    assert seen["out"].shape == (B, HEADS, S, d)
+    assert got.shape == (S, B, HEADS * d) and got.data_ptr() == seen["out"].data_ptr()
+    mod._attend, mod._op_takes_out = real, False
+    want = mod(q, k, v, None)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    got.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_block_benchmark_smoke(tmp_path):
+    """benchmarks/bench_rope_layout.py (the lead's GPU command) runs and checks agreement on CPU."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "bench_rope_layout.py")
+    spec = importlib.util.spec_from_file_location("bench_rope_layout", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "r.md"
+    assert bench.main(["--smoke", "--attentions", "softmax_triton", "--out", str(out)]) == 0
+    assert "| softmax_triton | B2 N9 H6/2 D16 float32 | True |" in out.read_text()

@@ -1,0 +1,157 @@
+"""Fused RoPE + layout (nemo_ssa/ops/rope) vs the torch reference and megatron's own RoPE.
+
+Inputs are megatron-like strided views (q from a transposed buffer, k/v slices of one
+mixed QKV buffer); freqs are built like megatron's RotaryEmbedding ([s, 1, 1, rot] fp32,
+cat(freqs, freqs)), rot < d as in the 114M recipe (rotary_percent 0.5) and rot == d.
+Triton runs in the CPU interpreter: tiny shapes.
+"""
+
+import pytest
+import torch
+
+from nemo_ssa.ops.rope import naive as rope_naive
+from nemo_ssa.ops.rope import rope_layout_naive, rope_layout_triton
+from nemo_ssa.ops.rope import triton as rope_triton
+from nemo_ssa.testing import assert_within_2x_eager, rel_err
+
+#: the kernel runs compiled on a GPU machine, in the interpreter on CPU (tests/conftest.py)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def freqs_like_megatron(s, rot, base=10000.0, offset=0):
+    inv = 1.0 / (base ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
+    f = torch.outer(torch.arange(offset, offset + s, dtype=torch.float32), inv)
+    return torch.cat((f, f), dim=-1)[:, None, None, :].to(DEVICE)
+
+
+def megatron_views(s, b, hq, hkv, d, dtype, requires_grad=False):
+    """q [s, b, hq, d] and k, v [s, b, hkv, d] as strided views, like get_query_key_value_tensors."""
+    g = hq // hkv
+    mixed = torch.randn(s, b, hkv, (g + 2) * d + 3, dtype=dtype, device=DEVICE)  # +3: odd row pitch
+    mixed.requires_grad_(requires_grad)
+    q = mixed[..., : g * d].reshape(s, b, hq, d)  # like megatron: a copy when g > 1, a view when g == 1
+    k = mixed[..., g * d: (g + 1) * d]
+    v = mixed[..., (g + 1) * d: (g + 2) * d]
+    return mixed, q, k, v
+
+
+SHAPES = [  # s, b, hq, hkv, d, rot
+    (7, 2, 6, 2, 32, 16),   # recipe-like: GQA 3:1, rotary_percent 0.5, odd s
+    (5, 3, 4, 4, 16, 16),   # full rotation, MHA
+    (9, 1, 3, 1, 24, 8),    # non-power-of-2 head dim, MQA
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"s{s}b{b}h{h}kv{kv}d{d}r{r}" for s, b, h, kv, d, r in SHAPES])
+def test_forward_and_backward_within_2x_eager(shape, dtype, monkeypatch):
+    s, b, hq, hkv, d, rot = shape
+    # poison every allocation the op makes: an unwritten element is NaN and fails
+    monkeypatch.setattr(rope_triton, "_empty",
+                        lambda shp, like: torch.full(shp, float("nan"), dtype=like.dtype, device=like.device))
+    mixed, q, k, v = megatron_views(s, b, hq, hkv, d, dtype, requires_grad=True)
+    freqs = freqs_like_megatron(s, rot)
+    out = rope_layout_triton(q, k, v, freqs)
+    for o, (hh, name) in zip(out, ((hq, "q"), (hkv, "k"), (hkv, "v"))):
+        assert o.shape == (b, hh, s, d) and o.is_contiguous() and o.dtype == dtype, name
+    grads = [torch.randn_like(o) for o in out]
+    (gmixed,) = torch.autograd.grad(out, mixed, grads)
+
+    ref_mixed = mixed.detach().double().requires_grad_(True)
+    q64, k64, v64 = split(ref_mixed, hq, hkv, d)
+    ref = rope_layout_naive(q64, k64, v64, freqs.double())
+    (gref,) = torch.autograd.grad(ref, ref_mixed, [g.double() for g in grads])
+
+    eag_mixed = mixed.detach().clone().requires_grad_(True)
+    eager = rope_layout_naive(*split(eag_mixed, hq, hkv, d), freqs)
+    (geager,) = torch.autograd.grad(eager, eag_mixed, grads)
+
+    for o, e, r, name in zip(out, eager, ref, "qkv"):
+        assert_within_2x_eager(o, e, r, name=name)
+    assert_within_2x_eager(gmixed, geager, gref, name="grad")
+    # the pad columns of the mixed buffer get exactly zero grad
+    assert torch.all(gmixed[..., (hq // hkv + 2) * d:] == 0)
+
+
+def split(mixed, hq, hkv, d):
+    g = hq // hkv
+    s, b = mixed.shape[:2]
+    q = mixed[..., : g * d].reshape(s, b, hq, d)
+    return q, mixed[..., g * d: (g + 1) * d], mixed[..., (g + 1) * d: (g + 2) * d]
+
+
+def test_matches_megatron_apply_rotary_pos_emb():
+    """Against megatron-core's own unfused apply_rotary_pos_emb (fp32, rotary_percent 0.5)."""
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    s, b, hq, hkv, d = 11, 2, 6, 2, 32
+    cfg = TransformerConfig(num_layers=1, hidden_size=hq * d, num_attention_heads=hq, num_query_groups=hkv,
+                            apply_rope_fusion=False)
+    rope = RotaryEmbedding(kv_channels=d, rotary_percent=0.5, use_cpu_initialization=True)
+    from nemo_ssa.megatron.cpu import cpu_device_shims
+
+    with cpu_device_shims():
+        freqs = rope(s).to(DEVICE)
+    assert freqs.shape == (s, 1, 1, d // 2)
+    mixed = torch.randn(s, b, hkv, (hq // hkv + 2) * d + 3, dtype=torch.float32, device=DEVICE)
+    q, k, v = split(mixed, hq, hkv, d)
+    cp = object()  # only read for packed (THD) sequences; avoids needing parallel_state
+    want_q = apply_rotary_pos_emb(q, freqs, config=cfg, cp_group=cp)
+    want_k = apply_rotary_pos_emb(k, freqs, config=cfg, cp_group=cp)
+    got_q, got_k, got_v = rope_layout_triton(q, k, v, freqs)
+    torch.testing.assert_close(got_q, want_q.permute(1, 2, 0, 3), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got_k, want_k.permute(1, 2, 0, 3), atol=1e-6, rtol=1e-5)
+    assert torch.equal(got_v, v.permute(1, 2, 0, 3))
+    # negative control: the rotation is not the identity on this data
+    assert rel_err(got_q, q.permute(1, 2, 0, 3)) > 0.1
+    # and the reference agrees with megatron too
+    torch.testing.assert_close(rope_naive.apply_rope_sbhd(q, freqs), want_q, atol=0, rtol=0)
+
+
+def test_separate_q_and_k_freqs_and_mscale():
+    s, b, hq, hkv, d = 6, 1, 2, 1, 16
+    _, q, k, v = megatron_views(s, b, hq, hkv, d, torch.float32)
+    fq, fk = freqs_like_megatron(s, d, offset=0), freqs_like_megatron(s, d, offset=5)
+    got = rope_layout_triton(q, k, v, fq, fk, mscale=1.3)
+    want = rope_layout_naive(q, k, v, fq, fk, mscale=1.3)
+    for a, w in zip(got, want):
+        torch.testing.assert_close(a, w, atol=1e-5, rtol=1e-5)
+    swapped = rope_layout_triton(q, k, v, fk, fq, mscale=1.3)
+    assert rel_err(swapped[1], want[1]) > 0.05  # negative control: freqs_k is really used
+
+
+@pytest.mark.parametrize("bad,msg", [
+    (lambda f: f[:-1], "must be"),
+    (lambda f: f[..., :-1], "even"),
+    (lambda f: f.expand(-1, 2, -1, -1), "must be"),
+])
+def test_bad_freqs_raise_clear_errors(bad, msg):
+    _, q, k, v = megatron_views(4, 2, 2, 1, 16, torch.float32)
+    with pytest.raises(ValueError, match=msg):
+        rope_layout_triton(q, k, v, bad(freqs_like_megatron(4, 16)))
+
+
+def test_layout_only_and_partial_grads():
+    """freqs None: a pure layout pass (exact); a loss on q alone still gives exact zero dk/dv."""
+    mixed, q, k, v = megatron_views(5, 2, 4, 2, 16, torch.float32, requires_grad=True)
+    got = rope_layout_triton(q, k, v, None)
+    for a, t in zip(got, (q, k, v)):
+        assert torch.equal(a, t.permute(1, 2, 0, 3))
+    fq = freqs_like_megatron(5, 8)
+    oq, _, _ = rope_layout_triton(q, k, v, fq)
+    (g,) = torch.autograd.grad(oq.square().sum(), mixed)
+    (want,) = torch.autograd.grad(rope_layout_naive(q, k, v, fq)[0].square().sum(), mixed)
+    torch.testing.assert_close(g, want, atol=1e-5, rtol=1e-5)
+    assert torch.all(g[..., 2 * 16:] == 0) and g[..., : 2 * 16].abs().max() > 0
+
+
+def test_mismatched_inputs_raise():
+    _, q, k, v = megatron_views(4, 2, 4, 2, 16, torch.float32)
+    with pytest.raises(ValueError, match="same number of heads"):
+        rope_layout_triton(q, k, v[:, :, :1], None)
+    with pytest.raises(ValueError, match="dtype"):
+        rope_layout_triton(q, k, v.double(), None)
+    with pytest.raises(ValueError, match="both"):
+        rope_layout_triton(q, k, v, freqs_like_megatron(4, 16), freqs_like_megatron(4, 8))
