@@ -808,7 +808,13 @@ def attention_bwd(
     dk = new_output_like(k)
     dv = new_output_like(v)
     delta = new_output_like(M)
-    if dparams:  # one partial per query row (M's layout), written by the dQ kernel
+    stacked = None
+    if dparams and M.is_contiguous():
+        # one partial per query row (M's layout), written by the dQ kernel; dn and db
+        # partials share one buffer so a single fp64 reduction launch sums both
+        stacked = new_output((2,) + tuple(M.shape), torch.float32, dev)
+        dn_part, db_part = stacked[0], stacked[1]
+    elif dparams:
         dn_part = new_output_like(M)
         db_part = new_output_like(M)
     else:
@@ -846,7 +852,12 @@ def attention_bwd(
         _attn_bwd_kernel_dkv[(triton.cdiv(sk, cfg.block_n_kv), bz * hkv)](
             *kv_args, BLOCK_M=cfg.block_m_kv, BLOCK_N=cfg.block_n_kv,
             num_warps=cfg.warps_kv, num_stages=cfg.stages_kv, **common)
-    if dparams:
+    if stacked is not None:
+        # fixed-size buffer, fixed order, accumulated in float64 (sum's dtype= casts each
+        # element before accumulating, no fp64 copy): bit-identical run to run
+        both = stacked.sum(dim=tuple(range(1, stacked.dim())), dtype=torch.float64).to(torch.float32)
+        dn, db = both[0:1], both[1:2]
+    elif dparams:
         # fixed-size buffer, fixed order, float64: bit-identical run to run
         dn = dn_part.to(torch.float64).sum().to(torch.float32).reshape(1)
         db = db_part.to(torch.float64).sum().to(torch.float32).reshape(1)
