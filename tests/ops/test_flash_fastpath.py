@@ -122,3 +122,127 @@ def test_dn_db_single_reduction_bitwise_and_matches_separate_sums():
     torch.testing.assert_close(r[3], dn, rtol=1e-6, atol=0)
     torch.testing.assert_close(r[4], db, rtol=1e-6, atol=0)
     assert attn_bwd.attention_bwd(do, q, k, v, o, M, n=n, b=b, causal=True, need_dparams=False)[3] is None
+
+
+# ---- cached kernel launch (attn_bwd.launch); CPU tests use a stand-in kernel ----------
+
+
+def test_launch_key_separates_every_specialization():
+    base = torch.empty(64, dtype=torch.float32)
+    k0 = attn_bwd.launch_key("kern", 0, (base, 16, 1.5, None), {"BLOCK_M": 64, "num_warps": 4})
+    same = attn_bwd.launch_key("kern", 0, (torch.empty(64, dtype=torch.float32), 16, 2.5, None),
+                               {"num_warps": 4, "BLOCK_M": 64})
+    if base.data_ptr() % 16 == torch.empty(64).data_ptr() % 16:
+        assert k0 == same  # floats by type, dict order irrelevant
+    variants = [
+        ("kern", 1, (base, 16, 1.5, None), {"BLOCK_M": 64, "num_warps": 4}),          # device
+        ("other", 0, (base, 16, 1.5, None), {"BLOCK_M": 64, "num_warps": 4}),         # kernel
+        ("kern", 0, (base.half(), 16, 1.5, None), {"BLOCK_M": 64, "num_warps": 4}),   # dtype
+        ("kern", 0, (base[1:], 16, 1.5, None), {"BLOCK_M": 64, "num_warps": 4}),      # alignment
+        ("kern", 0, (base, 17, 1.5, None), {"BLOCK_M": 64, "num_warps": 4}),          # int %16
+        ("kern", 0, (base, 1, 1.5, None), {"BLOCK_M": 64, "num_warps": 4}),           # int == 1
+        ("kern", 0, (base, 2 ** 40, 1.5, None), {"BLOCK_M": 64, "num_warps": 4}),     # int64
+        ("kern", 0, (base, 16, 1.5, base), {"BLOCK_M": 64, "num_warps": 4}),          # None vs ptr
+        ("kern", 0, (base, 16, 1.5, None), {"BLOCK_M": 32, "num_warps": 4}),          # constexpr
+        ("kern", 0, (base, 16, 1.5, None), {"BLOCK_M": 64, "num_warps": 8}),          # option
+    ]
+    keys = {attn_bwd.launch_key(*v) for v in variants}
+    assert len(keys) == len(variants) and k0 not in keys
+    with pytest.raises(TypeError, match="unsupported"):
+        attn_bwd.launch_key("kern", 0, ("str",), {})
+
+
+class _Param:
+    def __init__(self, name, default):
+        self.name, self.default = name, default
+
+
+class _FakeCompiled:
+    function, packed_metadata = "fn", "meta"  # handles loaded (a real launch happened)
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, *a):
+        self.runs.append(a)
+
+
+class _FakeKernel:
+    """JITFunction stand-in: params (X, n, BLOCK, FLAG=True); records normal-path calls."""
+
+    def __init__(self):
+        import inspect
+        self.params = [_Param("X", inspect.Parameter.empty), _Param("n", inspect.Parameter.empty),
+                       _Param("BLOCK", inspect.Parameter.empty), _Param("FLAG", True)]
+        self.arg_names = [p.name for p in self.params]
+        self.slow = []
+
+    def __getitem__(self, grid):
+        def call(*args, **meta):
+            self.slow.append((grid, args, meta))
+            return _FakeCompiled()
+        return call
+
+
+def test_cached_launch_reuses_compiled_kernel_with_all_args(monkeypatch):
+    monkeypatch.setattr(attn_bwd, "_INTERPRETED", False)
+    monkeypatch.setattr(attn_bwd, "_LAUNCH_CACHE", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(attn_bwd, "_current_stream", lambda dev: 1234)
+    kern = _FakeKernel()
+    x = torch.empty(32)
+    c1 = attn_bwd.launch(kern, (3, 2), (x, 16), {"BLOCK": 64, "num_warps": 4})
+    assert len(kern.slow) == 1 and c1.runs == []              # miss: normal path compiles+launches
+    c2 = attn_bwd.launch(kern, (5, 7), (x, 16), {"BLOCK": 64, "num_warps": 4})
+    assert c2 is c1 and len(kern.slow) == 1                   # hit: launcher called directly
+    (run,) = c1.runs
+    assert run[:7] == (5, 7, 1, 1234, "fn", "meta", None) and run[7:9] == (None, None)
+    assert run[9] is x and run[10:] == (16, 64, True)         # constexprs + defaults in order
+    attn_bwd.launch(kern, (5, 7), (x, 17), {"BLOCK": 64, "num_warps": 4})
+    assert len(kern.slow) == 2                                # new int value: new key
+    monkeypatch.setattr(attn_bwd, "FAST_LAUNCH", False)       # kill switch
+    attn_bwd.launch(kern, (5, 7), (x, 16), {"BLOCK": 64, "num_warps": 4})
+    assert len(kern.slow) == 3 and len(c1.runs) == 1
+    monkeypatch.setattr(attn_bwd, "FAST_LAUNCH", True)
+    monkeypatch.setattr(attn_bwd, "_INTERPRETED", True)       # interpreter: always normal path
+    attn_bwd.launch(kern, (5, 7), (x, 16), {"BLOCK": 64, "num_warps": 4})
+    assert len(kern.slow) == 4 and len(c1.runs) == 1
+
+
+def test_cached_launch_steps_aside_for_launch_hooks(monkeypatch):
+    import triton
+    monkeypatch.setattr(attn_bwd, "_INTERPRETED", False)
+    monkeypatch.setattr(attn_bwd, "_LAUNCH_CACHE", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(attn_bwd, "_current_stream", lambda dev: 0)
+    kern, x = _FakeKernel(), torch.empty(32)
+    attn_bwd.launch(kern, (1, 1), (x, 16), {"BLOCK": 64})
+    hook = lambda meta: None  # noqa: E731
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert attn_bwd._launch_hooks_active()
+        attn_bwd.launch(kern, (1, 1), (x, 16), {"BLOCK": 64})
+        assert len(kern.slow) == 2
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    assert not attn_bwd._launch_hooks_active()
+
+
+@pytest.mark.skipif(is_interpreter(), reason="the cached launch only exists on the GPU")
+def test_cached_launch_bitwise_equals_normal_launch_gpu(monkeypatch):
+    q, k, v = make_qkv(2, 6, 2, 77, 77, 32, torch.bfloat16, device=DEVICE, requires_grad=True)
+    n, b = _params()
+    go = torch.randn_like(q)
+
+    def once():
+        o = fl.ssa_attention_triton(q, k, v, n, b, causal=True)
+        return (o,) + torch.autograd.grad(o, [q, k, v, n, b], go)
+
+    monkeypatch.setattr(attn_bwd, "FAST_LAUNCH", False)
+    ref = once()
+    monkeypatch.setattr(attn_bwd, "FAST_LAUNCH", True)
+    monkeypatch.setattr(attn_bwd, "_LAUNCH_CACHE", {})
+    once()  # fills the cache
+    assert len(attn_bwd._LAUNCH_CACHE) >= 4
+    for x, y in zip(once(), ref):
+        assert torch.equal(x, y)

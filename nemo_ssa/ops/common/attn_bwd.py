@@ -40,6 +40,7 @@ with exactly these helpers.
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Dict, NamedTuple, Optional, Tuple
 
@@ -565,6 +566,101 @@ def is_interpreter() -> bool:
     return _INTERPRETED
 
 
+# ----------------------------------------------------------------------------------------
+# Cached kernel launch (issue 13: per-call host cost)
+# ----------------------------------------------------------------------------------------
+
+# NEMO_SSA_FAST_LAUNCH=0 turns the cached launch off (every call goes through JITFunction.run)
+FAST_LAUNCH: bool = os.environ.get("NEMO_SSA_FAST_LAUNCH", "1") not in ("", "0")
+_LAUNCH_CACHE: dict = {}
+_LAUNCH_CACHE_MAX = 512
+_I32 = (-(2 ** 31), 2 ** 31 - 1)
+
+
+def _current_stream(device_index: int):
+    """The stream handle JITFunction.run would launch on."""
+    return triton.runtime.driver.active.get_current_stream(device_index)
+
+
+def _launch_hooks_active() -> bool:
+    """Triton launch hooks (e.g. proton / the profiler) need JITFunction.run's metadata."""
+    rt = triton.knobs.runtime
+    hooks = (rt.launch_enter_hook, rt.launch_exit_hook)
+    return any(h is not None and getattr(h, "calls", True) for h in hooks)
+
+
+def launch_key(kernel, device_index: int, args: tuple, meta: dict) -> tuple:
+    """Cache key of one launch, at least as fine as Triton's own specialization: every
+    tensor's dtype and 16-byte alignment of its pointer, every int's exact value (finer
+    than Triton's int32/int64 / ==1 / %16 classes, so a hit can never pick a kernel built
+    for other values), floats by type only (Triton never specializes them), ``None``, every
+    constexpr and launch option (``meta``), the kernel and the device."""
+    parts = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            parts.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif isinstance(a, bool):
+            parts.append(("b", a))
+        elif isinstance(a, int):
+            parts.append(a)
+        elif isinstance(a, float):
+            parts.append(float)
+        elif a is None:
+            parts.append(None)
+        else:
+            raise TypeError(f"launch_key: unsupported kernel argument type {type(a).__name__}")
+    return (id(kernel), device_index, tuple(parts), tuple(sorted(meta.items())))
+
+
+def _full_args(kernel, args: tuple, meta: dict):
+    """Positional values of every kernel parameter (constexprs included, in signature
+    order), as ``JITFunction.run`` hands them to ``CompiledKernel.run``; None if a
+    parameter has neither a value nor a default."""
+    names = kernel.arg_names
+    out = list(args)
+    for p in kernel.params[len(args):]:
+        if p.name in meta:
+            out.append(meta[p.name])
+        elif p.default is not inspect.Parameter.empty:
+            out.append(p.default)
+        else:
+            return None
+    return out if len(out) == len(names) else None
+
+
+def launch(kernel, grid: tuple, args: tuple, meta: dict):
+    """``kernel[grid](*args, **meta)`` with the compiled kernel cached per ``launch_key``.
+
+    A hit skips ``JITFunction.run``'s binder, option parsing and cache-key hashing and
+    calls ``CompiledKernel.run`` (the launcher ``JITFunction.run`` itself ends with) with
+    the same arguments. A miss (or the interpreter, a launch hook such as the profiler's,
+    ``FAST_LAUNCH`` off) takes the normal path, which compiles if needed; its returned
+    ``CompiledKernel`` is stored under the key."""
+    if _INTERPRETED or not FAST_LAUNCH or _launch_hooks_active():
+        return kernel[grid](*args, **meta)
+    dev = torch.cuda.current_device()
+    key = launch_key(kernel, dev, args, meta)
+    hit = _LAUNCH_CACHE.get(key)
+    if hit is None:
+        compiled = kernel[grid](*args, **meta)
+        full = _full_args(kernel, args, meta)
+        if (full is not None and getattr(compiled, "function", None) is not None
+                and hasattr(compiled, "packed_metadata")):
+            if len(_LAUNCH_CACHE) >= _LAUNCH_CACHE_MAX:
+                _LAUNCH_CACHE.clear()
+            # the constexpr/default tail depends only on meta (part of the key)
+            _LAUNCH_CACHE[key] = (compiled, tuple(full[len(args):]))
+        return compiled
+    compiled, tail = hit
+    full = args + tail
+    g = tuple(grid) + (1, 1)
+    stream = _current_stream(dev)
+    # no launch hooks registered (checked above): None skips them, as an empty chain would
+    compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None,
+                 None, None, *full)
+    return compiled
+
+
 def use_fast_math(device: torch.device) -> bool:
     """Default for ``fast_math`` (PTX ``lg2.approx``): CUDA (not ROCm), not interpreted."""
     return (not is_interpreter()) and device.type == "cuda" and torch.version.hip is None
@@ -822,10 +918,9 @@ def attention_bwd(
     ms = _stat_strides(M, varlen)
 
     pre_bm = 16 if is_interpreter() else max(16, min(128, 8192 // block_d))
-    _attn_bwd_preprocess[(triton.cdiv(sq, pre_bm), bz * hq)](
-        o, do, delta, cu_q, *_zhsd(o, varlen), *_zhsd(do, varlen), *ms, hq, sq,
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_bm, VARLEN=varlen,
-    )
+    launch(_attn_bwd_preprocess, (triton.cdiv(sq, pre_bm), bz * hq),
+           (o, do, delta, cu_q, *_zhsd(o, varlen), *_zhsd(do, varlen), *ms, hq, sq),
+           dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_bm, VARLEN=varlen))
     common = dict(HEAD_DIM=d, BLOCK_D=block_d, TRANSFORM=tid, CAUSAL=bool(causal), VARLEN=varlen,
                   HAS_DROPOUT=has_dropout, INPUT_PRECISION=input_precision,
                   FAST_LOG2=log2_mode(fast_math) if is_ssa else int(bool(fast_math)))
@@ -837,9 +932,9 @@ def attention_bwd(
                           ["HQ", "GROUP", "SEQ_Q", "SEQ_K", "HEAD_DIM", "TRANSFORM", "DPARAMS", "CAUSAL", "VARLEN", "HAS_DROPOUT"])
         kern[lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), bz * hq)](*dq_args, DPARAMS=dparams, **common)
     else:
-        _attn_bwd_kernel_dq[(triton.cdiv(sq, cfg.block_m_dq), bz * hq)](
-            *dq_args, BLOCK_M=cfg.block_m_dq, BLOCK_N=cfg.block_n_dq, DPARAMS=dparams,
-            num_warps=cfg.warps_dq, num_stages=cfg.stages_dq, **common)
+        launch(_attn_bwd_kernel_dq, (triton.cdiv(sq, cfg.block_m_dq), bz * hq), dq_args,
+               dict(BLOCK_M=cfg.block_m_dq, BLOCK_N=cfg.block_n_dq, DPARAMS=dparams,
+                    num_warps=cfg.warps_dq, num_stages=cfg.stages_dq, **common))
     kv_args = (q, k, v, do, dk, dv, M, delta, n_ptr, b_ptr, rng, cu_q, cu_k,
                *_zhsd(q, varlen), *_zhsd(k, varlen), *_zhsd(v, varlen), *_zhsd(do, varlen),
                *_zhsd(dk, varlen), *_zhsd(dv, varlen), *ms, hkv, group, sq, sk,
@@ -849,9 +944,9 @@ def attention_bwd(
                           ["HKV", "GROUP", "SEQ_Q", "SEQ_K", "HEAD_DIM", "TRANSFORM", "CAUSAL", "VARLEN", "HAS_DROPOUT"])
         kern[lambda meta: (triton.cdiv(sk, meta["BLOCK_N"]), bz * hkv)](*kv_args, **common)
     else:
-        _attn_bwd_kernel_dkv[(triton.cdiv(sk, cfg.block_n_kv), bz * hkv)](
-            *kv_args, BLOCK_M=cfg.block_m_kv, BLOCK_N=cfg.block_n_kv,
-            num_warps=cfg.warps_kv, num_stages=cfg.stages_kv, **common)
+        launch(_attn_bwd_kernel_dkv, (triton.cdiv(sk, cfg.block_n_kv), bz * hkv), kv_args,
+               dict(BLOCK_M=cfg.block_m_kv, BLOCK_N=cfg.block_n_kv,
+                    num_warps=cfg.warps_kv, num_stages=cfg.stages_kv, **common))
     if stacked is not None:
         # fixed-size buffer, fixed order, accumulated in float64 (sum's dtype= casts each
         # element before accumulating, no fp64 copy): bit-identical run to run

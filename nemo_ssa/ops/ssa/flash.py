@@ -66,6 +66,7 @@ from nemo_ssa.ops.common.attn_bwd import (
     dropout_state,
     is_interpreter,
     kv_range_for_q_block,
+    launch,
     load_kv_tile,
     load_params,
     make_rng_state,
@@ -295,9 +296,9 @@ def _flash_fwd(
         kern[lambda m: (triton.cdiv(sq, m["BLOCK_M"]), bz * hq)](*args, **meta)
     else:
         cfg = config or fwd_config(d, causal, q.dtype)
-        _attn_fwd_kernel[(triton.cdiv(sq, cfg.block_m), bz * hq)](
-            *args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta)
+        launch(_attn_fwd_kernel, (triton.cdiv(sq, cfg.block_m), bz * hq), args,
+               dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta))
     return o, M
 
 
