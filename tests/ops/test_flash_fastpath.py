@@ -246,3 +246,53 @@ def test_cached_launch_bitwise_equals_normal_launch_gpu(monkeypatch):
     assert len(attn_bwd._LAUNCH_CACHE) >= 4
     for x, y in zip(once(), ref):
         assert torch.equal(x, y)
+
+
+# ---- out= (kernel writes a preallocated, arbitrarily strided output) --------------------
+
+
+@pytest.mark.parametrize("eager", [True, False])
+@pytest.mark.parametrize("transform", ["ssa", "softmax"])
+def test_out_strided_in_place_matches_and_backward(monkeypatch, transform, eager):
+    """out = a permuted view of a NaN-poisoned [Sq, B, H, D] buffer (Megatron's [s, b, h*d]):
+    every element written, equal bitwise to the allocating call; the returned tensor aliases
+    the buffer (its [s, b, h*d] reshape is a free view) and carries autograd, gradients
+    identical with dO arriving in the buffer's strides."""
+    monkeypatch.setattr(fl, "EAGER_FASTPATH", eager)
+    B, H, Hkv, S, D = 2, 4, 2, 21, 16
+    q, k, v = make_qkv(B, H, Hkv, S, S, D, torch.float32, device=DEVICE, requires_grad=True)
+    n, b = _params()
+    kw = dict(n=n, b=b) if transform == "ssa" else {}
+    leaves = [q, k, v] + ([n, b] if transform == "ssa" else [])
+    ref = fl.flash_attention(q, k, v, transform=transform, causal=True, **kw)
+    go_sbhd = torch.randn(S, B, H * D, device=DEVICE)
+    g_ref = torch.autograd.grad(ref, leaves, go_sbhd.view(S, B, H, D).permute(1, 2, 0, 3))
+
+    buf = torch.full((S, B, H * D), float("nan"), device=DEVICE)
+    view = buf.view(S, B, H, D).permute(1, 2, 0, 3)
+    o = fl.flash_attention(q, k, v, transform=transform, causal=True, out=view, **kw)
+    assert o.data_ptr() == buf.data_ptr() and o.stride() == view.stride()
+    assert not buf.isnan().any()
+    assert torch.equal(o, ref) and torch.equal(buf.view(S, B, H, D).permute(1, 2, 0, 3), ref)
+    o_sbhd = o.permute(2, 0, 1, 3).reshape(S, B, H * D)
+    assert o_sbhd.data_ptr() == buf.data_ptr() and o_sbhd.is_contiguous()  # no copy
+    g = torch.autograd.grad(o_sbhd, leaves, go_sbhd)
+    for x, y in zip(g, g_ref):
+        assert torch.equal(x, y)
+
+
+def test_out_wrappers_and_validation():
+    import inspect
+    for fn in (fl.flash_attention, fl.ssa_attention_triton, fl.softmax_attention_triton):
+        assert "out" in inspect.signature(fn).parameters  # the layout helper's feature probe
+    q, k, v = make_qkv(1, 2, 1, 9, 9, 16, torch.float32, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    r = fl.softmax_attention_triton(q, k, v, out=out)
+    assert r.data_ptr() == out.data_ptr() and torch.equal(r, out) and not out.isnan().any()
+    bad = [(torch.empty(1, 2, 9, 8, device=DEVICE), "shape"), (q.new_empty(q.shape, dtype=torch.float16), "dtype"),
+           (q.new_empty(1, 2, 1, 16).expand(1, 2, 9, 16), "overlapping"),
+           (torch.empty_like(q).requires_grad_(), "requires grad"), ("x", "torch.Tensor")]
+    r = fl.softmax_attention_triton(q, k, v, out=out)  # negative control: a good out passes
+    for o, match in bad:
+        with pytest.raises(ValueError, match=match):
+            fl.softmax_attention_triton(q, k, v, out=o)

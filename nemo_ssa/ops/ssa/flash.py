@@ -259,8 +259,10 @@ def _flash_fwd(
     rng_state: Optional[Tensor], cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
     transform: str, causal: bool, scale: float, dropout_p: float, max_seqlen_q: int,
     max_seqlen_k: int, input_precision: str, fast_math: bool, config: Optional[FwdConfig] = None,
+    out: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
-    """Launch the forward kernel; returns ``(o, M)`` (no autograd)."""
+    """Launch the forward kernel; returns ``(o, M)`` (no autograd). ``out`` (validated by
+    the caller): the tensor ``o`` is written into, any strides."""
     varlen = cu_seqlens_q is not None
     tid = transform_id(transform)
     dev = q.device
@@ -275,7 +277,8 @@ def _flash_fwd(
         hkv, sk = k.shape[1], k.shape[2]
         total_q = None
         M = new_output((bz, hq, sq), torch.float32, dev)
-    o = new_output_like(q)  # keeps q's memory order when q is a dense permuted view
+    # keeps q's memory order when q is a dense permuted view
+    o = new_output_like(q) if out is None else out
     has_dropout = dropout_p > 0.0
     # pointers a constexpr branch never dereferences get M as a placeholder (no allocation)
     rng = rng_state if has_dropout else M
@@ -407,9 +410,13 @@ class _FlashAttnFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, n, b, rng_state, cu_q, cu_k, transform, causal, scale, dropout_p,
-                max_q, max_k, input_precision, fast_math):
+                max_q, max_k, input_precision, fast_math, out=None):
         o, M = _flash_fwd(q, k, v, n, b, rng_state, cu_q, cu_k, transform, causal, scale, dropout_p,
-                          max_q, max_k, input_precision, fast_math)
+                          max_q, max_k, input_precision, fast_math, out=out)
+        if out is not None:
+            # written in place; the returned alias (same memory, own autograd identity)
+            # carries the graph -- mark_dirty on a view of a no-grad buffer trips autograd
+            o = out.detach()
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(q, k, v, o, M, n, b, rng_state, cu_q, cu_k)
         ctx.scalars = (transform, causal, scale, dropout_p, max_q, max_k, input_precision, fast_math)
@@ -418,7 +425,7 @@ class _FlashAttnFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         if do is None:
-            return (None,) * 16
+            return (None,) * 17
         q, k, v, o, M, n, b, rng_state, cu_q, cu_k = ctx.saved_tensors
         transform, causal, scale, dropout_p, max_q, max_k, input_precision, fast_math = ctx.scalars
         nig = ctx.needs_input_grad
@@ -429,7 +436,7 @@ class _FlashAttnFn(torch.autograd.Function):
             max_seqlen_q=max_q, max_seqlen_k=max_k, input_precision=input_precision,
             fast_math=fast_math, need_dparams=need_dparams)
         grads = _grads_from_bwd(n, b, nig, dq, dk, dv, dn, db)
-        return grads + (None,) * 11
+        return grads + (None,) * 12
 
 
 # False: eager calls use the custom ops too (benchmarks' before/after, the parity tests)
@@ -437,14 +444,16 @@ EAGER_FASTPATH = True
 
 
 def _flash_apply(q, k, v, n, b, rng, cu_q, cu_k, transform, causal, scale, dropout_p, max_q, max_k,
-                 prec, fast) -> Tensor:
+                 prec, fast, out=None) -> Tensor:
     """One fused call: the custom op while torch.compile traces, the eager Function otherwise."""
     if torch.compiler.is_compiling() or not EAGER_FASTPATH:
         o, _ = torch.ops.nemo_ssa.flash_attn_fwd(
             q, k, v, n, b, rng, cu_q, cu_k, transform, causal, scale, dropout_p, max_q, max_k, prec, fast)
-        return o
+        if out is None:
+            return o
+        return out.copy_(o)  # functional op: out= becomes one (differentiable) copy
     return _FlashAttnFn.apply(q, k, v, n, b, rng, cu_q, cu_k, transform, causal, scale, dropout_p,
-                              max_q, max_k, prec, fast)
+                              max_q, max_k, prec, fast, out)
 
 
 # ----------------------------------------------------------------------------------------
@@ -531,8 +540,22 @@ def _resolve(q, d, softmax_scale, input_precision, fast_math):
     return scale, prec, fast
 
 
+def _check_out(out, q) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"`out` must be a torch.Tensor or None, got {type(out).__name__}")
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"`out` must have q's shape {tuple(q.shape)}, dtype {q.dtype} and device {q.device}; "
+                         f"got {tuple(out.shape)}, {out.dtype}, {out.device}")
+    if torch._debug_has_internal_overlap(out) == 1:
+        raise ValueError("`out` has overlapping memory (e.g. an expand()ed view); supported: any strides "
+                         "without self-overlap, e.g. a permuted view of an [Sq, B, H, D] buffer")
+    if out.requires_grad:
+        raise ValueError("`out` requires grad; pass a plain buffer (the returned tensor carries autograd)")
+
+
 def _flash_call(q, k, v, n, b, cu_q, cu_k, max_q, max_k, *, transform, causal, softmax_scale, dropout_p,
-                dropout_seed, dropout_offset, force_contiguous_qkv, input_precision, fast_math) -> Tensor:
+                dropout_seed, dropout_offset, force_contiguous_qkv, input_precision, fast_math,
+                out=None) -> Tensor:
     """Shared host-side tail of ``flash_attention`` / ``flash_attention_varlen`` (after
     validation): optional contiguous copy, scalar resolution, dropout RNG, custom-op call."""
     if force_contiguous_qkv:
@@ -542,7 +565,7 @@ def _flash_call(q, k, v, n, b, cu_q, cu_k, max_q, max_k, *, transform, causal, s
     rng = make_rng_state(q.device, dropout_seed, dropout_offset) if dropout_p > 0.0 else None
     ssa = transform == "ssa"
     return _flash_apply(q, k, v, n if ssa else None, b if ssa else None, rng, cu_q, cu_k, transform,
-                        bool(causal), scale, dropout_p, max_q, max_k, prec, fast)
+                        bool(causal), scale, dropout_p, max_q, max_k, prec, fast, out)
 
 
 def flash_attention(
@@ -562,6 +585,7 @@ def flash_attention(
     force_contiguous_qkv: bool = False,
     input_precision: Optional[str] = None,
     fast_math: Optional[bool] = None,
+    out: Optional[Tensor] = None,
 ) -> Tensor:
     """Fused attention ``o = dropout(softmax(transform(scale q k^T) + mask)) @ v``.
 
@@ -582,10 +606,18 @@ def flash_attention(
             default); the kernel itself handles any strides.
         input_precision: ``tl.dot`` precision for fp32 inputs; default ``"ieee"``.
         fast_math: PTX ``lg2.approx`` for the SSA log (default on CUDA).
+        out: optional preallocated ``[B, Hq, Sq, D]`` tensor (q's dtype and device) with
+            ANY strides, e.g. ``buf.view(Sq, B, Hq, D).permute(1, 2, 0, 3)`` of Megatron's
+            ``[s, b, h*d]`` output buffer: the kernel writes it in place (no copy). Autograd
+            flows through the RETURNED tensor (same memory and strides as ``out``; e.g.
+            ``o.permute(2, 0, 1, 3).reshape(s, b, h*d)`` is then a free view of the
+            buffer), not through ``out`` itself; the backward takes the strided ``dO`` as
+            is. ``out`` must not require grad nor overlap q/k/v or itself. (Under
+            torch.compile the custom op is functional: out= costs one copy there.)
 
     Returns:
-        ``[B, Hq, Sq, D]`` in q's dtype (memory order of q when q is dense); rows without
-        a visible key are 0 with zero gradients.
+        ``[B, Hq, Sq, D]`` in q's dtype (memory order of q when q is dense; ``out`` when
+        given); rows without a visible key are 0 with zero gradients.
 
     Raises:
         ValueError: unsupported dtype (supported: fp16, bf16, fp32), head dim (16..256),
@@ -593,10 +625,12 @@ def flash_attention(
     """
     _validate_flash(q, k, v, transform=transform, n=n, b=b, keep_mask=keep_mask, dropout_p=dropout_p,
                     softmax_scale=softmax_scale, varlen=False, input_precision=input_precision)
+    if out is not None:
+        _check_out(out, q)
     return _flash_call(q, k, v, n, b, None, None, q.shape[2], k.shape[2], transform=transform, causal=causal,
                        softmax_scale=softmax_scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
                        dropout_offset=dropout_offset, force_contiguous_qkv=force_contiguous_qkv,
-                       input_precision=input_precision, fast_math=fast_math)
+                       input_precision=input_precision, fast_math=fast_math, out=out)
 
 
 def flash_attention_fwd(
@@ -674,18 +708,18 @@ def flash_attention_varlen(
 
 
 def ssa_attention_triton(q, k, v, n, b, *, causal=False, softmax_scale=None, keep_mask=None,
-                         dropout_p=0.0, **kw) -> Tensor:
+                         dropout_p=0.0, out=None, **kw) -> Tensor:
     """SSA via the fused kernel; same keywords as ``ssa_attention_naive`` (``keep_mask``
     must be None). Extra keywords go to ``flash_attention``."""
     return flash_attention(q, k, v, transform="ssa", n=n, b=b, causal=causal, softmax_scale=softmax_scale,
-                           keep_mask=keep_mask, dropout_p=dropout_p, **kw)
+                           keep_mask=keep_mask, dropout_p=dropout_p, out=out, **kw)
 
 
 def softmax_attention_triton(q, k, v, *, causal=False, softmax_scale=None, keep_mask=None,
-                             dropout_p=0.0, **kw) -> Tensor:
+                             dropout_p=0.0, out=None, **kw) -> Tensor:
     """Softmax via the same fused kernel (``TRANSFORM=softmax``): the fused baseline."""
     return flash_attention(q, k, v, transform="softmax", causal=causal, softmax_scale=softmax_scale,
-                           keep_mask=keep_mask, dropout_p=dropout_p, **kw)
+                           keep_mask=keep_mask, dropout_p=dropout_p, out=out, **kw)
 
 
 def ssa_attention_triton_varlen(q, k, v, n, b, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
