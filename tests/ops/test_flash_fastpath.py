@@ -115,6 +115,8 @@ def test_dn_db_single_reduction_bitwise_and_matches_separate_sums():
         assert torch.equal(x, y)
     dn, db = runs[0][3], runs[0][4]
     assert dn.shape == (1,) and db.shape == (1,) and dn.abs().item() > 0 and db.abs().item() > 0
+    # no aliasing between dn and db (ELSA's custom op returns both)
+    assert dn.untyped_storage().data_ptr() != db.untyped_storage().data_ptr()
     # the non-contiguous-M fallback (separate partial buffers) gives the same numbers
     M_nc = M.transpose(1, 2).contiguous().transpose(1, 2)
     assert not M_nc.is_contiguous()

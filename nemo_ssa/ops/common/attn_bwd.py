@@ -950,8 +950,10 @@ def attention_bwd(
     if stacked is not None:
         # fixed-size buffer, fixed order, accumulated in float64 (sum's dtype= casts each
         # element before accumulating, no fp64 copy): bit-identical run to run
-        both = stacked.sum(dim=tuple(range(1, stacked.dim())), dtype=torch.float64).to(torch.float32)
-        dn, db = both[0:1], both[1:2]
+        both = stacked.sum(dim=tuple(range(1, stacked.dim())), dtype=torch.float64)
+        # two casts, not one cast + views: callers' custom ops (ELSA) return dn and db,
+        # and custom-op outputs must not alias each other
+        dn, db = both[0:1].to(torch.float32), both[1:2].to(torch.float32)
     elif dparams:
         # fixed-size buffer, fixed order, float64: bit-identical run to run
         dn = dn_part.to(torch.float64).sum().to(torch.float32).reshape(1)
