@@ -9,10 +9,11 @@ materialising ``[Sq, Sk]``.
 
 Kernels (Triton tutorial 06 structure, FA2 split):
 
-* ``_attn_bwd_preprocess``: ``delta_i = sum_d o_id * do_id`` (fp32).
-* ``_attn_bwd_kernel_dq``: one program per (query block, batch, query head); loops over
-  key blocks (unmasked blocks first, then the causal diagonal band / ragged tail with
-  masks) and accumulates ``dq`` in fp32 registers.
+* ``_attn_bwd_kernel_dq``: one program per (query block, batch, query head); computes
+  ``delta_i = sum_d o_id * do_id`` (fp32) for its rows from the tiles it loads anyway and
+  stores it for the dK/dV kernel (launched after it on the same stream) -- no separate
+  preprocess launch; loops over key blocks (unmasked blocks first, then the causal
+  diagonal band / ragged tail with masks) and accumulates ``dq`` in fp32 registers.
 * ``_attn_bwd_kernel_dkv``: one program per (key block, batch, kv head); loops over the
   GQA group's query heads and their query blocks, accumulating ``dk``, ``dv`` in
   registers (no atomics: the group sum is a plain loop).
@@ -255,36 +256,6 @@ def q_range_for_kv_block(start_n, q_len, k_len, BLOCK_M: tl.constexpr, BLOCK_N: 
 
 
 @triton.jit
-def _attn_bwd_preprocess(
-    O, DO, Delta, CU_Q,
-    s_oz, s_oh, s_os, s_od,
-    s_doz, s_doh, s_dos, s_dod,
-    s_mz, s_mh, s_ms,
-    HQ, SEQ_Q,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, VARLEN: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    pid_zh = tl.program_id(1)
-    off_z = pid_zh // HQ
-    off_h = pid_zh % HQ
-    q_start, q_len, _, _ = seq_info(CU_Q, CU_Q, off_z, SEQ_Q, SEQ_Q, VARLEN)
-    start_m = pid_m * BLOCK_M
-    if start_m >= q_len:
-        return
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    row = (q_start + offs_m).to(tl.int64)
-    mask = (offs_m < q_len)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    o = tl.load(O + off_z.to(tl.int64) * s_oz + off_h.to(tl.int64) * s_oh
-                + row[:, None] * s_os + offs_d[None, :] * s_od, mask=mask, other=0.0)
-    do = tl.load(DO + off_z.to(tl.int64) * s_doz + off_h.to(tl.int64) * s_doh
-                 + row[:, None] * s_dos + offs_d[None, :] * s_dod, mask=mask, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)  # [BLOCK_M]
-    tl.store(Delta + off_z.to(tl.int64) * s_mz + off_h.to(tl.int64) * s_mh + row * s_ms,
-             delta, mask=offs_m < q_len)
-
-
-@triton.jit
 def _bwd_dq_inner(
     dq, dn_r, db_r, gn_r, gb_r, de_r, q, do, m_row, delta_row,
     k_base, v_base, s_ks, s_kd, s_vs, s_vd, s_ks64, s_vs64,
@@ -332,11 +303,12 @@ def _bwd_dq_inner(
 
 @triton.jit
 def _attn_bwd_kernel_dq(
-    Q, K, V, DO, DQ, M, Delta, NP, BP, RNG, CU_Q, CU_K, DN, DB,
+    Q, K, V, DO, O, DQ, M, Delta, NP, BP, RNG, CU_Q, CU_K, DN, DB,
     s_qz, s_qh, s_qs, s_qd,
     s_kz, s_kh, s_ks, s_kd,
     s_vz, s_vh, s_vs, s_vd,
     s_doz, s_doh, s_dos, s_dod,
+    s_oz, s_oh, s_os, s_od,
     s_dqz, s_dqh, s_dqs, s_dqd,
     s_mz, s_mh, s_ms,
     HQ, GROUP, SEQ_Q, SEQ_K,
@@ -370,7 +342,10 @@ def _attn_bwd_kernel_dq(
     do = tl.load(tile_ptrs(DO, z64, hq64, row, s_doz, s_doh, s_dos, s_dod, offs_mb, offs_d), mask=ld, other=0.0)
     m_off = z64 * s_mz + hq64 * s_mh + (q_start + offs_m) * s_ms
     m_row = tl.load(M + m_off, mask=row_ok, other=float("inf"))
-    delta_row = tl.load(Delta + m_off, mask=row_ok, other=0.0)
+    # delta = rowsum(o * do) (fp32), stored for the dK/dV kernel that runs next
+    o = tl.load(tile_ptrs(O, z64, hq64, row, s_oz, s_oh, s_os, s_od, offs_mb, offs_d), mask=ld, other=0.0)
+    delta_row = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(Delta + m_off, delta_row, mask=row_ok)
 
     n, b = load_params(NP, BP, TRANSFORM)
     c0, c1 = transform_consts(scale, n, b, TRANSFORM)
@@ -917,16 +892,12 @@ def attention_bwd(
         dn_part = db_part = M  # never written (DPARAMS is off)
     ms = _stat_strides(M, varlen)
 
-    pre_bm = 16 if is_interpreter() else max(16, min(128, 8192 // block_d))
-    launch(_attn_bwd_preprocess, (triton.cdiv(sq, pre_bm), bz * hq),
-           (o, do, delta, cu_q, *_zhsd(o, varlen), *_zhsd(do, varlen), *ms, hq, sq),
-           dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_bm, VARLEN=varlen))
     common = dict(HEAD_DIM=d, BLOCK_D=block_d, TRANSFORM=tid, CAUSAL=bool(causal), VARLEN=varlen,
                   HAS_DROPOUT=has_dropout, INPUT_PRECISION=input_precision,
                   FAST_LOG2=log2_mode(fast_math) if is_ssa else int(bool(fast_math)))
-    dq_args = (q, k, v, do, dq, M, delta, n_ptr, b_ptr, rng, cu_q, cu_k, dn_part, db_part,
+    dq_args = (q, k, v, do, o, dq, M, delta, n_ptr, b_ptr, rng, cu_q, cu_k, dn_part, db_part,
                *_zhsd(q, varlen), *_zhsd(k, varlen), *_zhsd(v, varlen), *_zhsd(do, varlen),
-               *_zhsd(dq, varlen), *ms, hq, group, sq, sk, float(scale), float(dropout_p), rz, rh, rs)
+               *_zhsd(o, varlen), *_zhsd(dq, varlen), *ms, hq, group, sq, sk, float(scale), float(dropout_p), rz, rh, rs)
     if tune:
         kern = _autotuned("dq", _attn_bwd_kernel_dq, _BWD_TUNE_DQ, ("BLOCK_M", "BLOCK_N"),
                           ["HQ", "GROUP", "SEQ_Q", "SEQ_K", "HEAD_DIM", "TRANSFORM", "DPARAMS", "CAUSAL", "VARLEN", "HAS_DROPOUT"])
