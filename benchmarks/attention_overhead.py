@@ -124,33 +124,41 @@ def main(argv=None) -> int:
             return f
 
         def legacy(fn):
-            """The session-3 host path: custom-op autograd, JITFunction.run launches."""
-            def f(q, k, v):
-                flash.EAGER_FASTPATH, attn_bwd.FAST_LAUNCH = False, False
-                try:
-                    return fn(q, k, v)
-                finally:
-                    flash.EAGER_FASTPATH, attn_bwd.FAST_LAUNCH = True, attn_bwd_fast
-            return f
+            """Marks the session-3 host path: custom-op autograd, JITFunction.run launches
+            (set for the whole fwd / fwd+bwd call, backward included)."""
+            fn.legacy = True
+            return fn
 
-        soft = lambda q, k, v: flash.softmax_attention_triton(q, k, v, causal=True)  # noqa: E731
-        ssa = lambda q, k, v: flash.ssa_attention_triton(q, k, v, n, b, causal=True)  # noqa: E731
         impls = {
-            "softmax_triton": soft,
-            "ssa_triton": ssa,
-            "softmax_triton[legacy]": legacy(soft),
-            "ssa_triton[legacy]": legacy(ssa),
+            "softmax_triton": lambda q, k, v: flash.softmax_attention_triton(q, k, v, causal=True),
+            "ssa_triton": lambda q, k, v: flash.ssa_attention_triton(q, k, v, n, b, causal=True),
+            "softmax_triton[legacy]": legacy(lambda q, k, v: flash.softmax_attention_triton(q, k, v, causal=True)),
+            "ssa_triton[legacy]": legacy(lambda q, k, v: flash.ssa_attention_triton(q, k, v, n, b, causal=True)),
             "sdpa_cudnn": sdpa("cudnn"),
             "sdpa_flash": sdpa("flash"),
         }
+        def set_legacy(on: bool) -> None:
+            flash.EAGER_FASTPATH = not on
+            attn_bwd.FAST_LAUNCH = attn_bwd_fast and not on
+
         for name, fn in impls.items():
+            leg = getattr(fn, "legacy", False)
+
             def fwd():
-                with torch.no_grad():
-                    fn(q, k, v)
+                set_legacy(leg)
+                try:
+                    with torch.no_grad():
+                        fn(q, k, v)
+                finally:
+                    set_legacy(False)
 
             def fwd_bwd():
-                q.grad = k.grad = v.grad = n.grad = None
-                fn(q, k, v).backward(go)
+                set_legacy(leg)
+                try:
+                    q.grad = k.grad = v.grad = n.grad = None
+                    fn(q, k, v).backward(go)
+                finally:
+                    set_legacy(False)
 
             try:
                 r = dict(shape=label, impl=name,
