@@ -5,10 +5,11 @@
 
 For each implementation (``softmax_triton``, ``ssa_triton``, SDPA cuDNN / flash) and shape:
 
-* **host us/call**: CPU time to *enqueue* one forward (or forward+backward). The GPU is
-  first given a long ``torch.cuda._sleep`` so it is busy while the CPU enqueues N calls;
-  the CPU wall time over N is then pure host cost (Python, dispatch, validation,
-  allocations, launch), independent of kernel time.
+* **host us/call**: CPU time of ONE forward (or forward+backward) call, started after a
+  ``torch.cuda.synchronize()`` so the launch queue is empty (median over N calls): pure host
+  cost (Python, dispatch, validation, allocations, launch), independent of kernel time.
+  (The previous version enqueued N calls behind a ``_sleep`` and filled the CUDA launch
+  queue for fwd+bwd, which made its host_fb column invalid.)
 * **gpu us/call**: kernel time alone, from CUDA-graph replays of one call (no launch gaps).
 * **wall us/call**: ``triton.testing.do_bench`` median (what a benchmark or a model sees:
   max(host, gpu) plus gaps).
@@ -36,17 +37,19 @@ sys.path[:] = [REPO] + [p for p in sys.path if os.path.abspath(p or ".") != REPO
 SHAPES = {"B1-N128": (1, 128), "B8-N1024": (8, 1024), "B32-N1024": (32, 1024)}
 
 
-def host_us(fn: Callable[[], None], n: int = 200) -> float:
-    """CPU microseconds per call while the GPU is kept busy (queue never drains)."""
+def host_us(fn: Callable[[], None], n: int = 100) -> float:
+    """Median CPU microseconds of one call, each started on an idle, synchronized device
+    (empty launch queue, so no call ever waits for queue space)."""
     fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(2e9))  # ~1 s of GPU work: the enqueue below never waits on it
-    t0 = time.perf_counter()
+    times = []
     for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
         fn()
-    dt = time.perf_counter() - t0
+        times.append(time.perf_counter() - t0)
     torch.cuda.synchronize()
-    return dt / n * 1e6
+    times.sort()
+    return times[len(times) // 2] * 1e6
 
 
 def gpu_us(fn: Callable[[], None], n: int = 50) -> float:
@@ -90,6 +93,8 @@ def main(argv=None) -> int:
     from nemo_ssa.ops.common import attn_bwd
     from nemo_ssa.ops.ssa import flash
 
+    attn_bwd_fast = attn_bwd.FAST_LAUNCH
+
     dev, dt = torch.device("cuda"), torch.bfloat16
     H, HKV, D = 24, 8, 32
     rows: List[Dict] = []
@@ -118,20 +123,42 @@ def main(argv=None) -> int:
                         return F.scaled_dot_product_attention(q, ke, ve, is_causal=True)
             return f
 
+        def legacy(fn):
+            """Marks the session-3 host path: custom-op autograd, JITFunction.run launches
+            (set for the whole fwd / fwd+bwd call, backward included)."""
+            fn.legacy = True
+            return fn
+
         impls = {
             "softmax_triton": lambda q, k, v: flash.softmax_attention_triton(q, k, v, causal=True),
             "ssa_triton": lambda q, k, v: flash.ssa_attention_triton(q, k, v, n, b, causal=True),
+            "softmax_triton[legacy]": legacy(lambda q, k, v: flash.softmax_attention_triton(q, k, v, causal=True)),
+            "ssa_triton[legacy]": legacy(lambda q, k, v: flash.ssa_attention_triton(q, k, v, n, b, causal=True)),
             "sdpa_cudnn": sdpa("cudnn"),
             "sdpa_flash": sdpa("flash"),
         }
+        def set_legacy(on: bool) -> None:
+            flash.EAGER_FASTPATH = not on
+            attn_bwd.FAST_LAUNCH = attn_bwd_fast and not on
+
         for name, fn in impls.items():
+            leg = getattr(fn, "legacy", False)
+
             def fwd():
-                with torch.no_grad():
-                    fn(q, k, v)
+                set_legacy(leg)
+                try:
+                    with torch.no_grad():
+                        fn(q, k, v)
+                finally:
+                    set_legacy(False)
 
             def fwd_bwd():
-                q.grad = k.grad = v.grad = n.grad = None
-                fn(q, k, v).backward(go)
+                set_legacy(leg)
+                try:
+                    q.grad = k.grad = v.grad = n.grad = None
+                    fn(q, k, v).backward(go)
+                finally:
+                    set_legacy(False)
 
             try:
                 r = dict(shape=label, impl=name,
@@ -145,7 +172,7 @@ def main(argv=None) -> int:
             except Exception as e:
                 r = dict(shape=label, impl=name, note=f"failed: {type(e).__name__}: {str(e)[:80]}")
             rows.append(r)
-            print(f"  {label:10s} {name:15s} " + " ".join(
+            print(f"  {label:10s} {name:22s} " + " ".join(
                 f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()
                 if k not in ("shape", "impl")), flush=True)
 
@@ -156,6 +183,9 @@ def main(argv=None) -> int:
                 "validate": lambda: flash._validate_flash(q, k, v, transform="ssa", n=n, b=b, keep_mask=None,
                                                           dropout_p=0.0, softmax_scale=None, varlen=False,
                                                           input_precision=None),
+                "eager_function_fwd": lambda: flash._FlashAttnFn.apply(
+                    q.detach(), k.detach(), v.detach(), n.detach(), b, None, None, None, "ssa", True, scale, 0.0,
+                    N, N, "tf32", True, None),
                 "custom_op_fwd": lambda: torch.ops.nemo_ssa.flash_attn_fwd(
                     q.detach(), k.detach(), v.detach(), n.detach(), b, None, None, None, "ssa", True, scale, 0.0,
                     N, N, "tf32", True),
@@ -174,10 +204,21 @@ def main(argv=None) -> int:
                 go, q.detach(), k.detach(), v.detach(), o, M, transform="ssa", n=n.detach(), b=b, causal=True,
                 scale=scale, need_dparams=False)
             part = torch.randn(B, H, N, device=dev)
-            layers["dn_db_fp64_reduce"] = lambda: (part.to(torch.float64).sum().to(torch.float32).reshape(1),
-                                                   part.to(torch.float64).sum().to(torch.float32).reshape(1))
+            layers["dn_db_fp64_reduce_old"] = lambda: (part.to(torch.float64).sum().to(torch.float32).reshape(1),
+                                                       part.to(torch.float64).sum().to(torch.float32).reshape(1))
+            part2 = torch.randn(2, B, H, N, device=dev)
+            layers["dn_db_fp64_reduce_new"] = lambda: part2.sum(dim=(1, 2, 3), dtype=torch.float64).to(torch.float32)
+
+            def raw_fwd_slow_launch():
+                attn_bwd.FAST_LAUNCH = False
+                try:
+                    flash._flash_fwd(q.detach(), k.detach(), v.detach(), n.detach(), b, None, None, None, "ssa",
+                                     True, scale, 0.0, N, N, "tf32", True)
+                finally:
+                    attn_bwd.FAST_LAUNCH = attn_bwd_fast
+            layers["raw_launcher_fwd_jit_run"] = raw_fwd_slow_launch
             for name, fn in layers.items():
-                r = dict(shape=label, impl=f"[ssa] {name}", host_fwd=host_us(fn, 300))
+                r = dict(shape=label, impl=f"[ssa] {name}", host_fwd=host_us(fn, 200))
                 rows.append(r)
                 print(f"  {label:10s} {r['impl']:28s} host={r['host_fwd']:.1f} us", flush=True)
 
@@ -207,8 +248,20 @@ def main(argv=None) -> int:
         lines.append("| " + " | ".join(
             (f"{r[c]:.1f}" if isinstance(r.get(c), float) and not math.isnan(r[c]) else
              ("-" if isinstance(r.get(c), float) or c not in r else str(r[c]))) for c in cols) + " |")
+    # B8 -> B32 ratio of fwd+bwd wall time (4x the work; ~4 means no fixed cost left)
+    by = {(r["shape"], r["impl"]): r for r in rows}
+    ratio = ["", "| impl | wall_fb B8-N1024 | wall_fb B32-N1024 | B32/B8 | B1-N128 host_fb | B1-N128 wall_fb |",
+             "|---|---|---|---|---|---|"]
+    for name in impls:
+        a, c, t = by.get(("B8-N1024", name), {}), by.get(("B32-N1024", name), {}), by.get(("B1-N128", name), {})
+        f = lambda x: f"{x:.1f}" if isinstance(x, float) and not math.isnan(x) else "-"  # noqa: E731
+        rr = (c.get("wall_fb", math.nan) / a["wall_fb"]) if a.get("wall_fb") else math.nan
+        ratio.append(f"| {name} | {f(a.get('wall_fb'))} | {f(c.get('wall_fb'))} | {f(rr) if rr == rr else '-'} | "
+                     f"{f(t.get('host_fb'))} | {f(t.get('wall_fb'))} |")
+    lines += ratio
     md = "\n".join(lines)
-    print("\n(us per call; host = CPU enqueue cost with the GPU busy, gpu = CUDA-graph replay, wall = do_bench)\n" + md)
+    print("\n(us per call; host = CPU time of one call on an idle synced device, gpu = CUDA-graph replay, "
+          "wall = do_bench; [legacy] = custom-op autograd + JITFunction.run launches)\n" + md)
     if args.out:
         with open(args.out, "w") as f:
             f.write(f"# Attention call overhead, {torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}\n\n"

@@ -629,7 +629,8 @@ def test_traced_host_code_touches_no_triton_kernel():
 
     traced = [fl.flash_attention, fl.flash_attention_varlen, fl.ssa_attention_triton, fl.softmax_attention_triton,
               fl.ssa_attention_triton_varlen, fl.softmax_attention_triton_varlen, fl._validate_flash,
-              fl._resolve, fl._fwd_setup_context, fl._fwd_backward, ab.make_rng_state, ab.is_interpreter,
+              fl._resolve, fl._fwd_setup_context, fl._fwd_backward, fl._flash_apply, fl._grads_from_bwd,
+              ab.make_rng_state, ab.is_interpreter,
               ab.use_fast_math, ab.default_input_precision, nv._check_scalar_param]
     for fn in traced:
         fn = getattr(fn, "__wrapped__", fn)

@@ -9,10 +9,11 @@ materialising ``[Sq, Sk]``.
 
 Kernels (Triton tutorial 06 structure, FA2 split):
 
-* ``_attn_bwd_preprocess``: ``delta_i = sum_d o_id * do_id`` (fp32).
-* ``_attn_bwd_kernel_dq``: one program per (query block, batch, query head); loops over
-  key blocks (unmasked blocks first, then the causal diagonal band / ragged tail with
-  masks) and accumulates ``dq`` in fp32 registers.
+* ``_attn_bwd_kernel_dq``: one program per (query block, batch, query head); computes
+  ``delta_i = sum_d o_id * do_id`` (fp32) for its rows from the tiles it loads anyway and
+  stores it for the dK/dV kernel (launched after it on the same stream) -- no separate
+  preprocess launch; loops over key blocks (unmasked blocks first, then the causal
+  diagonal band / ragged tail with masks) and accumulates ``dq`` in fp32 registers.
 * ``_attn_bwd_kernel_dkv``: one program per (key block, batch, kv head); loops over the
   GQA group's query heads and their query blocks, accumulating ``dk``, ``dv`` in
   registers (no atomics: the group sum is a plain loop).
@@ -40,6 +41,7 @@ with exactly these helpers.
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Dict, NamedTuple, Optional, Tuple
 
@@ -254,36 +256,6 @@ def q_range_for_kv_block(start_n, q_len, k_len, BLOCK_M: tl.constexpr, BLOCK_N: 
 
 
 @triton.jit
-def _attn_bwd_preprocess(
-    O, DO, Delta, CU_Q,
-    s_oz, s_oh, s_os, s_od,
-    s_doz, s_doh, s_dos, s_dod,
-    s_mz, s_mh, s_ms,
-    HQ, SEQ_Q,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, VARLEN: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    pid_zh = tl.program_id(1)
-    off_z = pid_zh // HQ
-    off_h = pid_zh % HQ
-    q_start, q_len, _, _ = seq_info(CU_Q, CU_Q, off_z, SEQ_Q, SEQ_Q, VARLEN)
-    start_m = pid_m * BLOCK_M
-    if start_m >= q_len:
-        return
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    row = (q_start + offs_m).to(tl.int64)
-    mask = (offs_m < q_len)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    o = tl.load(O + off_z.to(tl.int64) * s_oz + off_h.to(tl.int64) * s_oh
-                + row[:, None] * s_os + offs_d[None, :] * s_od, mask=mask, other=0.0)
-    do = tl.load(DO + off_z.to(tl.int64) * s_doz + off_h.to(tl.int64) * s_doh
-                 + row[:, None] * s_dos + offs_d[None, :] * s_dod, mask=mask, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)  # [BLOCK_M]
-    tl.store(Delta + off_z.to(tl.int64) * s_mz + off_h.to(tl.int64) * s_mh + row * s_ms,
-             delta, mask=offs_m < q_len)
-
-
-@triton.jit
 def _bwd_dq_inner(
     dq, dn_r, db_r, gn_r, gb_r, de_r, q, do, m_row, delta_row,
     k_base, v_base, s_ks, s_kd, s_vs, s_vd, s_ks64, s_vs64,
@@ -331,11 +303,12 @@ def _bwd_dq_inner(
 
 @triton.jit
 def _attn_bwd_kernel_dq(
-    Q, K, V, DO, DQ, M, Delta, NP, BP, RNG, CU_Q, CU_K, DN, DB,
+    Q, K, V, DO, O, DQ, M, Delta, NP, BP, RNG, CU_Q, CU_K, DN, DB,
     s_qz, s_qh, s_qs, s_qd,
     s_kz, s_kh, s_ks, s_kd,
     s_vz, s_vh, s_vs, s_vd,
     s_doz, s_doh, s_dos, s_dod,
+    s_oz, s_oh, s_os, s_od,
     s_dqz, s_dqh, s_dqs, s_dqd,
     s_mz, s_mh, s_ms,
     HQ, GROUP, SEQ_Q, SEQ_K,
@@ -369,7 +342,10 @@ def _attn_bwd_kernel_dq(
     do = tl.load(tile_ptrs(DO, z64, hq64, row, s_doz, s_doh, s_dos, s_dod, offs_mb, offs_d), mask=ld, other=0.0)
     m_off = z64 * s_mz + hq64 * s_mh + (q_start + offs_m) * s_ms
     m_row = tl.load(M + m_off, mask=row_ok, other=float("inf"))
-    delta_row = tl.load(Delta + m_off, mask=row_ok, other=0.0)
+    # delta = rowsum(o * do) (fp32), stored for the dK/dV kernel that runs next
+    o = tl.load(tile_ptrs(O, z64, hq64, row, s_oz, s_oh, s_os, s_od, offs_mb, offs_d), mask=ld, other=0.0)
+    delta_row = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(Delta + m_off, delta_row, mask=row_ok)
 
     n, b = load_params(NP, BP, TRANSFORM)
     c0, c1 = transform_consts(scale, n, b, TRANSFORM)
@@ -563,6 +539,101 @@ def is_interpreter() -> bool:
     this module is first imported; the env var must be set before that.
     """
     return _INTERPRETED
+
+
+# ----------------------------------------------------------------------------------------
+# Cached kernel launch (issue 13: per-call host cost)
+# ----------------------------------------------------------------------------------------
+
+# NEMO_SSA_FAST_LAUNCH=0 turns the cached launch off (every call goes through JITFunction.run)
+FAST_LAUNCH: bool = os.environ.get("NEMO_SSA_FAST_LAUNCH", "1") not in ("", "0")
+_LAUNCH_CACHE: dict = {}
+_LAUNCH_CACHE_MAX = 512
+_I32 = (-(2 ** 31), 2 ** 31 - 1)
+
+
+def _current_stream(device_index: int):
+    """The stream handle JITFunction.run would launch on."""
+    return triton.runtime.driver.active.get_current_stream(device_index)
+
+
+def _launch_hooks_active() -> bool:
+    """Triton launch hooks (e.g. proton / the profiler) need JITFunction.run's metadata."""
+    rt = triton.knobs.runtime
+    hooks = (rt.launch_enter_hook, rt.launch_exit_hook)
+    return any(h is not None and getattr(h, "calls", True) for h in hooks)
+
+
+def launch_key(kernel, device_index: int, args: tuple, meta: dict) -> tuple:
+    """Cache key of one launch, at least as fine as Triton's own specialization: every
+    tensor's dtype and 16-byte alignment of its pointer, every int's exact value (finer
+    than Triton's int32/int64 / ==1 / %16 classes, so a hit can never pick a kernel built
+    for other values), floats by type only (Triton never specializes them), ``None``, every
+    constexpr and launch option (``meta``), the kernel and the device."""
+    parts = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            parts.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif isinstance(a, bool):
+            parts.append(("b", a))
+        elif isinstance(a, int):
+            parts.append(a)
+        elif isinstance(a, float):
+            parts.append(float)
+        elif a is None:
+            parts.append(None)
+        else:
+            raise TypeError(f"launch_key: unsupported kernel argument type {type(a).__name__}")
+    return (id(kernel), device_index, tuple(parts), tuple(sorted(meta.items())))
+
+
+def _full_args(kernel, args: tuple, meta: dict):
+    """Positional values of every kernel parameter (constexprs included, in signature
+    order), as ``JITFunction.run`` hands them to ``CompiledKernel.run``; None if a
+    parameter has neither a value nor a default."""
+    names = kernel.arg_names
+    out = list(args)
+    for p in kernel.params[len(args):]:
+        if p.name in meta:
+            out.append(meta[p.name])
+        elif p.default is not inspect.Parameter.empty:
+            out.append(p.default)
+        else:
+            return None
+    return out if len(out) == len(names) else None
+
+
+def launch(kernel, grid: tuple, args: tuple, meta: dict):
+    """``kernel[grid](*args, **meta)`` with the compiled kernel cached per ``launch_key``.
+
+    A hit skips ``JITFunction.run``'s binder, option parsing and cache-key hashing and
+    calls ``CompiledKernel.run`` (the launcher ``JITFunction.run`` itself ends with) with
+    the same arguments. A miss (or the interpreter, a launch hook such as the profiler's,
+    ``FAST_LAUNCH`` off) takes the normal path, which compiles if needed; its returned
+    ``CompiledKernel`` is stored under the key."""
+    if _INTERPRETED or not FAST_LAUNCH or _launch_hooks_active():
+        return kernel[grid](*args, **meta)
+    dev = torch.cuda.current_device()
+    key = launch_key(kernel, dev, args, meta)
+    hit = _LAUNCH_CACHE.get(key)
+    if hit is None:
+        compiled = kernel[grid](*args, **meta)
+        full = _full_args(kernel, args, meta)
+        if (full is not None and getattr(compiled, "function", None) is not None
+                and hasattr(compiled, "packed_metadata")):
+            if len(_LAUNCH_CACHE) >= _LAUNCH_CACHE_MAX:
+                _LAUNCH_CACHE.clear()
+            # the constexpr/default tail depends only on meta (part of the key)
+            _LAUNCH_CACHE[key] = (compiled, tuple(full[len(args):]))
+        return compiled
+    compiled, tail = hit
+    full = args + tail
+    g = tuple(grid) + (1, 1)
+    stream = _current_stream(dev)
+    # no launch hooks registered (checked above): None skips them, as an empty chain would
+    compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None,
+                 None, None, *full)
+    return compiled
 
 
 def use_fast_math(device: torch.device) -> bool:
@@ -808,36 +879,33 @@ def attention_bwd(
     dk = new_output_like(k)
     dv = new_output_like(v)
     delta = new_output_like(M)
-    if dparams:  # one partial per query row (M's layout), written by the dQ kernel
-        # dn and db partials in one buffer, so one reduction launch serves both
-        dparts = new_output((2,) + tuple(M.shape), torch.float32, dev)
-        dn_part, db_part = dparts[0], dparts[1]
-        if dn_part.stride() != M.stride():  # M from a caller with its own layout
-            dparts = None
-            dn_part, db_part = new_output_like(M), new_output_like(M)
+    stacked = None
+    if dparams and M.is_contiguous():
+        # one partial per query row (M's layout), written by the dQ kernel; dn and db
+        # partials share one buffer so a single fp64 reduction launch sums both
+        stacked = new_output((2,) + tuple(M.shape), torch.float32, dev)
+        dn_part, db_part = stacked[0], stacked[1]
+    elif dparams:
+        dn_part = new_output_like(M)
+        db_part = new_output_like(M)
     else:
         dn_part = db_part = M  # never written (DPARAMS is off)
     ms = _stat_strides(M, varlen)
 
-    pre_bm = 16 if is_interpreter() else max(16, min(128, 8192 // block_d))
-    _attn_bwd_preprocess[(triton.cdiv(sq, pre_bm), bz * hq)](
-        o, do, delta, cu_q, *_zhsd(o, varlen), *_zhsd(do, varlen), *ms, hq, sq,
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_bm, VARLEN=varlen,
-    )
     common = dict(HEAD_DIM=d, BLOCK_D=block_d, TRANSFORM=tid, CAUSAL=bool(causal), VARLEN=varlen,
                   HAS_DROPOUT=has_dropout, INPUT_PRECISION=input_precision,
                   FAST_LOG2=log2_mode(fast_math) if is_ssa else int(bool(fast_math)))
-    dq_args = (q, k, v, do, dq, M, delta, n_ptr, b_ptr, rng, cu_q, cu_k, dn_part, db_part,
+    dq_args = (q, k, v, do, o, dq, M, delta, n_ptr, b_ptr, rng, cu_q, cu_k, dn_part, db_part,
                *_zhsd(q, varlen), *_zhsd(k, varlen), *_zhsd(v, varlen), *_zhsd(do, varlen),
-               *_zhsd(dq, varlen), *ms, hq, group, sq, sk, float(scale), float(dropout_p), rz, rh, rs)
+               *_zhsd(o, varlen), *_zhsd(dq, varlen), *ms, hq, group, sq, sk, float(scale), float(dropout_p), rz, rh, rs)
     if tune:
         kern = _autotuned("dq", _attn_bwd_kernel_dq, _BWD_TUNE_DQ, ("BLOCK_M", "BLOCK_N"),
                           ["HQ", "GROUP", "SEQ_Q", "SEQ_K", "HEAD_DIM", "TRANSFORM", "DPARAMS", "CAUSAL", "VARLEN", "HAS_DROPOUT"])
         kern[lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), bz * hq)](*dq_args, DPARAMS=dparams, **common)
     else:
-        _attn_bwd_kernel_dq[(triton.cdiv(sq, cfg.block_m_dq), bz * hq)](
-            *dq_args, BLOCK_M=cfg.block_m_dq, BLOCK_N=cfg.block_n_dq, DPARAMS=dparams,
-            num_warps=cfg.warps_dq, num_stages=cfg.stages_dq, **common)
+        launch(_attn_bwd_kernel_dq, (triton.cdiv(sq, cfg.block_m_dq), bz * hq), dq_args,
+               dict(BLOCK_M=cfg.block_m_dq, BLOCK_N=cfg.block_n_dq, DPARAMS=dparams,
+                    num_warps=cfg.warps_dq, num_stages=cfg.stages_dq, **common))
     kv_args = (q, k, v, do, dk, dv, M, delta, n_ptr, b_ptr, rng, cu_q, cu_k,
                *_zhsd(q, varlen), *_zhsd(k, varlen), *_zhsd(v, varlen), *_zhsd(do, varlen),
                *_zhsd(dk, varlen), *_zhsd(dv, varlen), *ms, hkv, group, sq, sk,
@@ -847,18 +915,20 @@ def attention_bwd(
                           ["HKV", "GROUP", "SEQ_Q", "SEQ_K", "HEAD_DIM", "TRANSFORM", "CAUSAL", "VARLEN", "HAS_DROPOUT"])
         kern[lambda meta: (triton.cdiv(sk, meta["BLOCK_N"]), bz * hkv)](*kv_args, **common)
     else:
-        _attn_bwd_kernel_dkv[(triton.cdiv(sk, cfg.block_n_kv), bz * hkv)](
-            *kv_args, BLOCK_M=cfg.block_m_kv, BLOCK_N=cfg.block_n_kv,
-            num_warps=cfg.warps_kv, num_stages=cfg.stages_kv, **common)
-    if dparams:
-        # fixed-size buffer, fixed order, accumulated in float64 (one launch for both
-        # scalars, no fp64 copy of the partials): bit-identical run to run
-        if dparts is not None:
-            both = dparts.sum(dim=tuple(range(1, dparts.dim())), dtype=torch.float64).to(torch.float32)
-            dn, db = both[0:1], both[1:2]
-        else:
-            dn = dn_part.sum(dtype=torch.float64).to(torch.float32).reshape(1)
-            db = db_part.sum(dtype=torch.float64).to(torch.float32).reshape(1)
+        launch(_attn_bwd_kernel_dkv, (triton.cdiv(sk, cfg.block_n_kv), bz * hkv), kv_args,
+               dict(BLOCK_M=cfg.block_m_kv, BLOCK_N=cfg.block_n_kv,
+                    num_warps=cfg.warps_kv, num_stages=cfg.stages_kv, **common))
+    if stacked is not None:
+        # fixed-size buffer, fixed order, accumulated in float64 (sum's dtype= casts each
+        # element before accumulating, no fp64 copy): bit-identical run to run
+        both = stacked.sum(dim=tuple(range(1, stacked.dim())), dtype=torch.float64)
+        # two casts, not one cast + views: callers' custom ops (ELSA) return dn and db,
+        # and custom-op outputs must not alias each other
+        dn, db = both[0:1].to(torch.float32), both[1:2].to(torch.float32)
+    elif dparams:
+        # fixed-size buffer, fixed order, float64: bit-identical run to run
+        dn = dn_part.to(torch.float64).sum().to(torch.float32).reshape(1)
+        db = db_part.to(torch.float64).sum().to(torch.float32).reshape(1)
     else:
         dn = db = None
     return dq, dk, dv, dn, db

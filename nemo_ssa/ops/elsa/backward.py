@@ -41,8 +41,7 @@ def elsa_bwd_op(
     zero = torch.zeros(1, dtype=torch.float32, device=q.device)
     # match the fake below: dense, contiguous, fresh tensors
     dq, dk, dv = (t if t.is_contiguous() else t.contiguous() for t in (dq, dk, dv))
-    # dn, db are two entries of one buffer (one reduction launch); custom-op outputs may not alias
-    return dq, dk, dv, zero if dn is None else dn, zero.clone() if db is None else db.clone()
+    return dq, dk, dv, zero if dn is None else dn, zero.clone() if db is None else db
 
 
 @elsa_bwd_op.register_fake

@@ -25,10 +25,11 @@ Dropout on ``p`` (before ``@ v``) is generated in-kernel by Philox (``tl.rand``)
 int64 ``[2]`` ``(seed, offset)`` tensor; the backward regenerates the identical mask.
 
 Autograd: eager calls go through a plain ``torch.autograd.Function`` (``_FlashAttnFn``,
-the cheapest host path); under ``torch.compile`` the same launchers are reached through
-``torch.library.custom_op`` (``nemo_ssa::flash_attn_fwd`` / ``nemo_ssa::flash_attn_bwd``,
-with fake impls) so compiled models trace it without graph breaks; ``n`` and ``b`` are tensors (never Python floats) and get
-gradients.
+lowest host cost); under ``torch.compile`` (``torch.compiler.is_compiling()``) the same
+kernels are reached through ``torch.library.custom_op`` (``nemo_ssa::flash_attn_fwd`` /
+``nemo_ssa::flash_attn_bwd``, with fake impls) so models trace without graph breaks. Both
+paths give bitwise-identical outputs and gradients. ``n`` and ``b`` are tensors (never
+Python floats) and get gradients.
 
 Differences from ``naive.attention_naive``: no ``keep_mask`` (raises); dropout masks come
 from Philox, not torch's RNG stream (same distribution, different draws); ``n``, ``b``
@@ -65,6 +66,7 @@ from nemo_ssa.ops.common.attn_bwd import (
     dropout_state,
     is_interpreter,
     kv_range_for_q_block,
+    launch,
     load_kv_tile,
     load_params,
     make_rng_state,
@@ -259,8 +261,8 @@ def _flash_fwd(
     max_seqlen_k: int, input_precision: str, fast_math: bool, config: Optional[FwdConfig] = None,
     out: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
-    """Launch the forward kernel; returns ``(o, M)`` (no autograd). ``out`` (q's shape and
-    dtype, any strides) receives ``o`` instead of a new tensor."""
+    """Launch the forward kernel; returns ``(o, M)`` (no autograd). ``out`` (validated by
+    the caller): the tensor ``o`` is written into, any strides."""
     varlen = cu_seqlens_q is not None
     tid = transform_id(transform)
     dev = q.device
@@ -275,7 +277,7 @@ def _flash_fwd(
         hkv, sk = k.shape[1], k.shape[2]
         total_q = None
         M = new_output((bz, hq, sq), torch.float32, dev)
-    # a new o keeps q's memory order when q is a dense permuted view
+    # keeps q's memory order when q is a dense permuted view
     o = new_output_like(q) if out is None else out
     has_dropout = dropout_p > 0.0
     # pointers a constexpr branch never dereferences get M as a placeholder (no allocation)
@@ -297,9 +299,9 @@ def _flash_fwd(
         kern[lambda m: (triton.cdiv(sq, m["BLOCK_M"]), bz * hq)](*args, **meta)
     else:
         cfg = config or fwd_config(d, causal, q.dtype)
-        _attn_fwd_kernel[(triton.cdiv(sq, cfg.block_m), bz * hq)](
-            *args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta)
+        launch(_attn_fwd_kernel, (triton.cdiv(sq, cfg.block_m), bz * hq), args,
+               dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta))
     return o, M
 
 
@@ -345,8 +347,6 @@ def _flash_attn_bwd_op(
     if dn is None:  # custom ops return tensors: zeros stand in for "no gradient"
         dn = torch.zeros(1, dtype=torch.float32, device=q.device)
         db = torch.zeros(1, dtype=torch.float32, device=q.device)
-    else:  # dn, db are two entries of one buffer; a custom op's outputs may not alias
-        db = db.clone()
     return dq, dk, dv, dn, db
 
 
@@ -372,34 +372,52 @@ def _fwd_backward(ctx, do, dM):
     dq, dk, dv, dn, db = torch.ops.nemo_ssa.flash_attn_bwd(
         do, q, k, v, o, M, n, b, rng_state, cu_q, cu_k, transform, causal, scale, dropout_p,
         max_q, max_k, input_precision, fast_math, need_dparams)
-    dn_out = dn.to(n.dtype).reshape(n.shape) if (n is not None and ctx.needs_input_grad[3]) else None
-    db_out = db.to(b.dtype).reshape(b.shape) if (b is not None and ctx.needs_input_grad[4]) else None
-    return (dq, dk, dv, dn_out, db_out) + (None,) * 11
+    if not need_dparams:  # the op returns placeholder zeros then
+        dn = db = None
+    return _grads_from_bwd(n, b, ctx.needs_input_grad, dq, dk, dv, dn, db) + (None,) * 11
 
 
 _flash_attn_fwd_op.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 
-class _FlashAttnFn(torch.autograd.Function):
-    """The eager path: the same launchers as the custom ops, without the dispatcher.
+# ----------------------------------------------------------------------------------------
+# Eager fast path: a plain autograd.Function (issue 13, per-call cost)
+# ----------------------------------------------------------------------------------------
 
-    ``torch.library.custom_op`` costs ~0.6 ms of host time per forward+backward (schema
-    checks, the generated autograd node, a materialised zero gradient for the unused
-    ``M`` output; measured on an H100, docs/results/2026-11-25-attention). Eager calls go
-    through this Function: only ``o`` is an output, ``M`` is saved, gradients that are
-    not needed are not materialised. ``torch.compile`` still sees the custom ops
-    (``_flash_call`` dispatches on ``torch.compiler.is_compiling()``); both paths run the
-    same kernels with the same arguments, so their results are bitwise equal (tested).
+
+def _grads_from_bwd(n, b, needs_input_grad, dq, dk, dv, dn, db):
+    """Shared tail of both backward paths (custom op and eager): identical casts, so the
+    two paths return bitwise-identical gradients."""
+    dn_out = dn.to(n.dtype).reshape(n.shape) if (n is not None and dn is not None and needs_input_grad[3]) else None
+    db_out = db.to(b.dtype).reshape(b.shape) if (b is not None and db is not None and needs_input_grad[4]) else None
+    return dq, dk, dv, dn_out, db_out
+
+
+class _FlashAttnFn(torch.autograd.Function):
+    """Eager autograd path calling ``_flash_fwd`` / ``attention_bwd`` directly.
+
+    The ``torch.library`` custom ops cost ~0.6 ms of host time per fwd+bwd on an H100
+    (schema dispatch, the generated autograd wrapper, a materialised zero gradient for the
+    unused ``M`` output, zero ``dn``/``db`` tensors for softmax). Eager calls do not need
+    any of it; ``torch.compile`` does (fake impls, opaque op), so ``_flash_call`` takes
+    this path only when ``torch.compiler.is_compiling()`` is False. Only ``o`` is an
+    output (``M`` is saved, never returned), and ``set_materialize_grads(False)`` lets an
+    unused output skip the backward entirely. Same kernels, same arguments, same casts:
+    outputs and gradients are bitwise identical to the custom-op path (tested).
     """
 
     @staticmethod
     def forward(ctx, q, k, v, n, b, rng_state, cu_q, cu_k, transform, causal, scale, dropout_p,
-                max_q, max_k, input_precision, fast_math, out):
+                max_q, max_k, input_precision, fast_math, out=None):
         o, M = _flash_fwd(q, k, v, n, b, rng_state, cu_q, cu_k, transform, causal, scale, dropout_p,
-                          max_q, max_k, input_precision, fast_math, None, out)
+                          max_q, max_k, input_precision, fast_math, out=out)
+        if out is not None:
+            # written in place; the returned alias (same memory, own autograd identity)
+            # carries the graph -- mark_dirty on a view of a no-grad buffer trips autograd
+            o = out.detach()
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(q, k, v, o, M, n, b, rng_state, cu_q, cu_k)
         ctx.scalars = (transform, causal, scale, dropout_p, max_q, max_k, input_precision, fast_math)
-        ctx.set_materialize_grads(False)
         return o
 
     @staticmethod
@@ -408,15 +426,32 @@ class _FlashAttnFn(torch.autograd.Function):
             return (None,) * 17
         q, k, v, o, M, n, b, rng_state, cu_q, cu_k = ctx.saved_tensors
         transform, causal, scale, dropout_p, max_q, max_k, input_precision, fast_math = ctx.scalars
-        need_dn, need_db = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+        nig = ctx.needs_input_grad
+        need_dparams = transform == "ssa" and (nig[3] or nig[4])
         dq, dk, dv, dn, db = attention_bwd(
             do, q, k, v, o, M, transform=transform, n=n, b=b, causal=causal, scale=scale,
             dropout_p=dropout_p, rng_state=rng_state, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-            max_seqlen_q=max_q, max_seqlen_k=max_k, input_precision=input_precision, fast_math=fast_math,
-            need_dparams=transform == "ssa" and (need_dn or need_db))
-        dn_out = dn.to(n.dtype).reshape(n.shape) if (dn is not None and need_dn) else None
-        db_out = db.to(b.dtype).reshape(b.shape) if (db is not None and need_db) else None
-        return (dq, dk, dv, dn_out, db_out) + (None,) * 12
+            max_seqlen_q=max_q, max_seqlen_k=max_k, input_precision=input_precision,
+            fast_math=fast_math, need_dparams=need_dparams)
+        grads = _grads_from_bwd(n, b, nig, dq, dk, dv, dn, db)
+        return grads + (None,) * 12
+
+
+# False: eager calls use the custom ops too (benchmarks' before/after, the parity tests)
+EAGER_FASTPATH = True
+
+
+def _flash_apply(q, k, v, n, b, rng, cu_q, cu_k, transform, causal, scale, dropout_p, max_q, max_k,
+                 prec, fast, out=None) -> Tensor:
+    """One fused call: the custom op while torch.compile traces, the eager Function otherwise."""
+    if torch.compiler.is_compiling() or not EAGER_FASTPATH:
+        o, _ = torch.ops.nemo_ssa.flash_attn_fwd(
+            q, k, v, n, b, rng, cu_q, cu_k, transform, causal, scale, dropout_p, max_q, max_k, prec, fast)
+        if out is None:
+            return o
+        return out.copy_(o)  # functional op: out= becomes one (differentiable) copy
+    return _FlashAttnFn.apply(q, k, v, n, b, rng, cu_q, cu_k, transform, causal, scale, dropout_p,
+                              max_q, max_k, prec, fast, out)
 
 
 # ----------------------------------------------------------------------------------------
@@ -503,39 +538,32 @@ def _resolve(q, d, softmax_scale, input_precision, fast_math):
     return scale, prec, fast
 
 
+def _check_out(out, q) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"`out` must be a torch.Tensor or None, got {type(out).__name__}")
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"`out` must have q's shape {tuple(q.shape)}, dtype {q.dtype} and device {q.device}; "
+                         f"got {tuple(out.shape)}, {out.dtype}, {out.device}")
+    if torch._debug_has_internal_overlap(out) == 1:
+        raise ValueError("`out` has overlapping memory (e.g. an expand()ed view); supported: any strides "
+                         "without self-overlap, e.g. a permuted view of an [Sq, B, H, D] buffer")
+    if out.requires_grad:
+        raise ValueError("`out` requires grad; pass a plain buffer (the returned tensor carries autograd)")
+
+
 def _flash_call(q, k, v, n, b, cu_q, cu_k, max_q, max_k, *, transform, causal, softmax_scale, dropout_p,
                 dropout_seed, dropout_offset, force_contiguous_qkv, input_precision, fast_math,
                 out=None) -> Tensor:
     """Shared host-side tail of ``flash_attention`` / ``flash_attention_varlen`` (after
-    validation): optional contiguous copy, scalar resolution, dropout RNG, then the eager
-    autograd Function (or, under ``torch.compile``, the custom op)."""
+    validation): optional contiguous copy, scalar resolution, dropout RNG, custom-op call."""
     if force_contiguous_qkv:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     scale, prec, fast = _resolve(q, q.shape[-1], softmax_scale, input_precision, fast_math)
     dropout_p = float(dropout_p)
     rng = make_rng_state(q.device, dropout_seed, dropout_offset) if dropout_p > 0.0 else None
     ssa = transform == "ssa"
-    n, b = (n, b) if ssa else (None, None)
-    if torch.compiler.is_compiling():  # traced: the custom op (out= is only an eager saving)
-        o, _ = torch.ops.nemo_ssa.flash_attn_fwd(
-            q, k, v, n, b, rng, cu_q, cu_k, transform, bool(causal), scale, dropout_p, max_q, max_k, prec, fast)
-        return o
-    return _FlashAttnFn.apply(q, k, v, n, b, rng, cu_q, cu_k, transform, bool(causal), scale, dropout_p,
-                              max_q, max_k, prec, fast, out)
-
-
-def _check_out(out: Optional[Tensor], q: Tensor) -> None:
-    if out is None:
-        return
-    if not isinstance(out, torch.Tensor):
-        raise ValueError(f"`out` must be a torch.Tensor or None, got {type(out).__name__}")
-    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-        raise ValueError(f"`out` must match q: shape {tuple(q.shape)}, dtype {q.dtype}, device {q.device}; "
-                         f"got {tuple(out.shape)}, {out.dtype}, {out.device}")
-    if out.requires_grad:
-        raise ValueError("`out` must not require grad (the result is returned with its own autograd node)")
-    if out.numel() > 0 and any(st == 0 for st, sz in zip(out.stride(), out.shape) if sz > 1):
-        raise ValueError("`out` must not be an expanded (stride-0) view: every element needs its own memory")
+    return _flash_apply(q, k, v, n if ssa else None, b if ssa else None, rng, cu_q, cu_k, transform,
+                        bool(causal), scale, dropout_p, max_q, max_k, prec, fast, out)
 
 
 def flash_attention(
@@ -576,16 +604,18 @@ def flash_attention(
             default); the kernel itself handles any strides.
         input_precision: ``tl.dot`` precision for fp32 inputs; default ``"ieee"``.
         fast_math: PTX ``lg2.approx`` for the SSA log (default on CUDA).
-        out: optional preallocated ``[B, Hq, Sq, D]`` tensor of q's dtype with any
-            (non-overlapping) strides that the kernel writes the output into, e.g.
-            ``buf.permute(1, 2, 0, 3)`` of a ``[Sq, B, Hq, D]`` buffer so Megatron's
-            ``[s, b, h*d]`` layout needs no copy. The returned tensor shares ``out``'s
-            memory and carries the autograd graph: use the return value, not ``out``.
-            Under ``torch.compile`` the output is a new tensor instead.
+        out: optional preallocated ``[B, Hq, Sq, D]`` tensor (q's dtype and device) with
+            ANY strides, e.g. ``buf.view(Sq, B, Hq, D).permute(1, 2, 0, 3)`` of Megatron's
+            ``[s, b, h*d]`` output buffer: the kernel writes it in place (no copy). Autograd
+            flows through the RETURNED tensor (same memory and strides as ``out``; e.g.
+            ``o.permute(2, 0, 1, 3).reshape(s, b, h*d)`` is then a free view of the
+            buffer), not through ``out`` itself; the backward takes the strided ``dO`` as
+            is. ``out`` must not require grad nor overlap q/k/v or itself. (Under
+            torch.compile the custom op is functional: out= costs one copy there.)
 
     Returns:
-        ``[B, Hq, Sq, D]`` in q's dtype (memory order of q when q is dense, else of
-        ``out``); rows without a visible key are 0 with zero gradients.
+        ``[B, Hq, Sq, D]`` in q's dtype (memory order of q when q is dense; ``out`` when
+        given); rows without a visible key are 0 with zero gradients.
 
     Raises:
         ValueError: unsupported dtype (supported: fp16, bf16, fp32), head dim (16..256),
@@ -593,7 +623,8 @@ def flash_attention(
     """
     _validate_flash(q, k, v, transform=transform, n=n, b=b, keep_mask=keep_mask, dropout_p=dropout_p,
                     softmax_scale=softmax_scale, varlen=False, input_precision=input_precision)
-    _check_out(out, q)
+    if out is not None:
+        _check_out(out, q)
     return _flash_call(q, k, v, n, b, None, None, q.shape[2], k.shape[2], transform=transform, causal=causal,
                        softmax_scale=softmax_scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
                        dropout_offset=dropout_offset, force_contiguous_qkv=force_contiguous_qkv,
@@ -675,18 +706,18 @@ def flash_attention_varlen(
 
 
 def ssa_attention_triton(q, k, v, n, b, *, causal=False, softmax_scale=None, keep_mask=None,
-                         dropout_p=0.0, **kw) -> Tensor:
+                         dropout_p=0.0, out=None, **kw) -> Tensor:
     """SSA via the fused kernel; same keywords as ``ssa_attention_naive`` (``keep_mask``
     must be None). Extra keywords go to ``flash_attention``."""
     return flash_attention(q, k, v, transform="ssa", n=n, b=b, causal=causal, softmax_scale=softmax_scale,
-                           keep_mask=keep_mask, dropout_p=dropout_p, **kw)
+                           keep_mask=keep_mask, dropout_p=dropout_p, out=out, **kw)
 
 
 def softmax_attention_triton(q, k, v, *, causal=False, softmax_scale=None, keep_mask=None,
-                             dropout_p=0.0, **kw) -> Tensor:
+                             dropout_p=0.0, out=None, **kw) -> Tensor:
     """Softmax via the same fused kernel (``TRANSFORM=softmax``): the fused baseline."""
     return flash_attention(q, k, v, transform="softmax", causal=causal, softmax_scale=softmax_scale,
-                           keep_mask=keep_mask, dropout_p=dropout_p, **kw)
+                           keep_mask=keep_mask, dropout_p=dropout_p, out=out, **kw)
 
 
 def ssa_attention_triton_varlen(q, k, v, n, b, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
