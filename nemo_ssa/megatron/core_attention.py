@@ -296,8 +296,9 @@ class _TransformedSoftmaxAttention(MegatronModule):
                 q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
 
         extra = {}
-        if self._op_takes_out:
-            # the op writes straight into megatron's [sq, b, h*d] output (a [B, H, Sq, D] view)
+        if self._op_takes_out and not torch.compiler.is_compiling():
+            # the op writes straight into megatron's [sq, b, h*d] output (a [B, H, Sq, D] view);
+            # traced, the custom op returns a fresh tensor and out= would only add a copy
             buf = torch.empty((sq, b, q.shape[1] * q.shape[3]), dtype=q.dtype, device=q.device)
             extra["out"] = buf.view(sq, b, q.shape[1], q.shape[3]).permute(1, 2, 0, 3)
         dropout_p = self.dropout_p if self.training else 0.0
