@@ -245,7 +245,7 @@ def test_cached_launch_bitwise_equals_normal_launch_gpu(monkeypatch):
     monkeypatch.setattr(attn_bwd, "FAST_LAUNCH", True)
     monkeypatch.setattr(attn_bwd, "_LAUNCH_CACHE", {})
     once()  # fills the cache
-    assert len(attn_bwd._LAUNCH_CACHE) >= 4
+    assert len(attn_bwd._LAUNCH_CACHE) >= 3  # forward, dQ (+delta), dK/dV
     for x, y in zip(once(), ref):
         assert torch.equal(x, y)
 

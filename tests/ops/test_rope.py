@@ -101,8 +101,10 @@ def test_matches_megatron_apply_rotary_pos_emb():
     want_q = apply_rotary_pos_emb(q, freqs, config=cfg, cp_group=cp)
     want_k = apply_rotary_pos_emb(k, freqs, config=cfg, cp_group=cp)
     got_q, got_k, got_v = rope_layout_triton(q, k, v, freqs)
-    torch.testing.assert_close(got_q, want_q.permute(1, 2, 0, 3), atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(got_k, want_k.permute(1, 2, 0, 3), atol=1e-6, rtol=1e-5)
+    # the kernel's fp32 cos/sin (libdevice) and torch's CUDA ones differ by an ulp or two
+    tol = dict(atol=1e-5, rtol=1e-5) if DEVICE == "cuda" else dict(atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got_q, want_q.permute(1, 2, 0, 3), **tol)
+    torch.testing.assert_close(got_k, want_k.permute(1, 2, 0, 3), **tol)
     assert torch.equal(got_v, v.permute(1, 2, 0, 3))
     # negative control: the rotation is not the identity on this data
     assert rel_err(got_q, q.permute(1, 2, 0, 3)) > 0.1
