@@ -38,6 +38,7 @@ def test_loss_and_grad_within_2x_eager(s, b, V, dtype):
     y = logits64.to(dtype).requires_grad_()
     got = lm_cross_entropy(y, labels)
     assert got.shape == (b, s) and got.dtype == torch.float32
+    assert got.is_contiguous()  # NeMo's masked_token_loss calls .view(-1) on it
     (ggot,) = torch.autograd.grad((got * w.float()).sum(), y)
     floor = 1e-7
     assert rel_err(got, ref) <= 2 * rel_err(eager, ref) + floor

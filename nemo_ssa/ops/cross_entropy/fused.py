@@ -37,7 +37,8 @@ def _ce_body(logits: Tensor, labels: Tensor) -> Tensor:
     lab = labels.transpose(0, 1).unsqueeze(-1).long()
     lse = torch.logsumexp(x, dim=-1)
     picked = x.gather(-1, lab).squeeze(-1)
-    return (lse - picked).transpose(0, 1)
+    # [s, b] -> [b, s], contiguous as megatron returns it (NeMo's masked_token_loss .view()s it)
+    return (lse - picked).transpose(0, 1).contiguous()
 
 
 def compile_enabled(device: torch.device) -> bool:
@@ -56,7 +57,7 @@ def lm_cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
     if labels.dtype.is_floating_point or labels.dtype == torch.bool:
         raise ValueError(f"labels must be an integer tensor, got {labels.dtype}")
     if logits.dtype == torch.float64 or not compile_enabled(logits.device):
-        return lm_cross_entropy_naive(logits, labels)
+        return lm_cross_entropy_naive(logits, labels)  # contiguous [b, s]
     global _COMPILED
     if _COMPILED is None:
         _COMPILED = torch.compile(_ce_body, dynamic=False, fullgraph=True)
