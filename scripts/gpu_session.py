@@ -63,11 +63,14 @@ PRESETS = {
         expect=150, budget=235,
         steps=[("pytest", "tests-quick", 215, GPU_FILES, "gpu_quick", 150)]),
     "full-1": dict(
-        about="flash (GPU file + the CPU op tests run on CUDA), flex, ELSA GPU file, extreme logits",
+        about="flash (GPU file + the CPU op tests run on CUDA, the eager/cached-launch path), flex, ELSA GPU file, "
+              "extreme logits, fused RoPE+layout, LM cross-entropy, the step's foreach/fused-AdamW paths",
         expect=360, budget=530,
         steps=[("pytest", "tests-full-1", 505,
                 ["tests/ops/test_ssa_flash_gpu.py", "tests/ops/test_ssa_flex_gpu.py", "tests/ops/test_elsa_gpu.py",
-                 "tests/ops/test_extreme_logits.py", "tests/ops/test_ssa_flash.py"], None, 240)]),
+                 "tests/ops/test_extreme_logits.py", "tests/ops/test_ssa_flash.py", "tests/ops/test_flash_fastpath.py",
+                 "tests/ops/test_rope.py", "tests/ops/test_cross_entropy.py", "tests/megatron/test_fast_paths.py"],
+                None, 240)]),
     "full-2": dict(
         about="NSA GPU file, the CPU op tests of ELSA and NSA run on CUDA, the ops fuzz on CUDA",
         expect=380, budget=530,
