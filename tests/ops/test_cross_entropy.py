@@ -73,12 +73,13 @@ def _tiny_gpt(tmp_path):
     return model.float()
 
 
-def _loss_and_grads(model, tokens, labels, mask):
+def _loss_and_grads(model, tokens, labels, mask, pass_mask=True):
     from nemo_ssa.megatron.cpu import cpu_device_shims
 
     pos = torch.arange(tokens.shape[1])[None].expand_as(tokens)
+    kw = {"loss_mask": mask} if pass_mask else {}
     with cpu_device_shims():
-        loss = model(input_ids=tokens, position_ids=pos, attention_mask=None, labels=labels)
+        loss = model(input_ids=tokens, position_ids=pos, attention_mask=None, labels=labels, **kw)
     total = (loss * mask).sum() / mask.sum()
     grads = torch.autograd.grad(total, [p for p in model.parameters() if p.requires_grad])
     return loss.detach(), grads
@@ -88,37 +89,84 @@ CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="builds the mode
                               "the NeMo GPU run exercises the installed loss")
 
 
-@CPU_ONLY
-def test_installed_in_the_gpt_model_gives_megatrons_loss_and_grads(megatron_cpu, tmp_path):
-    from nemo_ssa.megatron.output_layer import ensure_installed, install_fused_cross_entropy
+def _count_calls(monkeypatch):
+    import nemo_ssa.ops.cross_entropy as ce
 
+    calls = []
+    real = ce.linear_cross_entropy
+
+    def spy(*a, **k):
+        calls.append(k.get("chunk_size"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(ce, "linear_cross_entropy", spy)
+    return calls
+
+
+@CPU_ONLY
+def test_installed_in_the_gpt_model_gives_megatrons_loss_and_grads(megatron_cpu, tmp_path, monkeypatch):
+    from nemo_ssa.megatron.output_layer import ensure_installed, install_fused_cross_entropy, set_loss_mask
+
+    monkeypatch.setenv("NEMO_SSA_CE_CHUNK", "5")  # 18 tokens: 4 chunks, the last one short
+    calls = _count_calls(monkeypatch)
     model = _tiny_gpt(tmp_path)
+    assert model.share_embeddings_and_output_weights and model.output_layer.weight is None  # tied
     tokens = torch.randint(0, 97, (2, 9))
     labels = torch.randint(0, 97, (2, 9))
     mask = (torch.rand(2, 9) > 0.2).float()
+    mask[0, 0] = 0.0
     ref_loss, ref_grads = _loss_and_grads(model, tokens, labels, mask)
+    with torch.no_grad():
+        ref_logits = model(input_ids=tokens, position_ids=torch.arange(9)[None].expand(2, 9), attention_mask=None)
     assert install_fused_cross_entropy(model, "false") == 0
     assert install_fused_cross_entropy(model, "true") == 1
-    assert "_fused_loss" in model.compute_language_model_loss.__func__.__name__
+    assert "_fused_postprocess" in model._postprocess.__func__.__name__
     loss, grads = _loss_and_grads(model, tokens, labels, mask)
+    assert calls == [5], "the fused output layer + loss did not run"
+    assert loss.shape == (2, 9) and loss.dtype == torch.float32 and loss.is_contiguous()
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
-    for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
-    # once per model object; a bad value is refused with the supported set
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert "embedding.word_embeddings.weight" in names
+    for n, g, r in zip(names, grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7, msg=n)
+    # negative control: the same check fails when the loss mask is not honoured (weight grads of
+    # an unmasked sum)
+    _, wrong = _loss_and_grads(model, tokens, labels, torch.ones_like(mask))
+    emb = names.index("embedding.word_embeddings.weight")
+    assert not torch.allclose(wrong[emb] * mask.numel() / mask.sum(), ref_grads[emb], rtol=1e-3, atol=1e-6)
+    # the mask handed over by forward_step (NeMo's forward does not pass loss_mask)
     ensure_installed(model, "true")
-    assert model._nemo_ssa_ce_checked
+    assert model._nemo_ssa_ce_checked and model._nemo_ssa_ce_models == (model,)
+    set_loss_mask(model, mask)
+    loss2, grads2 = _loss_and_grads(model, tokens, labels, mask, pass_mask=False)
+    assert "_nemo_ssa_loss_mask" not in vars(model)  # consumed
+    for g, r in zip(grads2, grads):
+        torch.testing.assert_close(g, r, rtol=0, atol=0)
+    # no mask at all under a masked reduction: refused loudly, not a wrong gradient
+    with pytest.raises(RuntimeError, match="not c \\* row_weight"):
+        _loss_and_grads(model, tokens, labels, mask, pass_mask=False)
+    # inference (no labels) keeps megatron's logits path
+    with torch.no_grad():
+        logits = model(input_ids=tokens, position_ids=torch.arange(9)[None].expand(2, 9), attention_mask=None)
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=0)
     with pytest.raises(ValueError, match="supported: auto, true, false"):
         install_fused_cross_entropy(model, "yes")
 
 
 @CPU_ONLY
-def test_tensor_parallel_keeps_megatrons_loss(megatron_cpu, tmp_path):
-    from nemo_ssa.megatron.output_layer import install_fused_cross_entropy
+def test_tensor_parallel_keeps_megatrons_loss_or_is_refused(megatron_cpu, tmp_path):
+    from nemo_ssa.megatron.output_layer import check_fused_cross_entropy, install_fused_cross_entropy
 
     model = _tiny_gpt(tmp_path)
     model.config.tensor_model_parallel_size = 2
-    assert install_fused_cross_entropy(model, "true") == 0
-    assert "compute_language_model_loss" not in vars(model)
+    assert install_fused_cross_entropy(model, "auto") == 0 or not torch.cuda.is_available()
+    assert "compute_language_model_loss" not in vars(model) and "_postprocess" not in vars(model)
+    with pytest.raises(ValueError, match="fused_cross_entropy=true needs tensor_parallel=1"):
+        install_fused_cross_entropy(model, "true")
+    with pytest.raises(ValueError, match="fused_cross_entropy=true needs tensor_parallel=1"):
+        check_fused_cross_entropy("true", tensor_parallel=2)
+    check_fused_cross_entropy("auto", tensor_parallel=2)
+    check_fused_cross_entropy(False, tensor_parallel=2)
 
 
 # ----------------------------------------------------------------------------- chunked linear + CE
