@@ -458,7 +458,12 @@ def train_on_cpu(
                         loss.backward()
                     total += float(loss.detach())
                 finalize_model_grads([ddp])
-                ok, grad_norm, _ = optimizer.step()
+                # through NeMo's adapter, as Lightning does: it calls the same
+                # optimizer.step(), and the scheduler (which wrapped the adapter's step to
+                # track the call order) then sees that the optimizer stepped first -- calling
+                # megatron's optimizer directly made torch warn "Detected call of
+                # lr_scheduler.step() before optimizer.step()" on every run.
+                _, grad_norm, _ = torch_opt.step()
                 lr = optimizer.param_groups[0]["lr"]
                 scheduler.step()
                 step += 1
