@@ -171,7 +171,9 @@ def check_run_config(cfg: Mapping[str, Any], *, cuda: bool, world: Optional[int]
         raise ValueError(f"train.distributed_optimizer={dopt!r} is not supported (supported: true, false, auto/null)")
     dp = check_parallel(
         attention=resolved.name, world=world,
-        tensor_parallel=train.get("tensor_parallel") or 1, context_parallel=train.get("context_parallel") or 1,
+        # None = unset (1); an explicit 0 is refused by check_parallel, not read as 1
+        tensor_parallel=1 if train.get("tensor_parallel") is None else train["tensor_parallel"],
+        context_parallel=1 if train.get("context_parallel") is None else train["context_parallel"],
         sequence_parallel=bool(train.get("sequence_parallel") or False), pipeline_parallel=1,
         seq_length=train.get("seq_length"), micro_batch_size=train.get("micro_batch_size"),
         global_batch_size=train.get("global_batch_size"), arch=arch,

@@ -101,9 +101,17 @@ class Job:
         self.seed = 0
 
 
+# The protocol's batch and schedule, pinned here so every parity result stays comparable
+# when train=gpu_9min moves (it went to micro/global batch 32 on 2026-11-25; 1,000 steps of
+# that would take the unfused reference ~20 min). Overrides in --extra / per run still win.
+PROTOCOL = ["train.micro_batch_size=8", "train.global_batch_size=8", "train.lr=3.0e-4", "train.min_lr=3.0e-5",
+            "train.warmup_steps=75", "train.val_check_interval=500", "train.limit_val_batches=4"]
+
+
 def _pretrain_cmd(name: str, seed: int, steps: int, runs_root: str, extra: List[str]) -> List[str]:
     return [sys.executable, os.path.join(REPO, "scripts", "pretrain.py"), f"attention={name}", f"seed={seed}",
-            "compare_to=[]", "train=gpu_9min", f"train.max_steps={steps}", f"runs_root={runs_root}", *extra]
+            "compare_to=[]", "train=gpu_9min", f"train.max_steps={steps}", f"runs_root={runs_root}",
+            *PROTOCOL, *extra]
 
 
 def _prepare_corpus(overrides: List[str]) -> None:

@@ -21,7 +21,8 @@ own forward pre-hooks (untied weight under overlapped parameter gathering).
 
 Chosen by config: ``model.fused_cross_entropy`` -- ``auto`` (on with CUDA and TP 1),
 ``true`` (on; tensor parallel > 1 is refused), ``false`` (megatron's path); bound by the
-recipe into ``nemo_ssa.nemo.steps.forward_step``. docs/fused-layers.md.
+recipe into ``nemo_ssa.nemo.steps.forward_step``. docs/fused-layers.md. A/B switch for
+timing: ``NEMO_SSA_CE_PATH=loss`` keeps megatron's output layer and fuses the loss alone.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ def _stock_reason(self, labels, kwargs) -> Optional[str]:
 
     if labels is None:
         return "no labels"
+    if os.environ.get("NEMO_SSA_CE_PATH", "chunked") == "loss":
+        return "NEMO_SSA_CE_PATH=loss (megatron's output layer, the compiled loss alone)"
     if not self.post_process:
         return "not the last pipeline stage"
     if self.mtp_process or kwargs.get("mtp_in_postprocess"):

@@ -240,12 +240,15 @@ def _loss_from_output(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> 
 
 
 def _rng_to_obj(snap: RNGSnapshot) -> Dict[str, Any]:
-    return {"python": snap.python, "numpy": snap.numpy, "torch_cpu": snap.torch_cpu}
+    # megatron's RNG tracker (the generator dropout forks to) is part of the state: without
+    # it a resumed run with dropout draws other masks from its first step on
+    return {"python": snap.python, "numpy": snap.numpy, "torch_cpu": snap.torch_cpu,
+            "megatron_tracker": snap.megatron_tracker}
 
 
 def _rng_from_obj(obj: Dict[str, Any]) -> RNGSnapshot:
     return RNGSnapshot(python=obj["python"], numpy=obj["numpy"], torch_cpu=obj["torch_cpu"],
-                       torch_cuda=None, megatron_tracker=None)
+                       torch_cuda=None, megatron_tracker=obj.get("megatron_tracker"))
 
 
 def warmup_attention(model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> int:
@@ -432,7 +435,12 @@ def train_on_cpu(
             def next_batch(it):
                 return _cp_slice(next(it))
 
-            batches = _batches(dataset, mbs, gbs, consumed_samples=step * gbs, dp_rank=dp_rank, dp_size=layout.dp)
+            # a DataLoader iterator draws its base seed from torch's generator: a fresh run
+            # draws it before step 1, where the checkpoint's RNG state already includes that
+            # draw -- so a resumed run must not draw again (dropout masks would shift)
+            with preserved_rng(step > 0):
+                batches = _batches(dataset, mbs, gbs, consumed_samples=step * gbs, dp_rank=dp_rank,
+                                   dp_size=layout.dp)
             writer = MetricsWriter(run_dir, append=resume and step > 0) if main else None
 
             if warmup and step == 0:
@@ -465,7 +473,12 @@ def train_on_cpu(
                         loss.backward()
                     total += float(loss.detach())
                 finalize_model_grads([ddp])
-                ok, grad_norm, _ = optimizer.step()
+                # through NeMo's adapter, as Lightning does: it calls the same
+                # optimizer.step(), and the scheduler (which wrapped the adapter's step to
+                # track the call order) then sees that the optimizer stepped first -- calling
+                # megatron's optimizer directly made torch warn "Detected call of
+                # lr_scheduler.step() before optimizer.step()" on every run.
+                _, grad_norm, _ = torch_opt.step()
                 lr = optimizer.param_groups[0]["lr"]
                 scheduler.step()
                 step += 1

@@ -48,6 +48,23 @@ def test_presets_fit_the_device_limits():
             "tests/ops/test_extreme_logits.py"} <= full
 
 
+def test_memory_heavy_cases_run_alone():
+    """full-2 runs every NSA GPU case exactly once: the gpu_big ones in a one-worker step
+    (beside three xdist workers one ran out of memory on an H100), the rest in parallel."""
+    gs = _load_session()
+    steps = [s for s in gs.PRESETS["full-2"]["steps"] if s[0] == "pytest"]
+    markers = {s[4]: s for s in steps}
+    assert set(markers) == {"not gpu_big", "gpu_big"}
+    big = markers["gpu_big"]
+    assert len(big) > 6 and big[6] == 1
+    cmd = gs.pytest_command(big[3], big[4], big[5], big[6], "/tmp/x.jsonl")
+    assert " -n " not in cmd and "-m gpu_big" in cmd
+    cmd = gs.pytest_command(["a.py"], "not gpu_big", 100, 4, "/tmp/x.jsonl")
+    assert "-m 'not gpu_big'" in cmd
+    src = open(os.path.join(REPO, "tests/ops/test_nsa_gpu.py")).read()
+    assert "BIG = pytest.mark.gpu_big" in src
+
+
 def test_preset_writes_results_even_when_killed(tmp_path, monkeypatch):
     """A preset step killed at its limit still leaves a results file: finished tests with
     outcome and seconds, the rest 'not run'. Runs a tiny pytest file through the machinery."""

@@ -82,6 +82,7 @@ def test_experimental_runs_take_their_overrides_and_are_shown_not_gated():
     assert parity._parse_run("nsa_ssa:1234:policy=free")[2] == ["policy=free"]
     cmd = parity._pretrain_cmd(name, seed, 10, "/tmp/r", own)
     assert "attention=nsa_ssa" in cmd and cmd[-2:] == own
+    assert "train.micro_batch_size=8" in cmd and cmd.index("train.micro_batch_size=8") < cmd.index(own[0])  # protocol pinned, run overrides win
     assert parity._parse_resume("nsa_ssa:1234:500") == ("nsa_ssa", 1234, 500, [])
     # a resume check takes its own overrides too (an experimental attention needs policy=free)
     assert parity._parse_resume("nsa_ssa:1234:500:policy=free,train.seq_length=4096") == (

@@ -1,0 +1,35 @@
+"""Config-level fuzz (issue 16 item 4): random launcher configurations are either accepted
+(and the documented rules find nothing unsupported) or refused in one line naming what is
+supported -- never a crash, never a silent acceptance. Negative controls show each failure
+kind is caught."""
+
+import pytest
+
+from nemo_ssa import config_fuzz
+
+
+def test_300_cases_accepted_or_refused_never_failed():
+    counts, failures = config_fuzz.run(300, seed=1)
+    assert failures == [], failures[:5]
+    assert counts["accepted"] > 10 and counts["refused"] > 100  # both outcomes are exercised
+
+
+@pytest.mark.parametrize("fake, want", [
+    (lambda cfg, cuda: {"attention": "x", "dp": 1}, "accepted an unsupported configuration"),
+    (lambda cfg, cuda: (_ for _ in ()).throw(RuntimeError("boom")), "crash RuntimeError"),
+    (lambda cfg, cuda: (_ for _ in ()).throw(ValueError("bad")), "without the supported set"),
+])
+def test_negative_controls(monkeypatch, fake, want):
+    monkeypatch.setattr(config_fuzz, "check_run_config", fake)
+    counts, failures = config_fuzz.run(60, seed=1)
+    assert counts["failed"] > 0 and any(want in d for _, d in failures)
+
+
+def test_explicit_zero_parallel_size_is_refused():
+    # the fuzz found it: tensor_parallel=0 was read as 1 (``or 1``) and accepted
+    from nemo_ssa.config_check import check_run_config
+
+    cfg = {"attention": {"name": "softmax"}, "policy": "pinned", "seed": 1,
+           "train": {"tensor_parallel": 0, "precision": "32"}, "model": {}}
+    with pytest.raises(ValueError, match="tensor_parallel"):
+        check_run_config(cfg, cuda=False)
