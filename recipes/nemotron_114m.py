@@ -164,8 +164,8 @@ def pretrain_recipe(
         val_check_interval: validation interval in steps.
         limit_val_batches: validation batches per check.
         ckpt_every_n_steps: checkpoint interval (None: at the end only).
-        fused_cross_entropy: the fused LM loss (nemo_ssa.ops.cross_entropy): auto (on with
-            CUDA and TP=1), true, false.
+        fused_cross_entropy: the fused output layer + LM loss (nemo_ssa.ops.cross_entropy,
+            docs/fused-layers.md): auto (on with CUDA and TP=1), true (TP > 1 refused), false.
         vocab_size: padded vocabulary; None derives it from the tokenizer.
         num_workers: data-loader workers.
         precision: ``bf16-mixed`` (default), ``16-mixed`` or ``32``.
@@ -199,6 +199,9 @@ def pretrain_recipe(
 
     # Parallelism: checked before anything is built (one line naming what is supported)
     from nemo_ssa.config_check import check_parallel
+    from nemo_ssa.megatron.output_layer import check_fused_cross_entropy
+
+    check_fused_cross_entropy(fused_cross_entropy, tensor_parallel, sequence_parallel)
 
     world = int(num_nodes) * int(num_gpus_per_node)
     dp = check_parallel(attention=attention, world=world, tensor_parallel=tensor_parallel,

@@ -389,6 +389,12 @@ def train_on_cpu(
             datamodule = fdl.build(recipe.data)
             tokenizer = getattr(datamodule, "tokenizer", None)
             model = cfg.configure_model(tokenizer)
+            # model.fused_cross_entropy (bound into the recipe's forward step): auto is off on
+            # the CPU; true runs the chunked output layer + loss eagerly
+            from nemo_ssa.megatron.output_layer import install_fused_cross_entropy
+
+            install_fused_cross_entropy(model, getattr(cfg.forward_step_fn, "keywords", {}).get(
+                "fused_cross_entropy", "auto"))
             n_params = sum(p.numel() for p in model.parameters())
             if cfg.bf16 or cfg.fp16:
                 from megatron.core.transformer.module import Float16Module
@@ -461,7 +467,8 @@ def train_on_cpu(
                     batch = next_batch(batches)
                     # like megatron's schedule: no grad sync until the last micro-batch
                     with (ddp.no_sync() if i < num_micro - 1 else contextlib.nullcontext()):
-                        out = ddp(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+                        out = ddp(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                                  loss_mask=batch["loss_mask"])
                         loss = _loss_from_output(out, batch["loss_mask"]) / num_micro
                         loss.backward()
                     total += float(loss.detach())

@@ -50,11 +50,13 @@ def forward_step(model, batch, fused_cross_entropy="auto") -> torch.Tensor:
     """Forward without requiring an attention mask (our attention is causal by type).
 
     ``fused_cross_entropy`` (``auto`` = on with CUDA, ``true``, ``false``; the recipe binds
-    it from ``model.fused_cross_entropy``): on the first call the fused LM cross-entropy
-    replaces megatron's loss (``nemo_ssa.megatron.output_layer``; TP = 1 only)."""
-    from nemo_ssa.megatron.output_layer import ensure_installed
+    it from ``model.fused_cross_entropy``): on the first call the fused output layer + LM
+    cross-entropy replaces megatron's (``nemo_ssa.megatron.output_layer``; TP = 1 only); every
+    call hands it the batch's loss mask, the row weight of its in-forward weight gradient."""
+    from nemo_ssa.megatron.output_layer import ensure_installed, set_loss_mask
 
     ensure_installed(model, fused_cross_entropy)
+    set_loss_mask(model, batch.get("loss_mask"))
     args = {
         "input_ids": batch["tokens"],
         "position_ids": batch["position_ids"],

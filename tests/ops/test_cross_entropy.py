@@ -73,12 +73,13 @@ def _tiny_gpt(tmp_path):
     return model.float()
 
 
-def _loss_and_grads(model, tokens, labels, mask):
+def _loss_and_grads(model, tokens, labels, mask, pass_mask=True):
     from nemo_ssa.megatron.cpu import cpu_device_shims
 
     pos = torch.arange(tokens.shape[1])[None].expand_as(tokens)
+    kw = {"loss_mask": mask} if pass_mask else {}
     with cpu_device_shims():
-        loss = model(input_ids=tokens, position_ids=pos, attention_mask=None, labels=labels)
+        loss = model(input_ids=tokens, position_ids=pos, attention_mask=None, labels=labels, **kw)
     total = (loss * mask).sum() / mask.sum()
     grads = torch.autograd.grad(total, [p for p in model.parameters() if p.requires_grad])
     return loss.detach(), grads
@@ -88,34 +89,180 @@ CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="builds the mode
                               "the NeMo GPU run exercises the installed loss")
 
 
-@CPU_ONLY
-def test_installed_in_the_gpt_model_gives_megatrons_loss_and_grads(megatron_cpu, tmp_path):
-    from nemo_ssa.megatron.output_layer import ensure_installed, install_fused_cross_entropy
+def _count_calls(monkeypatch):
+    import nemo_ssa.ops.cross_entropy as ce
 
+    calls = []
+    real = ce.linear_cross_entropy
+
+    def spy(*a, **k):
+        calls.append(k.get("chunk_size"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(ce, "linear_cross_entropy", spy)
+    return calls
+
+
+@CPU_ONLY
+def test_installed_in_the_gpt_model_gives_megatrons_loss_and_grads(megatron_cpu, tmp_path, monkeypatch):
+    from nemo_ssa.megatron.output_layer import ensure_installed, install_fused_cross_entropy, set_loss_mask
+
+    monkeypatch.setenv("NEMO_SSA_CE_CHUNK", "5")  # 18 tokens: 4 chunks, the last one short
+    calls = _count_calls(monkeypatch)
     model = _tiny_gpt(tmp_path)
+    assert model.share_embeddings_and_output_weights and model.output_layer.weight is None  # tied
     tokens = torch.randint(0, 97, (2, 9))
     labels = torch.randint(0, 97, (2, 9))
     mask = (torch.rand(2, 9) > 0.2).float()
+    mask[0, 0] = 0.0
     ref_loss, ref_grads = _loss_and_grads(model, tokens, labels, mask)
+    with torch.no_grad():
+        ref_logits = model(input_ids=tokens, position_ids=torch.arange(9)[None].expand(2, 9), attention_mask=None)
     assert install_fused_cross_entropy(model, "false") == 0
     assert install_fused_cross_entropy(model, "true") == 1
-    assert "_fused_loss" in model.compute_language_model_loss.__func__.__name__
+    assert "_fused_postprocess" in model._postprocess.__func__.__name__
     loss, grads = _loss_and_grads(model, tokens, labels, mask)
+    assert calls == [5], "the fused output layer + loss did not run"
+    assert loss.shape == (2, 9) and loss.dtype == torch.float32 and loss.is_contiguous()
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
-    for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
-    # once per model object; a bad value is refused with the supported set
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert "embedding.word_embeddings.weight" in names
+    for n, g, r in zip(names, grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7, msg=n)
+    # negative control: the same check fails when the loss mask is not honoured (weight grads of
+    # an unmasked sum)
+    _, wrong = _loss_and_grads(model, tokens, labels, torch.ones_like(mask))
+    emb = names.index("embedding.word_embeddings.weight")
+    assert not torch.allclose(wrong[emb] * mask.numel() / mask.sum(), ref_grads[emb], rtol=1e-3, atol=1e-6)
+    # the mask handed over by forward_step (NeMo's forward does not pass loss_mask)
     ensure_installed(model, "true")
-    assert model._nemo_ssa_ce_checked
+    assert model._nemo_ssa_ce_checked and model._nemo_ssa_ce_models == (model,)
+    set_loss_mask(model, mask)
+    loss2, grads2 = _loss_and_grads(model, tokens, labels, mask, pass_mask=False)
+    assert "_nemo_ssa_loss_mask" not in vars(model)  # consumed
+    for g, r in zip(grads2, grads):
+        torch.testing.assert_close(g, r, rtol=0, atol=0)
+    # no mask at all under a masked reduction: refused loudly, not a wrong gradient
+    with pytest.raises(RuntimeError, match="not c \\* row_weight"):
+        _loss_and_grads(model, tokens, labels, mask, pass_mask=False)
+    # inference (no labels) keeps megatron's logits path
+    with torch.no_grad():
+        logits = model(input_ids=tokens, position_ids=torch.arange(9)[None].expand(2, 9), attention_mask=None)
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=0)
     with pytest.raises(ValueError, match="supported: auto, true, false"):
         install_fused_cross_entropy(model, "yes")
 
 
 @CPU_ONLY
-def test_tensor_parallel_keeps_megatrons_loss(megatron_cpu, tmp_path):
-    from nemo_ssa.megatron.output_layer import install_fused_cross_entropy
+def test_tensor_parallel_keeps_megatrons_loss_or_is_refused(megatron_cpu, tmp_path):
+    from nemo_ssa.megatron.output_layer import check_fused_cross_entropy, install_fused_cross_entropy
 
     model = _tiny_gpt(tmp_path)
     model.config.tensor_model_parallel_size = 2
-    assert install_fused_cross_entropy(model, "true") == 0
-    assert "compute_language_model_loss" not in vars(model)
+    assert install_fused_cross_entropy(model, "auto") == 0 or not torch.cuda.is_available()
+    assert "compute_language_model_loss" not in vars(model) and "_postprocess" not in vars(model)
+    with pytest.raises(ValueError, match="fused_cross_entropy=true needs tensor_parallel=1"):
+        install_fused_cross_entropy(model, "true")
+    with pytest.raises(ValueError, match="fused_cross_entropy=true needs tensor_parallel=1"):
+        check_fused_cross_entropy("true", tensor_parallel=2)
+    check_fused_cross_entropy("auto", tensor_parallel=2)
+    check_fused_cross_entropy(False, tensor_parallel=2)
+
+
+# ----------------------------------------------------------------------------- chunked linear + CE
+from nemo_ssa.ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_naive  # noqa: E402
+
+
+def _linear_case(N, H, V, out_of_range=True):
+    h = torch.randn(N, H, dtype=torch.float64, device=DEV)
+    w = torch.randn(V, H, dtype=torch.float64, device=DEV) * (2.0 / H ** 0.5)
+    labels = torch.randint(0, V, (N,), device=DEV)
+    if out_of_range and N > 4:
+        labels[1], labels[3] = -100, V + 5  # megatron: picks 0, the loss mask removes them
+    mask = (torch.rand(N, dtype=torch.float64, device=DEV) > 0.3).double()
+    if out_of_range and N > 4:
+        mask[1] = mask[3] = 0.0
+    return h, w, labels, mask
+
+
+def _eager_same_dtype(h, w, labels, mask, c):
+    """megatron's path in the test dtype: a GEMM in that dtype, fp32 loss on its logits."""
+    logits = (h @ w.t()).float()
+    V = logits.shape[-1]
+    valid = (labels >= 0) & (labels < V)
+    picked = logits.gather(-1, torch.where(valid, labels, 0).unsqueeze(-1)).squeeze(-1)
+    loss = torch.logsumexp(logits, -1) - torch.where(valid, picked, 0.0)
+    return loss, torch.autograd.grad((loss * mask.float()).sum() * c, [h, w])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("N,H,V,chunk", [(37, 24, 101, 8), (130, 48, 509, 64), (9, 16, 33, 4096)],
+                         ids=["N37-H24-V101-c8", "N130-H48-V509-c64", "N9-H16-V33-one-chunk"])
+def test_linear_ce_loss_and_grads_within_2x_eager(N, H, V, chunk, dtype):
+    h64, w64, labels, mask = _linear_case(N, H, V)
+    c = 1.0 / float(mask.sum())  # NeMo: sum(loss * mask) / num_valid
+    hr, wr = h64.clone().requires_grad_(), w64.clone().requires_grad_()
+    ref = linear_cross_entropy_naive(hr, wr, labels)
+    gref = torch.autograd.grad((ref * mask).sum() * c, [hr, wr])
+    he, we = h64.to(dtype).requires_grad_(), w64.to(dtype).requires_grad_()
+    eager, geager = _eager_same_dtype(he, we, labels, mask, c)
+    hx, wx = h64.to(dtype).requires_grad_(), w64.to(dtype).requires_grad_()
+    got = linear_cross_entropy(hx, wx, labels, row_weight=mask.float(), chunk_size=chunk)
+    assert got.shape == (N,) and got.dtype == torch.float32 and torch.isfinite(got).all()
+    ggot = torch.autograd.grad((got * mask.float()).sum() * c, [hx, wx])
+    floor = 1e-7
+    for name, x, e, r in [("loss", got, eager, ref), ("dhidden", ggot[0], geager[0], gref[0]),
+                          ("dweight", ggot[1], geager[1], gref[1])]:
+        assert x.dtype == e.dtype, name
+        assert rel_err(x, r) <= 2 * rel_err(e, r) + floor, (name, rel_err(x, r), rel_err(e, r))
+    # negative control: the check above separates a wrong gradient (the weight grad of an
+    # unmasked reduction) from a right one
+    wrong = torch.autograd.grad(linear_cross_entropy(hx, wx, labels, chunk_size=chunk).sum() * c, wx)[0]
+    assert rel_err(wrong, gref[1]) > 10 * (rel_err(geager[1], gref[1]) + floor)
+
+
+def test_linear_ce_fp64_matches_reference_and_no_grad_path():
+    h, w, labels, mask = _linear_case(41, 8, 57)
+    hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
+    ref = linear_cross_entropy_naive(hr, wr, labels)
+    gref = torch.autograd.grad((ref * mask).sum() * 0.3, [hr, wr])
+    hx, wx = h.clone().requires_grad_(), w.clone().requires_grad_()
+    got = linear_cross_entropy(hx, wx, labels, row_weight=mask, chunk_size=10)
+    ggot = torch.autograd.grad((got * mask).sum() * 0.3, [hx, wx])
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    for g, r in zip(ggot, gref):
+        torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+    with torch.no_grad():  # validation: loss only, the same values
+        torch.testing.assert_close(linear_cross_entropy(hx, wx, labels, chunk_size=10), ref.detach())
+    # a frozen weight: only the hidden gradient, no contract needed
+    (gh,) = torch.autograd.grad((linear_cross_entropy(hx, w, labels, chunk_size=7) * mask).sum() * 0.3, [hx])
+    torch.testing.assert_close(gh, gref[0], rtol=1e-12, atol=1e-12)
+
+
+def test_linear_ce_contract_violation_fails_loudly():
+    h, w, labels, mask = _linear_case(20, 8, 31, out_of_range=False)
+    mask[0] = 0.0
+    hx, wx = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = linear_cross_entropy(hx, wx, labels, row_weight=None, chunk_size=6)  # weights: all ones
+    with pytest.raises(RuntimeError, match="not c \\* row_weight"):
+        torch.autograd.grad((loss * mask).sum(), [hx, wx])
+    # a plain mean with no row_weight is within the contract
+    loss = linear_cross_entropy(hx, wx, labels, chunk_size=6)
+    torch.autograd.grad(loss.mean(), [hx, wx])
+
+
+def test_linear_ce_bad_inputs_refused():
+    h, w = torch.randn(4, 8), torch.randn(11, 8)
+    lab = torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"hidden \[N, H\] and weight \[V, H\]"):
+        linear_cross_entropy(h, torch.randn(11, 7), lab)
+    with pytest.raises(ValueError, match="one float dtype"):
+        linear_cross_entropy(h, w.double(), lab)
+    with pytest.raises(ValueError, match="integer"):
+        linear_cross_entropy(h, w, lab.float())
+    with pytest.raises(ValueError, match=r"labels \[N=4\]"):
+        linear_cross_entropy(h, w, torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match="row_weight"):
+        linear_cross_entropy(h, w, lab, row_weight=torch.ones(3))
+    with pytest.raises(ValueError, match="chunk_size"):
+        linear_cross_entropy(h, w, lab, chunk_size=0)

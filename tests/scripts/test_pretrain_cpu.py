@@ -218,3 +218,23 @@ def test_checkpoint_of_the_reference_resumes_under_the_triton_kernel(tiny_corpus
     for layer, value in full.ssa_n.items():
         assert abs(second.ssa_n[layer] - value) < 1e-5
     assert all(v != 1.5 for v in second.ssa_n.values())
+
+
+def test_fused_cross_entropy_trains_the_same_curve(tiny_corpus, tmp_path, monkeypatch):
+    """model.fused_cross_entropy=true on the CPU loop (eager chunked output layer + loss, the
+    loss mask as its weight-gradient row weight) follows megatron's loss path step for step."""
+    import nemo_ssa.ops.cross_entropy as ce
+    from nemo_ssa.nemo.cpu_loop import train_on_cpu
+
+    calls = []
+    real = ce.linear_cross_entropy
+    monkeypatch.setattr(ce, "linear_cross_entropy", lambda *a, **k: calls.append(1) or real(*a, **k))
+    curves = {}
+    for value in ("false", "true"):
+        assert calls == []  # false: megatron's path
+        recipe = _recipe(tiny_corpus, attention="softmax", max_steps=3, run_dir=str(tmp_path / value))
+        recipe.model.config.forward_step_fn.fused_cross_entropy = value
+        curves[value] = train_on_cpu(recipe, str(tmp_path / value), max_steps=3, quiet=True).losses
+    assert len(curves["true"]) == 3 and len(calls) >= 3 * 2  # 3 steps x 2 micro-batches, fused
+    for a, b in zip(curves["true"], curves["false"]):
+        assert math.isfinite(a) and abs(a - b) <= 1e-5 * abs(b), curves
