@@ -94,6 +94,7 @@ NSA_OPTION_KEYS = ("block_len", "stride", "select_block", "top_n", "window", "co
 #: not change the math, and NSA's sizes (experimental, so only reachable with policy=free)
 KERNEL_OPTION_KEYS: Dict[str, tuple] = {
     # RoPE + q/k/v layout in one Triton pass (nemo_ssa/ops/rope); null = on, false = off
+    "softmax": ("fused_rope_layout",),
     "softmax_triton": ("fused_rope_layout",),
     "ssa_triton": ("fused_rope_layout",),
     "elsa": ("num_partitions",),

@@ -109,6 +109,15 @@ class _TransformedSoftmaxAttention(MegatronModule):
     #: RoPE + layout fused into one Triton pass (nemo_ssa/ops/rope), driven by
     #: ``FusedRopeSelfAttention`` (nemo_ssa/megatron/self_attention.py); the fused GPU kernels
     supports_fused_rope_layout: bool = False
+    #: ``fused_rope_layout=None`` turns it on only where a CUDA device exists (softmax: on CPU
+    #: the CPU loop keeps megatron's RoPE, so its golden curves stay bit-for-bit)
+    fused_rope_layout_needs_cuda: bool = False
+
+    @classmethod
+    def default_fused_rope_layout(cls) -> bool:
+        """What ``fused_rope_layout=None`` means for this attention."""
+        return cls.supports_fused_rope_layout and (not cls.fused_rope_layout_needs_cuda
+                                                    or torch.cuda.is_available())
 
     def __init__(
         self,
@@ -194,10 +203,10 @@ class _TransformedSoftmaxAttention(MegatronModule):
         self._op_takes_out = _accepts_out(self._attend)
         if fused_rope_layout and not self.supports_fused_rope_layout:
             raise NotImplementedError(
-                f"attention={name}: fused_rope_layout=True is not supported (supported by: softmax_triton, "
-                "ssa_triton)."
+                f"attention={name}: fused_rope_layout=True is not supported (supported by: softmax, "
+                "softmax_triton, ssa_triton)."
             )
-        self.fused_rope_layout = (self.supports_fused_rope_layout if fused_rope_layout is None
+        self.fused_rope_layout = (self.default_fused_rope_layout() if fused_rope_layout is None
                                   else bool(fused_rope_layout))
         #: (freqs_q, freqs_k, mscale) set by FusedRopeSelfAttention for the duration of one
         #: forward: RoPE is then applied here, fused with the layout pass
@@ -374,6 +383,10 @@ class SoftmaxCoreAttention(_TransformedSoftmaxAttention):
 
     attention_name = "softmax"
     op_key = ("softmax", "sdpa")
+    # RoPE + layout in one Triton pass, then SDPA on the contiguous [b, h, s, d] it writes
+    # (megatron's RoPE is several elementwise launches per tensor plus the layout copies)
+    supports_fused_rope_layout = True
+    fused_rope_layout_needs_cuda = True
 
     def _call_op(self, q, k, v, *, causal, keep_mask, dropout_p, **out):
         return self._attend(
@@ -538,6 +551,7 @@ class SoftmaxTritonCoreAttention(SoftmaxCoreAttention):
     supported_mask_types = _TRITON_MASK_TYPES
     supported_head_dims = (16, 256)
     supports_fused_rope_layout = True
+    fused_rope_layout_needs_cuda = False
 
 
 class SSAFlexCoreAttention(SSACoreAttention):
@@ -557,6 +571,7 @@ class ElsaCoreAttention(SoftmaxCoreAttention):
 
     attention_name = "elsa"
     op_key = ("softmax", "elsa")
+    supports_fused_rope_layout = False
     supported_mask_types = _TRITON_MASK_TYPES
     supported_head_dims = (16, 256)
     supports_dropout = False

@@ -132,11 +132,12 @@ def layer_spec(
 def _use_fused_rope_layout(layer: ModuleSpec, attention: str, options: Dict[str, Any]) -> None:
     """RoPE + q/k/v layout in one Triton pass (nemo_ssa/ops/rope) for the fused core attentions.
 
-    ``fused_rope_layout`` (attention option of softmax_triton / ssa_triton; the policy
-    refuses it elsewhere): null or true = on, false = megatron's RoPE + the layout copies.
+    ``fused_rope_layout`` (attention option of softmax / softmax_triton / ssa_triton; the
+    policy refuses it elsewhere): true = on, false = megatron's RoPE + the layout copies,
+    null = on (softmax: on where CUDA exists; the CPU loop keeps megatron's RoPE).
     """
     flag = options.get("fused_rope_layout")
-    if flag is False or (flag is None and not CORE_ATTENTIONS[attention].supports_fused_rope_layout):
+    if flag is False or (flag is None and not CORE_ATTENTIONS[attention].default_fused_rope_layout()):
         return
     layer.submodules.self_attention.module = FusedRopeSelfAttention
 

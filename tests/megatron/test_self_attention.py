@@ -58,11 +58,12 @@ class Counter:
         return self.fn(*a, **k)
 
 
-@pytest.mark.parametrize("attention", ["softmax_triton", "ssa_triton"])
+@pytest.mark.parametrize("attention", ["softmax", "softmax_triton", "ssa_triton"])
 def test_fused_path_matches_megatron_rope_and_copies(megatron_cpu, monkeypatch, attention):
     import megatron.core.transformer.attention as mattn
 
-    fused, stock = build_gpt(attention, None), build_gpt(attention, False)
+    # softmax (SDPA) defaults to the fused pass only with CUDA: ask for it explicitly here
+    fused, stock = build_gpt(attention, True if attention == "softmax" else None), build_gpt(attention, False)
     stock.load_state_dict(fused.state_dict())
     for layer in fused.decoder.layers:
         assert type(layer.self_attention) is FusedRopeSelfAttention
@@ -109,15 +110,19 @@ def test_unsupported_configs_fall_back_to_megatron(megatron_cpu, caplog):
 
 def test_option_wiring_and_refusal(megatron_cpu):
     cfg = make_config(num_layers=1)
-    spec = layer_spec(cfg, attention="softmax")  # unfused attentions keep megatron's SelfAttention
+    spec = layer_spec(cfg, attention="softmax")  # softmax without CUDA: megatron's SelfAttention (CPU loop)
     assert spec.layer_specs[0].submodules.self_attention.module is SelfAttention
+    spec = layer_spec(cfg, attention="softmax", attention_options={"fused_rope_layout": True})
+    assert spec.layer_specs[0].submodules.self_attention.module is FusedRopeSelfAttention
     spec = layer_spec(cfg, attention="ssa_triton")
     assert spec.layer_specs[0].submodules.self_attention.module is FusedRopeSelfAttention
-    with pytest.raises(ValueError, match="fused_rope_layout"):  # the policy: not an option of softmax
-        build_gpt("softmax", True, cfg)
+    spec = layer_spec(cfg, attention="ssa_reference")  # the unfused reference keeps megatron's RoPE
+    assert spec.layer_specs[0].submodules.self_attention.module is SelfAttention
+    with pytest.raises(ValueError, match="fused_rope_layout"):  # the policy: not an option of ssa_reference
+        layer_spec(cfg, attention="ssa_reference", attention_options={"fused_rope_layout": True})
     with pytest.raises(NotImplementedError, match="fused_rope_layout"):  # the module itself refuses too
-        core_attention_mod.SoftmaxCoreAttention(cfg, 1, core_attention_mod.AttnMaskType.causal, "self",
-                                                fused_rope_layout=True)
+        core_attention_mod.ElsaCoreAttention(cfg, 1, core_attention_mod.AttnMaskType.causal, "self",
+                                             fused_rope_layout=True)
 
 
 def test_out_argument_writes_megatron_layout_in_place(megatron_cpu):
