@@ -24,16 +24,16 @@ for no gain; the seed stored its leaky-ReLU gradient because leaky ReLU's square
 be inverted without a sign bit.
 
 Surgical fusion (seed 003: one opaque autograd.Function around the MLP cost 2.7x under
-torch.compile): both kernels are ``torch.library.triton_op`` custom ops and the
-autograd.Function calls only them and ``torch.mm``, so ``torch.compile`` traces through
-it and keeps fusing around (dynamo traces autograd.Function bodies).
+torch.compile): both kernels are ``torch.library.custom_op`` ops with fake
+implementations and the autograd.Function calls only them and ``torch.mm``, so
+``torch.compile`` traces through it without a graph break and keeps fusing around it.
 
 Layouts and limits: ``x`` may be any view whose last dim has unit stride (megatron's
 ``[s, b, h]`` is reshaped to ``[s*b, h]``; a view that cannot be flattened is copied);
 any number of rows (masked by wrapping the row index, stores masked); ``K`` and ``N``
 must be multiples of 16 (tiles are shrunk to divisors of ``K`` and ``N``, so no column
-masks); bf16 / fp16 take the Triton path, other dtypes and CPU tensors (unless
-``TRITON_INTERPRET=1``) the torch reference. Deterministic: no atomics, each output tile
+masks); bf16 / fp16 on CUDA take the Triton path (fp16 also on CPU under
+``TRITON_INTERPRET=1``, for tests), everything else the torch reference (the CPU loop). Deterministic: no atomics, each output tile
 is written by one program.
 
 Tiles: ``DEFAULT_TILES`` or ``NEMO_SSA_MLP_TILES="fwd=128x256x64/3/8,bwd=128x128x64/4/4"``
@@ -53,6 +53,10 @@ import triton.language as tl
 from torch import Tensor
 
 from nemo_ssa.ops.mlp.naive import mlp_relu2_naive
+
+
+#: Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. at this module's import
+_KERNELS_INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -195,7 +199,7 @@ def _launch_fwd(x2d: Tensor, w1: Tensor, tile: Sequence[int]) -> Tensor:
         return a
     bn, bk = _fit(bn, N), _fit(bk, K)
     grid = (triton.cdiv(M, bm) * (N // bn),)
-    _wrap(relu2_fwd_kernel)[grid](
+    relu2_fwd_kernel[grid](
         x2d, w1, a, M, N, K, x2d.stride(0), x2d.stride(1), w1.stride(0), w1.stride(1), a.stride(0), a.stride(1),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, num_stages=stages, num_warps=warps)
     return a
@@ -210,38 +214,36 @@ def _launch_bwd_du(dy2d: Tensor, w2: Tensor, a: Tensor, tile: Sequence[int]) -> 
         return du
     bn, bk = _fit(bn, N), _fit(bk, H)
     grid = (triton.cdiv(M, bm) * (N // bn),)
-    _wrap(relu2_bwd_kernel_du)[grid](
+    relu2_bwd_kernel_du[grid](
         dy2d, w2, a, du, M, N, H, dy2d.stride(0), dy2d.stride(1), w2.stride(0), w2.stride(1),
         a.stride(0), a.stride(1), du.stride(0), du.stride(1),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, num_stages=stages, num_warps=warps)
     return du
 
 
-# torch.library.triton_op (torch >= 2.6) makes the kernels visible to torch.compile;
-# without it they are plain launches (eager still works, compile would graph-break).
-try:
-    from torch.library import triton_op, wrap_triton
+# Both kernels are torch.library custom ops with fake (shape) implementations, so dynamo
+# traces an autograd.Function calling them without a graph break and inductor schedules
+# them as extern kernels between its own fused code. (``triton_op`` would let inductor
+# inline the launches, but its fake tracing calls the kernel itself under
+# TRITON_INTERPRET=1, so it could not be tested on CPU; custom_op behaves the same on both.)
+@torch.library.custom_op("nemo_ssa::mlp_relu2_fwd", mutates_args=())
+def _fwd_call(x2d: Tensor, w1: Tensor, tile: List[int]) -> Tensor:
+    return _launch_fwd(x2d, w1, tile)
 
-    _wrap = wrap_triton
 
-    @triton_op("nemo_ssa::mlp_relu2_fwd", mutates_args=())
-    def _fwd_op(x2d: Tensor, w1: Tensor, tile: List[int]) -> Tensor:
-        return _launch_fwd(x2d, w1, tile)
+@_fwd_call.register_fake
+def _(x2d: Tensor, w1: Tensor, tile: List[int]) -> Tensor:
+    return x2d.new_empty((x2d.shape[0], w1.shape[0]))
 
-    @triton_op("nemo_ssa::mlp_relu2_bwd_du", mutates_args=())
-    def _bwd_du_op(dy2d: Tensor, w2: Tensor, a: Tensor, tile: List[int]) -> Tensor:
-        return _launch_bwd_du(dy2d, w2, a, tile)
 
-    def _fwd_call(x2d: Tensor, w1: Tensor, tile: List[int]) -> Tensor:
-        return torch.ops.nemo_ssa.mlp_relu2_fwd(x2d, w1, tile)
+@torch.library.custom_op("nemo_ssa::mlp_relu2_bwd_du", mutates_args=())
+def _bwd_du_call(dy2d: Tensor, w2: Tensor, a: Tensor, tile: List[int]) -> Tensor:
+    return _launch_bwd_du(dy2d, w2, a, tile)
 
-    def _bwd_du_call(dy2d: Tensor, w2: Tensor, a: Tensor, tile: List[int]) -> Tensor:
-        return torch.ops.nemo_ssa.mlp_relu2_bwd_du(dy2d, w2, a, tile)
-except ImportError:  # pragma: no cover - older torch
-    def _wrap(kernel):
-        return kernel
 
-    _fwd_call, _bwd_du_call = _launch_fwd, _launch_bwd_du
+@_bwd_du_call.register_fake
+def _(dy2d: Tensor, w2: Tensor, a: Tensor, tile: List[int]) -> Tensor:
+    return a.new_empty((dy2d.shape[0], w2.shape[1]))
 
 
 def relu2_fwd(x2d: Tensor, w1: Tensor, tile: Tile) -> Tensor:
@@ -284,9 +286,18 @@ class _MLPReLU2(torch.autograd.Function):
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def triton_available(device: torch.device) -> bool:
-    """Whether the Triton path can run for tensors on ``device``."""
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "") == "1"
+def triton_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the Triton path runs for ``dtype`` tensors on ``device``: bf16/fp16 on CUDA;
+    fp16 on CPU under ``TRITON_INTERPRET=1`` (the interpreter's bf16 ``tl.dot`` is wrong:
+    it stores bf16 as uint16, so bf16 is checked on the GPU, tests/ops/test_mlp_gpu.py)."""
+    if device.type == "cuda":
+        return dtype in SUPPORTED_DTYPES
+    return device.type == "cpu" and dtype == torch.float16 and _KERNELS_INTERPRETED
+
+
+def kernels_interpreted() -> bool:
+    """True when the kernels were decorated under ``TRITON_INTERPRET=1`` (read at import)."""
+    return _KERNELS_INTERPRETED
 
 
 def check_shapes(x: Tensor, w1: Tensor, w2: Tensor) -> Tuple[int, int, int]:
@@ -316,8 +327,8 @@ def mlp_relu2(x: Tensor, w1: Tensor, w2: Tensor, impl: str = "auto") -> Tensor:
             or it is copied.
         w1: ``[N, K]`` up-projection weight (``linear_fc1.weight``).
         w2: ``[H, N]`` down-projection weight (``linear_fc2.weight``).
-        impl: ``auto`` (Triton for bf16/fp16 on CUDA or under ``TRITON_INTERPRET=1``,
-            else the torch reference), ``triton`` (refuse if it cannot run) or ``torch``.
+        impl: ``auto`` (Triton where ``triton_available``: bf16/fp16 on CUDA, fp16 in
+            the CPU interpreter; else the torch reference), ``triton`` (refuse if it cannot run) or ``torch``.
 
     Returns:
         ``y [..., H]`` in the inputs' dtype.
@@ -329,10 +340,10 @@ def mlp_relu2(x: Tensor, w1: Tensor, w2: Tensor, impl: str = "auto") -> Tensor:
     if impl not in ("auto", "triton", "torch"):
         raise ValueError(f"mlp_relu2: impl={impl!r}; supported: auto, triton, torch")
     K, N, H = check_shapes(x, w1, w2)
-    use_triton = impl != "torch" and x.dtype in SUPPORTED_DTYPES and triton_available(x.device)
+    use_triton = impl != "torch" and triton_available(x.device, x.dtype)
     if impl == "triton" and not use_triton:
-        raise ValueError(f"mlp_relu2: impl='triton' needs bf16/fp16 tensors on CUDA (or TRITON_INTERPRET=1); "
-                         f"got {x.dtype} on {x.device}")
+        raise ValueError(f"mlp_relu2: impl='triton' needs bf16/fp16 tensors on CUDA (or fp16 on CPU under "
+                         f"TRITON_INTERPRET=1); got {x.dtype} on {x.device}")
     if not use_triton:
         return mlp_relu2_naive(x, w1, w2)
     t = tiles()
