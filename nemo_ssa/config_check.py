@@ -105,6 +105,24 @@ def check_parallel(
     return dp
 
 
+FUSED_MLP_VALUES = ("auto", "true", "false")
+
+
+def check_fused_mlp(value: Any, tensor_parallel: Any = 1, sequence_parallel: bool = False) -> None:
+    """``model.fused_mlp``: auto / true / false (bools and None = auto accepted); ``true``
+    needs tensor parallel 1 (the fused MLP's GEMMs take whole weights). One-line ValueError."""
+    ok = value is None or isinstance(value, bool) or (
+        isinstance(value, str) and value.strip().lower() in FUSED_MLP_VALUES)
+    if not ok:
+        raise ValueError(f"model.fused_mlp={value!r} is not supported (supported: auto, true, false)")
+    on = value is True or (isinstance(value, str) and value.strip().lower() == "true")
+    tp = 1 if tensor_parallel is None else tensor_parallel
+    if on and (tp != 1 or sequence_parallel):
+        raise ValueError(f"model.fused_mlp=true needs tensor_parallel=1 without sequence parallel (got "
+                         f"tensor_parallel={tp}, sequence_parallel={sequence_parallel}); supported: fused_mlp=auto "
+                         "(megatron's MLP at tensor_parallel > 1) or false")
+
+
 _TRAIN_INTS = ("seq_length", "micro_batch_size", "global_batch_size", "max_steps", "log_every_n_steps")
 
 
@@ -178,6 +196,8 @@ def check_run_config(cfg: Mapping[str, Any], *, cuda: bool, world: Optional[int]
         seq_length=train.get("seq_length"), micro_batch_size=train.get("micro_batch_size"),
         global_batch_size=train.get("global_batch_size"), arch=arch,
     )
+    check_fused_mlp(model.get("fused_mlp", "auto"), tensor_parallel=train.get("tensor_parallel"),
+                    sequence_parallel=bool(train.get("sequence_parallel") or False))
     if arch.get("hidden_size") and arch.get("num_attention_heads"):
         head_dim = int(arch["hidden_size"]) // int(arch["num_attention_heads"])
         lo_hi = _TRITON_HEAD_DIMS.get(resolved.name)

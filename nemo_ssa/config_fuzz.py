@@ -59,6 +59,8 @@ def gen_case(rng: random.Random) -> Dict[str, Any]:
         "model": {"cpu_arch": {"num_attention_heads": 4, "num_query_groups": 2, "hidden_size": 64}},
         "stop_after": rng.choice([None, None, None, 5, 5000]),
     }
+    # drawn last so the cases above stay what they were before the option existed
+    cfg["model"]["fused_mlp"] = rng.choice(["auto", "auto", True, False, "true", "yes", None])
     return {"cfg": cfg, "cuda": cuda}
 
 
@@ -106,6 +108,11 @@ def oracle(case: Dict[str, Any]) -> List[str]:
             why.append("tp does not divide heads")
     if t["sequence_parallel"] and tp == 1:
         why.append("sequence_parallel at tp 1")
+    fm = cfg["model"].get("fused_mlp", "auto")
+    if fm not in ("auto", "true", "false", True, False, None):
+        why.append("fused_mlp value")
+    elif fm in (True, "true") and (tp != 1 or t["sequence_parallel"]):
+        why.append("fused_mlp=true with tensor parallel")
     return why
 
 

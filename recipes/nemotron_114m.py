@@ -37,7 +37,8 @@ ARCH = dict(
 )
 
 
-def _layer_spec_partial(attention: str, attention_options: Optional[Dict[str, Any]], policy: str):
+def _layer_spec_partial(attention: str, attention_options: Optional[Dict[str, Any]], policy: str,
+                        fused_mlp: Any = "auto"):
     from nemo_ssa.megatron.spec import layer_spec
 
     return run.Partial(
@@ -45,11 +46,12 @@ def _layer_spec_partial(attention: str, attention_options: Optional[Dict[str, An
         attention=attention,
         attention_options=dict(attention_options or {}),
         policy=policy,
+        fused_mlp=fused_mlp,
     )
 
 
 def _apply_arch(config, attention, attention_options, policy, seq_length, vocab_size,
-                fused_cross_entropy="auto") -> None:
+                fused_cross_entropy="auto", fused_mlp="auto") -> None:
     for key, value in ARCH.items():
         setattr(config, key, value)
     config.seq_length = seq_length
@@ -60,7 +62,7 @@ def _apply_arch(config, attention, attention_options, policy, seq_length, vocab_
     # Apex-only persistent kernel flag.
     config.apply_rope_fusion = False
     config.persist_layer_norm = False
-    config.transformer_layer_spec = _layer_spec_partial(attention, attention_options, policy)
+    config.transformer_layer_spec = _layer_spec_partial(attention, attention_options, policy, fused_mlp)
     # Our core attention applies causality itself: no mask needed from the data.
     from nemo_ssa.nemo.steps import data_step, forward_step
 
@@ -74,6 +76,7 @@ def model(
     policy: str = "pinned",
     seq_length: int = 1024,
     vocab_size: Optional[int] = None,
+    fused_mlp: Any = "auto",
 ) -> run.Config:
     """The 114M Nemotron model config with the named core attention.
 
@@ -88,6 +91,8 @@ def model(
         seq_length: training sequence length.
         vocab_size: padded vocabulary size; None derives it from the tokenizer
             (padded to a multiple of 128).
+        fused_mlp: the squared-ReLU MLP with its activation fused into the GEMM epilogues
+            (nemo_ssa.megatron.mlp): auto (on with CUDA and TP=1), true, false.
 
     Returns:
         ``run.Config[NemotronModel]``.
@@ -95,7 +100,10 @@ def model(
     from nemo.collections.llm.recipes import nemotron3_4b
 
     cfg = nemotron3_4b.model()
-    _apply_arch(cfg.config, attention, attention_options, policy, seq_length, vocab_size)
+    from nemo_ssa.config_check import check_fused_mlp
+
+    check_fused_mlp(fused_mlp)
+    _apply_arch(cfg.config, attention, attention_options, policy, seq_length, vocab_size, fused_mlp=fused_mlp)
     return cfg
 
 
@@ -125,6 +133,7 @@ def pretrain_recipe(
     ckpt_every_n_steps: Optional[int] = None,
     vocab_size: Optional[int] = None,
     fused_cross_entropy: Any = "auto",
+    fused_mlp: Any = "auto",
     num_workers: int = 2,
     precision: str = "bf16-mixed",
     use_distributed_optimizer: Optional[bool] = None,
@@ -166,6 +175,9 @@ def pretrain_recipe(
         ckpt_every_n_steps: checkpoint interval (None: at the end only).
         fused_cross_entropy: the fused output layer + LM loss (nemo_ssa.ops.cross_entropy,
             docs/fused-layers.md): auto (on with CUDA and TP=1), true (TP > 1 refused), false.
+        fused_mlp: the squared-ReLU MLP with its activation fused into the GEMM epilogues
+            (nemo_ssa.megatron.mlp, docs/fused-layers.md): auto (on with CUDA and TP=1),
+            true (refused with TP > 1), false (megatron's MLP).
         vocab_size: padded vocabulary; None derives it from the tokenizer.
         num_workers: data-loader workers.
         precision: ``bf16-mixed`` (default), ``16-mixed`` or ``32``.
@@ -194,14 +206,14 @@ def pretrain_recipe(
         kwargs["fn"] = fn
     recipe = nemotron3_4b.pretrain_recipe(**kwargs)
 
-    _apply_arch(recipe.model.config, attention, attention_options, policy, seq_length, vocab_size,
-                fused_cross_entropy)
-
     # Parallelism: checked before anything is built (one line naming what is supported)
-    from nemo_ssa.config_check import check_parallel
+    from nemo_ssa.config_check import check_fused_mlp, check_parallel
     from nemo_ssa.megatron.output_layer import check_fused_cross_entropy
 
     check_fused_cross_entropy(fused_cross_entropy, tensor_parallel, sequence_parallel)
+    check_fused_mlp(fused_mlp, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel)
+    _apply_arch(recipe.model.config, attention, attention_options, policy, seq_length, vocab_size,
+                fused_cross_entropy, fused_mlp)
 
     world = int(num_nodes) * int(num_gpus_per_node)
     dp = check_parallel(attention=attention, world=world, tensor_parallel=tensor_parallel,

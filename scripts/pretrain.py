@@ -185,6 +185,7 @@ def build_recipe(cfg: DictConfig, train: DictConfig, prefix: str, tokenizer_dir:
         ckpt_every_n_steps=train.get("ckpt_every_n_steps"),
         vocab_size=cfg.model.get("vocab_size"),
         fused_cross_entropy=cfg.model.get("fused_cross_entropy", "auto"),
+        fused_mlp=cfg.model.get("fused_mlp", "auto"),
         num_workers=int(train.get("num_workers", 2)),
         precision=str(train.precision),
         use_distributed_optimizer=_distributed_optimizer(train, cfg, run_dir, resolved.name, cuda),

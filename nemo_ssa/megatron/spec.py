@@ -5,7 +5,9 @@
    family (``nsa``, ``nsa_ssa``), ``NSASelfAttention`` as the whole self attention,
  - LayerNorm1P (zero-centred gamma) for the layer norms and the final norm, so the
    model keeps nemotron3_4b's architecture without Transformer Engine,
- - megatron's MLP (squared ReLU comes from the config's ``activation_func``).
+ - megatron's MLP (squared ReLU comes from the config's ``activation_func``), or with
+   ``fused_mlp`` (auto = on with CUDA) ``FusedReLU2MLP``: the same module with the
+   activation fused into its GEMMs (nemo_ssa/megatron/mlp.py, nemo_ssa/ops/mlp).
 
 It returns ``TransformerBlockSubmodules`` rather than a layer ``ModuleSpec`` so the final
 layer norm is ours too (megatron would otherwise pick its torch fallback, which refuses
@@ -35,6 +37,7 @@ from nemo_ssa.megatron.core_attention import (
     SSAReferenceCoreAttention,
 )
 from nemo_ssa.megatron.layernorm import LayerNorm1P
+from nemo_ssa.megatron.mlp import FusedReLU2MLP, use_fused_mlp
 from nemo_ssa.megatron.self_attention import FusedRopeSelfAttention
 from nemo_ssa.policy import ATTENTIONS, KERNEL_OPTION_KEYS, SSA_OPTION_KEYS, resolve_attention
 
@@ -81,6 +84,7 @@ def layer_spec(
     attention: str = "softmax",
     attention_options: Optional[Dict[str, Any]] = None,
     policy: str = "pinned",
+    fused_mlp: Any = "auto",
 ) -> TransformerBlockSubmodules:
     """Build the block spec for ``config`` with the named attention.
 
@@ -92,6 +96,10 @@ def layer_spec(
             attention's ``KERNEL_OPTION_KEYS`` (e.g. NSA's sizes); the pinned policy resets
             SSA overrides with a warning.
         policy: ``pinned`` or ``free``.
+        fused_mlp: the squared-ReLU MLP fused into its GEMMs (``FusedReLU2MLP``): ``auto``
+            (on with CUDA when the config is supported: squared ReLU, no bias, not gated,
+            tensor parallel 1), ``true`` (ValueError naming the supported set when the
+            config is not), ``false`` (megatron's MLP).
     """
     if getattr(config, "normalization", "LayerNorm") != "LayerNorm":
         raise NotImplementedError(
@@ -125,6 +133,8 @@ def layer_spec(
             resolved.name, resolved.options
         )
         _use_fused_rope_layout(layer, resolved.name, resolved.options)
+    if use_fused_mlp(config, fused_mlp):
+        layer.submodules.mlp = ModuleSpec(module=FusedReLU2MLP, submodules=layer.submodules.mlp.submodules)
     num_layers = get_num_layers_to_build(config)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=LayerNorm1P)
 
