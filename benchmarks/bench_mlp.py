@@ -67,9 +67,8 @@ def init_megatron() -> None:
     from megatron.core import parallel_state, tensor_parallel
 
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29537")
-        dist.init_process_group("gloo" if SMOKE else "nccl", rank=0, world_size=1)
+        # an in-process store: no port to collide with (an inherited MASTER_PORT may be taken)
+        dist.init_process_group("gloo" if SMOKE else "nccl", store=dist.HashStore(), rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
     if SMOKE:
