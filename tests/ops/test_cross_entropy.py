@@ -239,7 +239,34 @@ def test_linear_ce_fp64_matches_reference_and_no_grad_path():
     torch.testing.assert_close(gh, gref[0], rtol=1e-12, atol=1e-12)
 
 
+_VIOLATION = """
+import torch
+from nemo_ssa.ops.cross_entropy import linear_cross_entropy
+h = torch.randn(20, 8, dtype=torch.float64, device="cuda", requires_grad=True)
+w = torch.randn(31, 8, dtype=torch.float64, device="cuda", requires_grad=True)
+labels = torch.randint(0, 31, (20,), device="cuda")
+mask = torch.ones(20, dtype=torch.float64, device="cuda"); mask[0] = 0.0
+loss = linear_cross_entropy(h, w, labels, row_weight=None, chunk_size=6)
+torch.autograd.grad((loss * mask).sum(), [h, w])
+torch.cuda.synchronize()
+print("NO ASSERT")
+"""
+
+
 def test_linear_ce_contract_violation_fails_loudly():
+    if DEV == "cuda":
+        # a device-side assert poisons the CUDA context of the process: run it in its own
+        import os
+        import subprocess
+        import sys
+
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+        proc = subprocess.run([sys.executable, "-c", _VIOLATION], capture_output=True, text=True, timeout=300,
+                              env=env)
+        assert proc.returncode != 0 and "NO ASSERT" not in proc.stdout, proc.stdout + proc.stderr[-2000:]
+        assert "not c * row_weight" in proc.stderr, proc.stderr[-2000:]
+        return
     h, w, labels, mask = _linear_case(20, 8, 31, out_of_range=False)
     mask[0] = 0.0
     hx, wx = h.clone().requires_grad_(), w.clone().requires_grad_()
