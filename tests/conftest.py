@@ -40,6 +40,8 @@ import pytest  # noqa: E402
 
 def pytest_configure(config):
     torch.set_num_threads(1)
+    # registered here, not in pyproject.toml: a pyproject change makes scripts/env.sh reinstall
+    config.addinivalue_line("markers", "network: needs the package registry (skipped, with the reason, when it is not reachable)")
 
 
 def test_seed(nodeid: str) -> int:
