@@ -71,10 +71,17 @@ _STEP_RE = re.compile(r"step=(\d+)")
 
 def nemo_resume_checkpoint(checkpoint_dir: str) -> Optional[str]:
     """The checkpoint NeMo's AutoResume would pick in ``checkpoint_dir``: the newest complete
-    ``*-last`` directory (None if there is none)."""
+    ``*-last`` directory, as the path of its dist checkpoint (NeMo 2 writes it under
+    ``<name>-last/weights/``, beside ``context/``); None if there is none."""
     if not os.path.isdir(checkpoint_dir):
         return None
-    cands = [d for d in glob.glob(os.path.join(checkpoint_dir, "*last")) if os.path.isdir(d) and is_complete(d)]
+
+    def weights(d):
+        w = os.path.join(d, "weights")
+        return w if os.path.isdir(w) else d
+
+    cands = [d for d in glob.glob(os.path.join(checkpoint_dir, "*last"))
+             if os.path.isdir(d) and not os.path.exists(d.rstrip("/") + _UNFINISHED) and is_complete(weights(d))]
     if not cands:
         return None
 
@@ -82,4 +89,4 @@ def nemo_resume_checkpoint(checkpoint_dir: str) -> Optional[str]:
         m = _STEP_RE.search(os.path.basename(d))
         return (int(m.group(1)) if m else -1, os.path.getmtime(d))
 
-    return max(cands, key=key)
+    return weights(max(cands, key=key))
