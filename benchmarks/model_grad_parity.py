@@ -69,7 +69,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:] = [REPO] + [p for p in sys.path if os.path.abspath(p or ".") != REPO]
 
 from nemo_ssa.testing import (  # noqa: E402
-    DTYPE_NAMES,
     SCALAR_GRAD_RTOL,
     assert_scalar_grad_close,
     rel_err,
