@@ -1,0 +1,48 @@
+"""benchmarks/sass_mix.py compiles the real attention kernels for sm_90 on this CPU machine
+(Triton's bundled ptxas/cuobjdump) and counts the SASS of their hot loops. The SSA loops are
+instruction-issue bound at head dim 32, so the fast-math lowering is a speed contract:
+
+* no subnormal rescue around ``lg2`` and no ``div.full`` range check in any SSA hot loop
+  (``lg2.approx.ftz`` / ``rcp.approx.ftz`` on ``t = 1 + b|s| >= 1``);
+* MUFU work per score: 2 in the forward (lg2, ex2), 3 in each backward kernel (+ rcp);
+* the dQ loop is shorter when b is fixed (the pinned policy: no db row sums);
+* no register spills.
+
+Runs in a subprocess: the suite sets TRITON_INTERPRET=1, which this compile must not see.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _mix(tmp_path, params):
+    out = tmp_path / f"mix-{params.replace(',', '')}.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = REPO
+    r = subprocess.run([sys.executable, "-m", "benchmarks.sass_mix", "--transforms", "ssa,softmax", "--params",
+                        params, "--json", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0 and "ptxas" in (r.stderr + r.stdout) and "No such file" in (r.stderr + r.stdout):
+        pytest.skip("this Triton build ships no ptxas")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return {row["kernel"]: row for row in json.loads(out.read_text())}, r.stdout
+
+
+def test_ssa_hot_loops_fast_math_and_db_flag(tmp_path):
+    only_n, table = _mix(tmp_path, "n")
+    with_b, _ = _mix(tmp_path, "n,b")
+    assert set(only_n) == {f"{t}_{k}" for t in ("ssa", "softmax") for k in ("fwd", "bwd_dq", "bwd_dkv")}, table
+    for name, row in only_n.items():
+        assert row["spills"] == 0, (name, row)
+        per_score = row["hot"].get("mufu", 0) / row["scores_per_thread"]
+        want = (2.0 if name.endswith("fwd") else 3.0) if name.startswith("ssa") else 1.0
+        assert abs(per_score - want) < 0.1, (name, per_score, table)
+        if name.startswith("ssa"):
+            assert row["slow_paths"] == 0, (name, row["slow_paths"], table)
+    assert only_n["ssa_bwd_dq"]["hot"]["total"] < with_b["ssa_bwd_dq"]["hot"]["total"], table
+    assert only_n["ssa_bwd_dkv"]["hot"]["total"] == with_b["ssa_bwd_dkv"]["hot"]["total"], table
