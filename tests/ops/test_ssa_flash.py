@@ -678,3 +678,73 @@ def test_log2_poly_accuracy():
     _k[(1,)](x, y, MODE=2)
     ref = torch.log2(x.double())
     assert ((y.double() - ref).abs() / ref.abs().clamp_min(1.0)).max() < 3e-7
+
+
+def test_fixed_b_skips_db_and_keeps_dn_bitwise():
+    """The pinned policy trains n and fixes b: the dQ kernel then drops its two db row sums
+    (DB=False). dn and dq/dk/dv must be bitwise those of the run that also computes db,
+    b gets no gradient, and the kernel really ran without db (attention_bwd returns None)."""
+    q, k, v = make_qkv(1, 6, 2, 50, 50, 32, torch.float32, device=DEVICE, requires_grad=True)
+    n, b = _params()
+    go = torch.randn(1, 6, 50, 32, device=DEVICE)
+    _, both = _run(flash_attention, q, k, v, n, b, "ssa", go, causal=True)
+    b_fixed = b.detach()
+    o = flash_attention(q, k, v, transform="ssa", n=n, b=b_fixed, causal=True)
+    only_n = torch.autograd.grad(o, [q, k, v, n], go)
+    for x, y in zip(only_n, both[:4]):
+        assert torch.equal(x, y)
+    assert both[4].abs().item() > 0
+    o2, M = flash_attention_fwd(q.detach(), k.detach(), v.detach(), transform="ssa", n=n.detach(), b=b_fixed,
+                                causal=True)
+    _, _, _, dn, db = attention_bwd(go, q.detach(), k.detach(), v.detach(), o2, M, transform="ssa", n=n.detach(),
+                                    b=b_fixed, causal=True, need_db=False)
+    assert db is None and torch.equal(dn.reshape(1), both[3].reshape(1))
+
+
+from nemo_ssa.ops.common.transforms import abs_fast, flip_sign, rcp_fast  # noqa: E402
+
+
+@triton.jit
+def _elementwise_kernel(X, S, Y, MODE: tl.constexpr, OP: tl.constexpr):
+    offs = tl.arange(0, 64)[:, None] * 64 + tl.arange(0, 64)[None, :]
+    x = tl.load(X + offs)
+    if OP == 0:
+        y = flip_sign(x, tl.load(S + offs), MODE)
+    elif OP == 1:
+        y = abs_fast(x, MODE)
+    elif OP == 2:
+        y = rcp_fast(x, MODE)
+    else:
+        y = log2_fast(x, MODE)
+    tl.store(Y + offs, y)
+
+
+# mode 0 is the interpreter's / the exact path; mode 1 (CUDA only) is inline PTX
+_MODES = [0] if is_interpreter() else [0, 1]
+
+
+@pytest.mark.parametrize("mode", _MODES)
+def test_transform_helpers_exact_and_rcp_log2_accurate(mode):
+    """flip_sign and abs_fast are exact bit operations (sgn(-0.0) = -1); rcp_fast and the
+    log2 of the SSA transform are accurate to a few ulp on t >= 1 (the only inputs the
+    kernels give them). Negative controls: a flip that ignores s, an rcp off by 1e-6."""
+    _k = _elementwise_kernel
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(64, 64, generator=g) * 10.0)
+    s = torch.randn(64, 64, generator=g)
+    s[0, :8] = torch.tensor([0.0, -0.0] * 4)
+    x, s = x.to(DEVICE), s.to(DEVICE)
+    y = torch.empty_like(x)
+    _k[(1,)](x, s, y, MODE=mode, OP=0)
+    want = torch.where(torch.signbit(s), -x, x)
+    assert torch.equal(y, want) and torch.equal(torch.signbit(y), torch.signbit(want))
+    assert not torch.equal(x, want)  # the control: s's signs do matter here
+    _k[(1,)](x, s, y, MODE=mode, OP=1)
+    assert torch.equal(y, x.abs())
+    t = (1.0 + torch.exp(torch.rand(64, 64, generator=g) * 14.0)).to(DEVICE)  # [2, 1.2e6]
+    t[0, 0] = 1.0
+    for op, ref in ((2, 1.0 / t.double()), (3, torch.log2(t.double()))):
+        _k[(1,)](t, s, y, MODE=mode, OP=op)
+        err = ((y.double() - ref).abs() / ref.abs().clamp_min(1.0)).max().item()
+        assert err < 2 ** -21, (op, err)
+        assert ((y.double() * (1 + 1e-6) - ref).abs() / ref.abs().clamp_min(1.0)).max().item() > 2 ** -21

@@ -264,6 +264,7 @@ def _bwd_dq_inner(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, TRANSFORM: tl.constexpr, DPARAMS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FAST_LOG2: tl.constexpr,
+    DB: tl.constexpr = True,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -291,10 +292,11 @@ def _bwd_dq_inner(
                 # per query row (log2 units for dn, without n*scale for db): the sums with
                 # the delta used above, plus what the exact delta = sum_j p dp needs
                 dn_r += tl.sum(dz * smag, axis=1)
-                db_r += tl.sum(ds * qk, axis=1)
                 gn_r += tl.sum(p * smag, axis=1)
-                gb_r += tl.sum(p * (rinv * qk), axis=1)
                 de_r += tl.sum(p * dp, axis=1)
+                if DB:  # b learnable (the pinned policy fixes it: 3 instructions per score saved)
+                    db_r += tl.sum(ds * qk, axis=1)
+                    gb_r += tl.sum(p * (rinv * qk), axis=1)
         else:
             ds = dz
         dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq, input_precision=INPUT_PRECISION)
@@ -333,7 +335,7 @@ def _attn_bwd_preprocess(
 
 @triton.jit
 def _attn_bwd_kernel_dq(
-    Q, K, V, DO, O, DQ, M, Delta, NP, BP, RNG, CU_Q, CU_K, DN, DB,
+    Q, K, V, DO, O, DQ, M, Delta, NP, BP, RNG, CU_Q, CU_K, DN, DBP,
     s_qz, s_qh, s_qs, s_qd,
     s_kz, s_kh, s_ks, s_kd,
     s_vz, s_vh, s_vs, s_vd,
@@ -347,7 +349,7 @@ def _attn_bwd_kernel_dq(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TRANSFORM: tl.constexpr, DPARAMS: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FAST_LOG2: tl.constexpr,
-    FUSED_DELTA: tl.constexpr = True,
+    FUSED_DELTA: tl.constexpr = True, DB: tl.constexpr = True,
 ):
     pid_m = tl.program_id(0)
     pid_zh = tl.program_id(1)
@@ -401,12 +403,12 @@ def _attn_bwd_kernel_dq(
         dq, dn_r, db_r, gn_r, gb_r, de_r, q, do, m_row, delta_row, k_base, v_base, s_ks, s_kd, s_vs, s_vd,
         s_ks + zero64, s_vs + zero64, offs_m, 0, full, k_len, off_c, c0, c1, seed, rbase, RNG_SS, dropout_p,
         inv_keep, HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, TRANSFORM, DPARAMS,
-        HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2)
+        HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2, DB)
     dq, dn_r, db_r, gn_r, gb_r, de_r = _bwd_dq_inner(
         dq, dn_r, db_r, gn_r, gb_r, de_r, q, do, m_row, delta_row, k_base, v_base, s_ks, s_kd, s_vs, s_vd,
         s_ks + zero64, s_vs + zero64, offs_m, full, hi, k_len, off_c, c0, c1, seed, rbase, RNG_SS, dropout_p,
         inv_keep, HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, TRANSFORM, DPARAMS,
-        HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2)
+        HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2, DB)
     if TRANSFORM == 1:
         if DPARAMS:
             # delta_row = do . o comes from the *stored* o (rounded to the input dtype,
@@ -415,9 +417,10 @@ def _attn_bwd_kernel_dq(
             # error. de_r = sum_j p dp (fp32, exact p) is the true delta of this row.
             corr = delta_row - de_r
             dn_row = (dn_r + corr * gn_r) * g_n
-            db_row = (db_r + corr * gb_r) * g_b
             tl.store(DN + m_off, dn_row, mask=row_ok)
-            tl.store(DB + m_off, db_row, mask=row_ok)
+            if DB:
+                db_row = (db_r + corr * gb_r) * g_b
+                tl.store(DBP + m_off, db_row, mask=row_ok)
     dq = dq * g_s
     tl.store(tile_ptrs(DQ, z64, hq64, row, s_dqz, s_dqh, s_dqs, s_dqd, offs_mb, offs_d),
              dq.to(DQ.dtype.element_ty), mask=ld)
@@ -693,9 +696,20 @@ class BwdConfig(NamedTuple):
     stages_kv: int
 
 
+def cdiv(a: int, b: int) -> int:
+    """``triton.cdiv`` for host code: Triton 3.6 wraps it (and ``next_power_of_2``) as a
+    ``ConstexprFunction``, ~1.5 us per call on the launch path; these are plain ints."""
+    return -(-a // b)
+
+
+def next_pow2(x: int) -> int:
+    """``triton.next_power_of_2`` for host code (see ``cdiv``)."""
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
 def _d_bucket(head_dim: int) -> int:
     """Config bucket = the padded ``BLOCK_D`` (16 shares 32's row)."""
-    return max(32, triton.next_power_of_2(head_dim))
+    return max(32, next_pow2(head_dim))
 
 
 # (BLOCK_D bucket, causal, "16bit" | "fp32") -> BwdConfig(dq: BM, BN, warps, stages,
@@ -706,7 +720,7 @@ def _d_bucket(head_dim: int) -> int:
 # compile-time estimates (largest tiles without spills; fp32 uses IEEE dots on FMA units,
 # hence small tiles). NEMO_SSA_AUTOTUNE=1 tunes instead.
 _BWD_16 = {32: BwdConfig(64, 32, 4, 2, 64, 64, 4, 2),
-           64: BwdConfig(64, 64, 4, 2, 64, 64, 4, 1),
+           64: BwdConfig(64, 128, 4, 2, 64, 64, 4, 2),  # re-tuned 2026-11-25: 1.04x / 1.05x
            128: BwdConfig(64, 64, 4, 2, 32, 64, 4, 2),
            256: BwdConfig(32, 32, 4, 2, 32, 32, 8, 2)}    # estimate: regs 235 / 247
 _BWD_32 = {32: BwdConfig(32, 32, 4, 2, 32, 32, 8, 2),
@@ -833,6 +847,7 @@ def attention_bwd(
     fast_math: Optional[bool] = None,
     need_dparams: bool = True,
     config: Optional[BwdConfig] = None,
+    need_db: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Backward of ``o = dropout(softmax(transform(scale * q k^T) + mask)) @ v``.
 
@@ -867,6 +882,8 @@ def attention_bwd(
         fast_math: PTX ``lg2.approx`` for the SSA log; must match the forward. Default:
             on for CUDA, off under the interpreter.
         need_dparams: compute ``dn``/``db`` (SSA only).
+        need_db: with ``need_dparams``, also ``db`` (False: ``db`` is None and the dQ
+            kernel skips its two row sums -- ``b`` is fixed under the pinned policy).
         config: override the block-size table (``BwdConfig``).
 
     Returns:
@@ -879,6 +896,7 @@ def attention_bwd(
     tid = transform_id(transform)
     is_ssa = tid == TRANSFORM_SSA
     dparams = bool(need_dparams and is_ssa)
+    want_db = dparams and bool(need_db)
     if varlen:
         _, hq, d = q.shape
         hkv = k.shape[1]
@@ -914,7 +932,7 @@ def attention_bwd(
     n_ptr, b_ptr = _param_ptrs(n, b, M) if is_ssa else (M, M)
     cu_q = cu_seqlens_q if varlen else M
     cu_k = cu_seqlens_k if varlen else M
-    block_d = max(16, triton.next_power_of_2(d))
+    block_d = max(16, next_pow2(d))
     cfg = config or bwd_config(d, causal, q.dtype)
     tune = config is None and autotune_enabled()
 
@@ -926,11 +944,12 @@ def attention_bwd(
     if dparams and M.is_contiguous():
         # one partial per query row (M's layout), written by the dQ kernel; dn and db
         # partials share one buffer so a single fp64 reduction launch sums both
-        stacked = new_output((2,) + tuple(M.shape), torch.float32, dev)
-        dn_part, db_part = stacked[0], stacked[1]
+        stacked = new_output((1 + want_db,) + tuple(M.shape), torch.float32, dev)
+        dn_part = stacked[0]
+        db_part = stacked[1] if want_db else dn_part  # never written without DB
     elif dparams:
         dn_part = new_output_like(M)
-        db_part = new_output_like(M)
+        db_part = new_output_like(M) if want_db else dn_part
     else:
         dn_part = db_part = M  # never written (DPARAMS is off)
     ms = _stat_strides(M, varlen)
@@ -941,7 +960,7 @@ def attention_bwd(
     fused_delta = _fused_delta(is_ssa)
     if not fused_delta:
         pre_bm = 16 if is_interpreter() else max(16, min(128, 8192 // block_d))
-        launch(_attn_bwd_preprocess, (triton.cdiv(sq, pre_bm), bz * hq),
+        launch(_attn_bwd_preprocess, (cdiv(sq, pre_bm), bz * hq),
                (o, do, delta, cu_q, *_zhsd(o, varlen), *_zhsd(do, varlen), *ms, hq, sq),
                dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_bm, VARLEN=varlen))
     common = dict(HEAD_DIM=d, BLOCK_D=block_d, TRANSFORM=tid, CAUSAL=bool(causal), VARLEN=varlen,
@@ -952,12 +971,13 @@ def attention_bwd(
                *_zhsd(o, varlen), *_zhsd(dq, varlen), *ms, hq, group, sq, sk, float(scale), float(dropout_p), rz, rh, rs)
     if tune:
         kern = _autotuned("dq", _attn_bwd_kernel_dq, _BWD_TUNE_DQ, ("BLOCK_M", "BLOCK_N"),
-                          ["HQ", "GROUP", "SEQ_Q", "SEQ_K", "HEAD_DIM", "TRANSFORM", "DPARAMS", "CAUSAL", "VARLEN", "HAS_DROPOUT"])
-        kern[lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), bz * hq)](*dq_args, DPARAMS=dparams,
+                          ["HQ", "GROUP", "SEQ_Q", "SEQ_K", "HEAD_DIM", "TRANSFORM", "DPARAMS", "DB", "CAUSAL", "VARLEN", "HAS_DROPOUT"])
+        kern[lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), bz * hq)](*dq_args, DPARAMS=dparams, DB=want_db,
                                                                          FUSED_DELTA=fused_delta, **common)
     else:
-        launch(_attn_bwd_kernel_dq, (triton.cdiv(sq, cfg.block_m_dq), bz * hq), dq_args,
-               dict(BLOCK_M=cfg.block_m_dq, BLOCK_N=cfg.block_n_dq, DPARAMS=dparams, FUSED_DELTA=fused_delta,
+        launch(_attn_bwd_kernel_dq, (cdiv(sq, cfg.block_m_dq), bz * hq), dq_args,
+               dict(BLOCK_M=cfg.block_m_dq, BLOCK_N=cfg.block_n_dq, DPARAMS=dparams, DB=want_db,
+                    FUSED_DELTA=fused_delta,
                     num_warps=cfg.warps_dq, num_stages=cfg.stages_dq, **common))
     kv_args = (q, k, v, do, dk, dv, M, delta, n_ptr, b_ptr, rng, cu_q, cu_k,
                *_zhsd(q, varlen), *_zhsd(k, varlen), *_zhsd(v, varlen), *_zhsd(do, varlen),
@@ -968,7 +988,7 @@ def attention_bwd(
                           ["HKV", "GROUP", "SEQ_Q", "SEQ_K", "HEAD_DIM", "TRANSFORM", "CAUSAL", "VARLEN", "HAS_DROPOUT"])
         kern[lambda meta: (triton.cdiv(sk, meta["BLOCK_N"]), bz * hkv)](*kv_args, **common)
     else:
-        launch(_attn_bwd_kernel_dkv, (triton.cdiv(sk, cfg.block_n_kv), bz * hkv), kv_args,
+        launch(_attn_bwd_kernel_dkv, (cdiv(sk, cfg.block_n_kv), bz * hkv), kv_args,
                dict(BLOCK_M=cfg.block_m_kv, BLOCK_N=cfg.block_n_kv,
                     num_warps=cfg.warps_kv, num_stages=cfg.stages_kv, **common))
     if stacked is not None:
@@ -977,11 +997,12 @@ def attention_bwd(
         both = stacked.sum(dim=tuple(range(1, stacked.dim())), dtype=torch.float64)
         # two casts, not one cast + views: callers' custom ops (ELSA) return dn and db,
         # and custom-op outputs must not alias each other
-        dn, db = both[0:1].to(torch.float32), both[1:2].to(torch.float32)
+        dn = both[0:1].to(torch.float32)
+        db = both[1:2].to(torch.float32) if want_db else None
     elif dparams:
         # fixed-size buffer, fixed order, float64: bit-identical run to run
         dn = dn_part.to(torch.float64).sum().to(torch.float32).reshape(1)
-        db = db_part.to(torch.float64).sum().to(torch.float32).reshape(1)
+        db = db_part.to(torch.float64).sum().to(torch.float32).reshape(1) if want_db else None
     else:
         dn = db = None
     return dq, dk, dv, dn, db

@@ -12,7 +12,7 @@ Conventions (all math in fp32 registers):
   multiply). For SSA ``s = scale * qk`` and
   ``z = n * sgn(s) * ln(1 + b|s|)``  =>  ``z2 = n * sgn(s) * log2(1 + b|s|)``
   (``ln(x) * log2(e) == log2(x)``), so no ``pow``/``exp`` is needed, only one ``log2``.
-  ``sgn(0) := +1`` (the value is 0 either way). ``scale > 0`` is assumed, so
+  ``sgn(+0) := +1``, ``sgn(-0) := -1`` (sign bit; the value is 0 either way). ``scale > 0`` is assumed, so
   ``sgn(s) == sgn(qk)``.
 * Backward helpers return the pieces of the chain rule given ``dz`` (the gradient with
   respect to the natural-log-domain ``z``, i.e. ``p * (dp - delta)``):
@@ -55,6 +55,9 @@ __all__ = [
     "log2_fast",
     "log2_poly",
     "log2_mode",
+    "rcp_fast",
+    "flip_sign",
+    "abs_fast",
     "poly_log2_enabled",
     "transform_consts",
     "grad_consts",
@@ -111,11 +114,69 @@ def log2_poly(x):
 @triton.jit
 def _log2_mufu(x, FAST: tl.constexpr):
     if FAST:
+        # .ftz: the inputs here are t = 1 + b|s| >= 1, never subnormal, so flushing changes
+        # no result -- and it drops the subnormal rescue ptxas wraps around a plain
+        # lg2.approx (FSETP + FMUL + FSEL + predicated FADD per element: 4 of the ~29
+        # instructions per score in the dK/dV loop, sm_90, benchmarks/sass_mix.py)
         y = tl.inline_asm_elementwise(
-            "lg2.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+            "lg2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
         )
     else:
         y = tl.log2(x)
+    return y
+
+
+@triton.jit
+def rcp_fast(x, FAST: tl.constexpr):
+    """``1 / x`` for ``x >= 1`` (the SSA ``t = 1 + b|s|``).
+
+    ``FAST`` (any nonzero ``FAST_LOG2`` mode on CUDA): one MUFU ``rcp.approx.ftz`` (~1 ulp).
+    Triton lowers ``1.0 / x`` to ``div.full.f32``, which ptxas expands with range checks
+    for huge and subnormal divisors (6 instructions per element). Otherwise ``1.0 / x``.
+    """
+    if FAST == 1 or FAST == 3:
+        y = tl.inline_asm_elementwise(
+            "rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        y = 1.0 / x
+    return y
+
+
+@triton.jit
+def abs_fast(x, FAST: tl.constexpr = 0):
+    """``|x|``. ``FAST`` (CUDA): PTX ``abs.f32`` as inline asm, which ptxas folds into
+    the consuming FFMA as a free ``|x|`` operand. ``tl.abs`` is rewritten by LLVM into an
+    integer AND in some kernels (the forward and dK/dV ones on sm_90: one extra LOP3 per
+    score, benchmarks/sass_mix.py)."""
+    if FAST == 1 or FAST == 3:
+        y = tl.inline_asm_elementwise("abs.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        y = tl.abs(x)
+    return y
+
+
+@triton.jit
+def flip_sign(x, s, FAST: tl.constexpr = 0):
+    """``x`` with its sign flipped where ``s``'s sign bit is set: ``x * sgn(s)`` as one
+    LOP3 (``x ^ (s & 0x80000000)``) instead of a compare, a select and a multiply.
+
+    ``sgn(-0.0) = -1`` here (``where(s >= 0, x, -x)`` gives +1); only ``x = log2(1 +
+    b|s|) = 0`` meets ``s = -0.0``, and ``-0.0`` and ``+0.0`` are the same score.
+    ``FAST`` (CUDA): the LOP3 as inline PTX. Written with bitcasts instead, LLVM turns the
+    ``|qk|`` of ``t = |qk| c0 + 1`` into an integer AND as well (one more instruction
+    per element, the FFMA's free ``|x|`` operand modifier lost); the interpreter takes
+    the bitcast form (same bits)."""
+    if FAST == 1 or FAST == 3:
+        y = tl.inline_asm_elementwise(
+            "lop3.b32 $0, $1, $2, 0x80000000, 0x78;", "=r,r,r",
+            [x.to(tl.uint32, bitcast=True), s.to(tl.uint32, bitcast=True)],
+            dtype=tl.uint32, is_pure=True, pack=1,
+        ).to(tl.float32, bitcast=True)
+    else:
+        xb = x.to(tl.uint32, bitcast=True)
+        sb = s.to(tl.uint32, bitcast=True) & 0x80000000
+        y = (xb ^ sb).to(tl.float32, bitcast=True)
     return y
 
 
@@ -193,8 +254,8 @@ def grad_consts(scale, n, b, TRANSFORM: tl.constexpr):
 def score_fwd_hoisted(qk, c0, c1, TRANSFORM: tl.constexpr, FAST_LOG2: tl.constexpr = False):
     """``qk`` (fp32 tile) -> ``z2`` with constants from ``transform_consts``."""
     if TRANSFORM == 1:
-        mag = log2_fast(tl.abs(qk) * c0 + 1.0, FAST_LOG2)  # log2(1 + b|s|) >= 0
-        z2 = tl.where(qk >= 0.0, c1, -c1) * mag
+        mag = log2_fast(abs_fast(qk, FAST_LOG2) * c0 + 1.0, FAST_LOG2)  # log2(1 + b|s|) >= 0
+        z2 = c1 * flip_sign(mag, qk, FAST_LOG2)  # == flip_sign(c1 * mag): sign flips are exact
     else:
         z2 = qk * c0
     return z2
@@ -210,12 +271,11 @@ def score_bwd_parts(qk, c0, c1, TRANSFORM: tl.constexpr, FAST_LOG2: tl.constexpr
     callers guard their use with the same constexpr.
     """
     if TRANSFORM == 1:
-        t = tl.abs(qk) * c0 + 1.0
+        t = abs_fast(qk, FAST_LOG2) * c0 + 1.0
         mag = log2_fast(t, FAST_LOG2)
-        sgn_n = tl.where(qk >= 0.0, c1, -c1)
-        z2 = sgn_n * mag
-        smag = tl.where(qk >= 0.0, mag, -mag)
-        rinv = 1.0 / t
+        smag = flip_sign(mag, qk, FAST_LOG2)
+        z2 = c1 * smag  # the same operations as score_fwd_hoisted
+        rinv = rcp_fast(t, FAST_LOG2)
     else:
         z2 = qk * c0
         smag = z2

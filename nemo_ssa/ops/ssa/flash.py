@@ -60,6 +60,7 @@ from nemo_ssa.ops.common.attn_bwd import (
     _zhsd,
     attention_bwd,
     autotune_enabled,
+    cdiv,
     default_input_precision,
     dropout_keep,
     dropout_rng_layout,
@@ -73,6 +74,7 @@ from nemo_ssa.ops.common.attn_bwd import (
     mask_scores,
     new_output,
     new_output_like,
+    next_pow2,
     seq_info,
     tile_ptrs,
     use_fast_math,
@@ -226,11 +228,12 @@ class FwdConfig(NamedTuple):
 # (BLOCK_D bucket, causal, "16bit" | "fp32") -> FwdConfig. 16-bit rows 32/64/128: measured
 # winners of benchmarks/tune_tiles.py (H100, bf16, causal SSA, 2026-11-22;
 # docs/results/2026-11-22-tuning), 1.25-1.36x over the compile-time estimates they replace
-# (D=32: best for both B4 N4K and N=16K). 256 and fp32: compile-time estimates (largest
+# (D=32: best for both B4 N4K and N=16K; D=32/64 re-tuned after the SSA instruction diet,
+# 2026-11-25, docs/results/2026-11-25-attention-bwd). 256 and fp32: compile-time estimates (largest
 # tiles without spills; fp32 runs IEEE dots on FMA units, exactness tests only, small
 # tiles). Tune with NEMO_SSA_AUTOTUNE=1 (candidates: _FWD_TUNE).
-_FWD_16 = {32: FwdConfig(64, 128, 4, 3),
-           64: FwdConfig(64, 64, 4, 2),
+_FWD_16 = {32: FwdConfig(64, 64, 4, 2),     # re-tuned 2026-11-25 (B4 N4K and B32 N1K, SSA and softmax)
+           64: FwdConfig(64, 128, 4, 3),    # re-tuned 2026-11-25 (B1 N16K H16), 1.02x
            128: FwdConfig(64, 64, 4, 3),
            256: FwdConfig(64, 32, 8, 2)}   # estimate: 181 regs
 _FWD_32 = {32: FwdConfig(64, 32, 4, 2), 64: FwdConfig(32, 32, 4, 2),
@@ -286,7 +289,7 @@ def _flash_fwd(
     cu_q = cu_seqlens_q if varlen else M
     cu_k = cu_seqlens_k if varlen else M
     rz, rh, rs = dropout_rng_layout(hq, sq, sk, varlen, total_q)
-    block_d = max(16, triton.next_power_of_2(d))
+    block_d = max(16, next_pow2(d))
     args = (q, k, v, o, M, n_ptr, b_ptr, rng, cu_q, cu_k,
             *_zhsd(q, varlen), *_zhsd(k, varlen), *_zhsd(v, varlen), *_zhsd(o, varlen),
             *_stat_strides(M, varlen), hq, hq // hkv, sq, sk, float(scale), float(dropout_p), rz, rh, rs)
@@ -299,7 +302,7 @@ def _flash_fwd(
         kern[lambda m: (triton.cdiv(sq, m["BLOCK_M"]), bz * hq)](*args, **meta)
     else:
         cfg = config or fwd_config(d, causal, q.dtype)
-        launch(_attn_fwd_kernel, (triton.cdiv(sq, cfg.block_m), bz * hq), args,
+        launch(_attn_fwd_kernel, (cdiv(sq, cfg.block_m), bz * hq), args,
                dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta))
     return o, M
@@ -338,21 +341,24 @@ def _flash_attn_bwd_op(
     cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
     transform: str, causal: bool, scale: float, dropout_p: float,
     max_seqlen_q: int, max_seqlen_k: int, input_precision: str, fast_math: bool, need_dparams: bool,
+    need_db: bool = True,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     dq, dk, dv, dn, db = attention_bwd(
         do, q, k, v, o, M, transform=transform, n=n, b=b, causal=causal, scale=scale,
         dropout_p=dropout_p, rng_state=rng_state, cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        input_precision=input_precision, fast_math=fast_math, need_dparams=need_dparams)
-    if dn is None:  # custom ops return tensors: zeros stand in for "no gradient"
+        input_precision=input_precision, fast_math=fast_math, need_dparams=need_dparams, need_db=need_db)
+    # custom ops return tensors: zeros stand in for "no gradient"
+    if dn is None:
         dn = torch.zeros(1, dtype=torch.float32, device=q.device)
+    if db is None:
         db = torch.zeros(1, dtype=torch.float32, device=q.device)
     return dq, dk, dv, dn, db
 
 
 @_flash_attn_bwd_op.register_fake
 def _(do, q, k, v, o, M, n, b, rng_state, cu_seqlens_q, cu_seqlens_k, transform, causal, scale,
-      dropout_p, max_seqlen_q, max_seqlen_k, input_precision, fast_math, need_dparams):
+      dropout_p, max_seqlen_q, max_seqlen_k, input_precision, fast_math, need_dparams, need_db=True):
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             q.new_empty((1,), dtype=torch.float32), q.new_empty((1,), dtype=torch.float32))
 
@@ -369,11 +375,14 @@ def _fwd_backward(ctx, do, dM):
     q, k, v, o, M, n, b, rng_state, cu_q, cu_k = ctx.saved_tensors
     transform, causal, scale, dropout_p, max_q, max_k, input_precision, fast_math = ctx.scalars
     need_dparams = transform == "ssa" and (ctx.needs_input_grad[3] or ctx.needs_input_grad[4])
+    need_db = need_dparams and ctx.needs_input_grad[4]
     dq, dk, dv, dn, db = torch.ops.nemo_ssa.flash_attn_bwd(
         do, q, k, v, o, M, n, b, rng_state, cu_q, cu_k, transform, causal, scale, dropout_p,
-        max_q, max_k, input_precision, fast_math, need_dparams)
+        max_q, max_k, input_precision, fast_math, need_dparams, need_db)
     if not need_dparams:  # the op returns placeholder zeros then
         dn = db = None
+    elif not need_db:
+        db = None
     return _grads_from_bwd(n, b, ctx.needs_input_grad, dq, dk, dv, dn, db) + (None,) * 11
 
 
@@ -432,7 +441,7 @@ class _FlashAttnFn(torch.autograd.Function):
             do, q, k, v, o, M, transform=transform, n=n, b=b, causal=causal, scale=scale,
             dropout_p=dropout_p, rng_state=rng_state, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
             max_seqlen_q=max_q, max_seqlen_k=max_k, input_precision=input_precision,
-            fast_math=fast_math, need_dparams=need_dparams)
+            fast_math=fast_math, need_dparams=need_dparams, need_db=bool(nig[4]))
         grads = _grads_from_bwd(n, b, nig, dq, dk, dv, dn, db)
         return grads + (None,) * 12
 
