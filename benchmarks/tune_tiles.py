@@ -42,6 +42,7 @@ if REPO not in sys.path:
 SHAPES = {
     # label: (B, Hq, Hkv, N, D) -- the model's attention, and the issue-4/7 benchmark shapes
     "model": (4, 24, 8, 4096, 32),
+    "b32": (32, 24, 8, 1024, 32),  # the recipe's attention at micro batch 32
     "elsa16k-d32": (1, 24, 8, 16384, 32),
     "d64": (1, 16, 16, 16384, 64),
     "d128": (2, 8, 8, 8192, 128),
@@ -58,6 +59,8 @@ RANGE_FWD_CANDS = [(bm, bn, w, s) for bm in (64, 128) for bn in (32, 64, 128) fo
 RANGE_BWD_CANDS = [(bm, bn, w, s) for bm in (32, 64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (1, 2)]
 SELECTED_CANDS = [(bq, 0, w, 0) for bq in (16, 32, 64, 128) for w in (2, 4, 8)]  # (block_q, -, warps, -)
 FLASH_KERNELS = ("flash_fwd", "bwd_dq", "bwd_dkv", "elsa_fwd")
+# flash_fwd / bwd_* transform (``--transform``; an env var so the spawned compile workers see it)
+TUNE_TRANSFORM = os.environ.get("NEMO_SSA_TUNE_TRANSFORM", "ssa")
 NSA_KERNELS = ("nsa_range_fwd", "nsa_range_bwd", "nsa_selected")
 KERNELS = FLASH_KERNELS + NSA_KERNELS
 
@@ -150,8 +153,9 @@ class _Case:
         self.q, self.k, self.v, self.do = mk(Hq), mk(Hkv), mk(Hkv), mk(Hq)
         self.n = torch.tensor([1.5], device="cuda")
         self.b = torch.tensor([0.8], device="cuda")
+        self.nb = dict(n=self.n, b=self.b) if TUNE_TRANSFORM == "ssa" else {}
         self.causal, self.D = causal, D
-        self.o, self.M = flash.flash_attention_fwd(self.q, self.k, self.v, transform="ssa", n=self.n, b=self.b,
+        self.o, self.M = flash.flash_attention_fwd(self.q, self.k, self.v, transform=TUNE_TRANSFORM, **self.nb,
                                                    causal=causal)
         self.bwd_table = attn_bwd.bwd_config(D, causal, torch.bfloat16)
         self.fwd_table = flash.fwd_config(D, causal, torch.bfloat16)
@@ -171,13 +175,14 @@ class _Case:
         torch, flash, ab = self.torch, self.flash, self.attn_bwd
         if kernel == "flash_fwd":
             cfg = flash.FwdConfig(*cand)
-            return lambda: flash.flash_attention_fwd(self.q, self.k, self.v, transform="ssa", n=self.n, b=self.b,
+            return lambda: flash.flash_attention_fwd(self.q, self.k, self.v, transform=TUNE_TRANSFORM, **self.nb,
                                                      causal=self.causal, config=cfg)
         if kernel in ("bwd_dq", "bwd_dkv"):
             t = self.bwd_table
             cfg = ab.BwdConfig(*cand, *t[4:]) if kernel == "bwd_dq" else ab.BwdConfig(*t[:4], *cand)
-            return lambda: ab.attention_bwd(self.do, self.q, self.k, self.v, self.o, self.M, transform="ssa",
-                                            n=self.n, b=self.b, causal=self.causal, config=cfg)
+            # need_db=False: the pinned policy trains n and fixes b (dQ kernel without db sums)
+            return lambda: ab.attention_bwd(self.do, self.q, self.k, self.v, self.o, self.M, transform=TUNE_TRANSFORM,
+                                            **self.nb, causal=self.causal, config=cfg, need_db=False)
         from nemo_ssa.ops.elsa import routing
         from nemo_ssa.ops.elsa.scan import elsa_forward
         from nemo_ssa.ops.common.transforms import transform_id
@@ -219,7 +224,12 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     ap.add_argument("--rep", type=int, default=30, help="do_bench rep (ms) per candidate")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--transform", default=None, choices=["ssa", "softmax"],
+                    help="score transform of flash_fwd/bwd_* (default ssa; the tables are shared)")
     args = ap.parse_args(argv)
+    if args.transform:
+        global TUNE_TRANSFORM
+        TUNE_TRANSFORM = os.environ["NEMO_SSA_TUNE_TRANSFORM"] = args.transform
     import torch
     import triton
     import triton.testing
