@@ -18,7 +18,8 @@ own loss upcasts to fp32 only). Compared against it, per parameter:
 * (c) ``--triton-fp32``: ``ssa_triton`` with the whole model in fp32 (reported, not judged).
 
 Rules. Every parameter except n/b: ``rel_err(a) <= 2 rel_err(b) + floor`` (flash-attn's
-rule). n and b (scalars): ``|a - ref| <= 2 |b - ref| + SCALAR_GRAD_RTOL[dtype] * sum|terms|``,
+rule). n and b (scalars): ``|a - ref| <= 2 |b - ref| + rtol * sum|terms|`` with ``rtol =
+min(SCALAR_GRAD_RTOL[dtype], MODEL_SCALAR_RTOL)`` (1e-3; ``--scalar-rtol``),
 exactly ``nemo_ssa.testing.assert_scalar_grad_close``. dn = sum over every (batch, head,
 query, key) of ``dz * sgn(s) ln(1 + b|s|)`` (db alike): terms of both signs that cancel,
 so at initialisation (near-uniform attention) dn is a small remainder of O(1) terms and a
@@ -263,7 +264,15 @@ def scalar_terms(records, g_ref, ref_dtype):
     return out
 
 
-def compare(tag, g_ref, g_tri, g_eager, terms, dtype, floor, g_tri32=None):
+# Model level, n and b: the H100 run of 2026-11-25 (docs/gradient-parity.md) measured
+# |err| <= 1.8e-4 x sum|terms| for Triton and eager alike, bf16, at init and after 150
+# steps; the op tests' SCALAR_GRAD_RTOL (1.6e-2 for bf16) would pass even a 10x wrong dn at
+# model level (|dn| is 1e-4..3e-3 of its sum|terms| there). 1e-3 keeps ~6x headroom over
+# the measurement and fails a 1.5x-scaled dn wherever |dn| >= 2e-3 sum|terms|.
+MODEL_SCALAR_RTOL = 1e-3
+
+
+def compare(tag, g_ref, g_tri, g_eager, terms, dtype, floor, g_tri32=None, scalar_rtol=None):
     """One row per parameter: errors against the reference and the verdict of its rule."""
     rows = []
     for name, ref in g_ref.items():
@@ -277,11 +286,12 @@ def compare(tag, g_ref, g_tri, g_eager, terms, dtype, floor, g_tri32=None):
             row["err_triton_fp32"] = rel_err(g_tri32[name], ref)
         if row["scalar"]:
             t = terms[name]
+            rtol = SCALAR_GRAD_RTOL[dtype] if scalar_rtol is None else scalar_rtol
             row.update(terms=t, cancel=abs(ref.item()) / t if t > 0 else 0.0,
-                       bound=2.0 * row["abs_eager"] + SCALAR_GRAD_RTOL[dtype] * t)
+                       bound=2.0 * row["abs_eager"] + rtol * t)
             row["ok"] = math.isfinite(row["abs_triton"]) and row["abs_triton"] <= row["bound"]
             try:  # the same rule, through the op tests' helper
-                assert_scalar_grad_close(name, g_tri[name], ref, t, dtype, eager=g_eager[name])
+                assert_scalar_grad_close(name, g_tri[name], ref, t, dtype, eager=g_eager[name], rtol=rtol)
                 helper_ok = True
             except AssertionError:
                 helper_ok = False
@@ -342,6 +352,8 @@ def main() -> int:
                     help="tiny cpu_arch model on CPU (needs TRITON_INTERPRET=1): the logic, not a result")
     ap.add_argument("--inject-dn-scale", type=float, default=None,
                     help="negative control: multiply the Triton model's n gradients by this factor")
+    ap.add_argument("--scalar-rtol", type=float, default=None,
+                    help=f"n/b bound: 2x eager + this x sum|terms| (default min(op-test rtol, {MODEL_SCALAR_RTOL:g}))")
     ap.add_argument("--out", default=None, help="markdown report path")
     args = ap.parse_args()
     smoke = args.smoke_cpu
@@ -355,6 +367,7 @@ def main() -> int:
         raise SystemExit("model_grad_parity.py needs CUDA (or --smoke-cpu)")
     dtype_name = args.dtype or ("fp16" if smoke else "bf16")
     dtype, ref_dtype = DTYPES[dtype_name], DTYPES[args.reference]
+    scalar_rtol = args.scalar_rtol if args.scalar_rtol is not None else min(SCALAR_GRAD_RTOL[dtype], MODEL_SCALAR_RTOL)
     seq = args.seq if not smoke or args.seq != 1024 else 64
     batch, train_batch = (min(args.batch, 2), min(args.train_batch, 2)) if smoke else (args.batch, args.train_batch)
     vocab = SMOKE_VOCAB if smoke else VOCAB
@@ -400,7 +413,7 @@ def main() -> int:
                     g_tri[name] = g_tri[name] * args.inject_dn_scale
         log(f"{tag}: loss {args.reference} {l_ref:.6f} eager {l_eag:.6f} triton {l_tri:.6f}"
             + (f" triton-fp32 {l_32:.6f}" if l_32 is not None else ""))
-        rows = compare(tag, g_ref, g_tri, g_eag, terms, dtype, args.floor, g_32)
+        rows = compare(tag, g_ref, g_tri, g_eag, terms, dtype, args.floor, g_32, scalar_rtol=scalar_rtol)
         return dict(tag=tag, loss=dict(ref=l_ref, eager=l_eag, triton=l_tri, triton_fp32=l_32), rows=rows)
 
     results = [check("init")]
@@ -422,7 +435,7 @@ def main() -> int:
     failed = [(r["tag"], row["param"]) for r in results for row in r["rows"] if not row["ok"]]
     tables = "\n\n".join(table(r["tag"], r["rows"], dtype_name, tri32 is not None) for r in results)
     verdict = ("VERDICT: PASS -- every parameter's gradient within 2x eager "
-               f"{dtype_name} against the {args.reference} reference (n, b: + {SCALAR_GRAD_RTOL[dtype]:g} x sum|terms|)"
+               f"{dtype_name} against the {args.reference} reference (n, b: + {scalar_rtol:g} x sum|terms|)"
                if not failed else
                f"VERDICT: FAIL -- {len(failed)} gradient(s) over the bound: "
                + ", ".join(f"{t}:{short(p)}" for t, p in failed))
@@ -435,7 +448,7 @@ def main() -> int:
                     f"`{' '.join(sys.argv)}`\n\nReference: the model in {args.reference} with ssa_reference; "
                     f"under test ssa_triton in {dtype_name}; eager: ssa_reference in {dtype_name} "
                     f"({args.eager}). Scalars (n, b): |a - ref| <= 2 |eager - ref| + "
-                    f"{SCALAR_GRAD_RTOL[dtype]:g} x sum|terms|; others: rel err <= 2 x eager + {args.floor:g}.\n\n"
+                    f"{scalar_rtol:g} x sum|terms|; others: rel err <= 2 x eager + {args.floor:g}.\n\n"
                     f"{tables}\n\nTiming: {timing}.\n\n**{verdict}**\n\n"
                     f"```json\n{json.dumps(results, indent=1, default=str)}\n```\n")
     return 1 if failed else 0
