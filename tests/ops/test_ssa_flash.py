@@ -138,6 +138,10 @@ CASES = [
     (1, 6, 2, 63, 63, 32, True, "softmax"),
     (1, 3, 1, 45, 20, 48, True, "softmax"),
     (2, 2, 2, 33, 17, 32, False, "softmax"),
+    # whole query blocks (Sq % 16 == 0, D a power of two): the dK/dV loop's unmasked loads
+    (1, 4, 2, 64, 64, 32, True, "ssa"),
+    (2, 4, 2, 32, 48, 16, False, "ssa"),
+    (1, 4, 2, 64, 64, 32, True, "softmax"),
 ]
 
 
@@ -748,3 +752,22 @@ def test_transform_helpers_exact_and_rcp_log2_accurate(mode):
         err = ((y.double() - ref).abs() / ref.abs().clamp_min(1.0)).max().item()
         assert err < 2 ** -21, (op, err)
         assert ((y.double() * (1 + 1e-6) - ref).abs() / ref.abs().clamp_min(1.0)).max().item() > 2 ** -21
+
+
+@pytest.mark.parametrize("sq,d,even", [(64, 32, True), (63, 32, False), (64, 48, False)])
+def test_dkv_even_q_flag_only_for_whole_blocks(monkeypatch, sq, d, even):
+    """The dK/dV kernel drops its load masks (EVEN_Q) only when every query block is whole
+    and the head dim fills BLOCK_D; CASES above run both paths against fp64."""
+    seen = []
+    real = attn_bwd.launch
+
+    def spy(kernel, grid, args, meta):
+        seen.append(dict(meta))
+        return real(kernel, grid, args, meta)
+
+    monkeypatch.setattr(attn_bwd, "launch", spy)
+    q, k, v = make_qkv(1, 2, 1, sq, sq, d, torch.float32, device=DEVICE)
+    o, M = flash_attention_fwd(q, k, v, transform="softmax", causal=True)
+    attention_bwd(torch.randn_like(q), q, k, v, o, M, transform="softmax", causal=True)
+    flags = [m["EVEN_Q"] for m in seen if "EVEN_Q" in m]
+    assert flags == [even], seen

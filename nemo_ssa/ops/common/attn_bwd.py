@@ -436,8 +436,12 @@ def _bwd_dkv_inner(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, TRANSFORM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FAST_LOG2: tl.constexpr,
+    EVEN: tl.constexpr = False,
 ):
     """Query blocks ``lo + i*BLOCK_M`` (``i < n_blk``) of each of the GROUP query heads.
+
+    ``EVEN``: every block is whole (dense, ``Sq % BLOCK_M == 0``, ``HEAD_DIM == BLOCK_D``) --
+    the q/dO/M/delta loads need no masks.
 
     One flat loop over (head, block) pairs, head-major: a nested runtime loop around the
     software-pipelined block loop made ptxas spill heavily (sm_90), a flat one does not.
@@ -454,12 +458,18 @@ def _bwd_dkv_inner(
         row0 = start_m * s_qs64 + g * s_qh64  # int64
         offs_m = start_m + offs_mb
         row_ok = offs_m < q_len
-        qT = tl.load(q_base + row0 + qT_off, mask=row_ok[None, :] & d_ok[:, None], other=0.0)
-        do = tl.load(do_base + (start_m * s_dos64 + g * s_doh64) + do_off,
-                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         m_off = g * s_mh64 + offs_m.to(tl.int64) * s_ms
-        m_row = tl.load(m_base + m_off, mask=row_ok, other=float("inf"))
-        delta_row = tl.load(d_base + m_off, mask=row_ok, other=0.0)
+        if EVEN:
+            qT = tl.load(q_base + row0 + qT_off)
+            do = tl.load(do_base + (start_m * s_dos64 + g * s_doh64) + do_off)
+            m_row = tl.load(m_base + m_off)
+            delta_row = tl.load(d_base + m_off)
+        else:
+            qT = tl.load(q_base + row0 + qT_off, mask=row_ok[None, :] & d_ok[:, None], other=0.0)
+            do = tl.load(do_base + (start_m * s_dos64 + g * s_doh64) + do_off,
+                         mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            m_row = tl.load(m_base + m_off, mask=row_ok, other=float("inf"))
+            delta_row = tl.load(d_base + m_off, mask=row_ok, other=0.0)
         qkT = tl.dot(k, qT, input_precision=INPUT_PRECISION)  # [BLOCK_N, BLOCK_M] fp32
         z2T, smagT, rinvT = score_bwd_parts(qkT, c0, c1, TRANSFORM, FAST_LOG2)
         if MASKED:
@@ -498,6 +508,7 @@ def _attn_bwd_kernel_dkv(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TRANSFORM: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FAST_LOG2: tl.constexpr,
+    EVEN_Q: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_zh = tl.program_id(1)
@@ -549,7 +560,7 @@ def _attn_bwd_kernel_dkv(
         s_qh + zero64, s_doh + zero64, s_mh + zero64, s_qs + zero64, s_dos + zero64,
         offs_n, mid, n_full, q_len, k_len, off_c, c0, c1, seed, rbase, RNG_SH + zero64, RNG_SS, dropout_p,
         inv_keep, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, False, CAUSAL, TRANSFORM,
-        HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2)
+        HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2, EVEN_Q)
 
     dk = dk * g_s
     tl.store(tile_ptrs(DK, z64, hkv64, col, s_dkz, s_dkh, s_dks, s_dkd, offs_nb, offs_d),
@@ -988,8 +999,10 @@ def attention_bwd(
                           ["HKV", "GROUP", "SEQ_Q", "SEQ_K", "HEAD_DIM", "TRANSFORM", "CAUSAL", "VARLEN", "HAS_DROPOUT"])
         kern[lambda meta: (triton.cdiv(sk, meta["BLOCK_N"]), bz * hkv)](*kv_args, **common)
     else:
+        # whole query blocks in the unmasked loop: its loads drop their masks
+        even_q = (not varlen) and sq % cfg.block_m_kv == 0 and d == block_d
         launch(_attn_bwd_kernel_dkv, (cdiv(sk, cfg.block_n_kv), bz * hkv), kv_args,
-               dict(BLOCK_M=cfg.block_m_kv, BLOCK_N=cfg.block_n_kv,
+               dict(BLOCK_M=cfg.block_m_kv, BLOCK_N=cfg.block_n_kv, EVEN_Q=even_q,
                     num_warps=cfg.warps_kv, num_stages=cfg.stages_kv, **common))
     if stacked is not None:
         # fixed-size buffer, fixed order, accumulated in float64 (sum's dtype= casts each
