@@ -191,7 +191,7 @@ def kernel_report(name: str, compiled, meta: dict, dump: Optional[str]) -> Dict[
 
 
 def collect(transform: str, head_dim: int, causal: bool, dtype: torch.dtype, hq: int, hkv: int,
-            params: str) -> List[Tuple[str, object, tuple, tuple, dict]]:
+            params: str, bwd: str = "deterministic", bwd_cfg=None) -> List[Tuple[str, object, tuple, tuple, dict]]:
     from nemo_ssa.ops.common.attn_bwd import attention_bwd
     from nemo_ssa.ops.ssa.flash import _flash_fwd
     B, N, D = 1, 256, head_dim
@@ -204,15 +204,20 @@ def collect(transform: str, head_dim: int, causal: bool, dtype: torch.dtype, hq:
     out = []
     for kern, grid, args, meta in capture_launches(lambda: _flash_fwd(
             q, k, v, n if transform == "ssa" else None, b if transform == "ssa" else None, None, None, None,
-            transform, causal, D ** -0.5, 0.0, N, N, prec, True)):
+            transform, causal, D ** -0.5, 0.0, N, N, prec, True,
+            save_c=bwd == "atomic" and params == "n")):
         out.append(("fwd", kern, grid, args, meta))
     o = torch.zeros_like(q)
     M = torch.zeros(B, hq, N, dtype=torch.float32)
+    single = bwd == "atomic"
     for kern, grid, args, meta in capture_launches(lambda: attention_bwd(
             o, q, k, v, o, M, transform=transform, n=n, b=b, causal=causal, input_precision=prec,
-            fast_math=True, need_dparams=params != "none", need_db=params == "n,b")):
+            fast_math=True, need_dparams=params != "none", need_db=params == "n,b",
+            cstat=torch.zeros_like(M) if single else None, deterministic=not single, config=bwd_cfg)):
         name = {"_attn_bwd_kernel_dq": "bwd_dq", "_attn_bwd_kernel_dkv": "bwd_dkv",
                 "_attn_bwd_preprocess": "bwd_pre"}.get(kern.__name__, kern.__name__)
+        if meta.get("ATOMIC_DQ"):
+            name = "bwd_dkv+dq"
         out.append((name, kern, grid, args, meta))
     return out
 
@@ -226,16 +231,24 @@ def main(argv=None) -> int:
     ap.add_argument("--non-causal", action="store_true")
     ap.add_argument("--params", default="n", choices=["n", "n,b", "none"],
                     help="SSA parameters with gradients: n (the pinned policy: b fixed), n,b, none")
+    ap.add_argument("--bwd", default="deterministic", choices=["deterministic", "atomic"],
+                    help="backward schedule: two kernels (dQ + dK/dV) or single pass (dK/dV adds dq atomically)")
+    ap.add_argument("--bwd-config", default=None,
+                    help="override the backward tiles: 8 ints 'dqBM,dqBN,dqW,dqS,kvBM,kvBN,kvW,kvS' (BwdConfig)")
     ap.add_argument("--dump", default=None, help="write each kernel's SASS and PTX here")
     ap.add_argument("--json", default=None, help="also write the rows as JSON")
     args = ap.parse_args(argv)
     triton.runtime.driver.set_active(_SM90Driver())
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     hq, hkv = (int(x) for x in args.heads.split("/"))
+    bwd_cfg = None
+    if args.bwd_config:
+        from nemo_ssa.ops.common.attn_bwd import BwdConfig
+        bwd_cfg = BwdConfig(*(int(x) for x in args.bwd_config.split(",")))
     rows = []
     for tr in args.transforms.split(","):
         for name, kern, grid, kargs, meta in collect(tr, args.head_dim, not args.non_causal, dtype, hq, hkv,
-                                                     args.params):
+                                                     args.params, args.bwd, bwd_cfg):
             compiled = compile_launch(kern, grid, kargs, meta)
             if "BLOCK_N" not in meta:
                 continue

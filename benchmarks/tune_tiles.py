@@ -50,6 +50,7 @@ SHAPES = {
 FWD_CANDS = [(bm, bn, w, s) for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
 DQ_CANDS = [(bm, bn, w, s) for bm in (32, 64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (1, 2)]
 KV_CANDS = [(bm, bn, w, s) for bm in (16, 32, 64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (1, 2)]
+SINGLE_CANDS = [(bm, bn, w, s) for bm in (32, 64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (1, 2)]
 NSA_SHAPES = {
     # label: (B, Hq, Hkv, N, D) -- issue 6's benchmark shapes at N = 32K
     "nsa-d32": (1, 24, 8, 32768, 32),
@@ -58,7 +59,7 @@ NSA_SHAPES = {
 RANGE_FWD_CANDS = [(bm, bn, w, s) for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
 RANGE_BWD_CANDS = [(bm, bn, w, s) for bm in (32, 64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (1, 2)]
 SELECTED_CANDS = [(bq, 0, w, 0) for bq in (16, 32, 64, 128) for w in (2, 4, 8)]  # (block_q, -, warps, -)
-FLASH_KERNELS = ("flash_fwd", "bwd_dq", "bwd_dkv", "elsa_fwd")
+FLASH_KERNELS = ("flash_fwd", "bwd_dq", "bwd_dkv", "bwd_single", "elsa_fwd")
 # flash_fwd / bwd_* transform (``--transform``; an env var so the spawned compile workers see it)
 TUNE_TRANSFORM = os.environ.get("NEMO_SSA_TUNE_TRANSFORM", "ssa")
 NSA_KERNELS = ("nsa_range_fwd", "nsa_range_bwd", "nsa_selected")
@@ -66,7 +67,7 @@ KERNELS = FLASH_KERNELS + NSA_KERNELS
 
 
 def _cands(kernel: str):
-    return {"flash_fwd": FWD_CANDS, "elsa_fwd": FWD_CANDS, "bwd_dq": DQ_CANDS, "bwd_dkv": KV_CANDS,
+    return {"flash_fwd": FWD_CANDS, "elsa_fwd": FWD_CANDS, "bwd_dq": DQ_CANDS, "bwd_dkv": KV_CANDS, "bwd_single": SINGLE_CANDS,
             "nsa_range_fwd": RANGE_FWD_CANDS, "nsa_range_bwd": RANGE_BWD_CANDS,
             "nsa_selected": SELECTED_CANDS}[kernel]
 
@@ -158,6 +159,11 @@ class _Case:
         self.o, self.M = flash.flash_attention_fwd(self.q, self.k, self.v, transform=TUNE_TRANSFORM, **self.nb,
                                                    causal=causal)
         self.bwd_table = attn_bwd.bwd_config(D, causal, torch.bfloat16)
+        self.single_table = attn_bwd.single_config(D, torch.bfloat16)
+        # the row means C the single-pass backward's dn needs (SSA, the pinned policy: b fixed)
+        self.C = flash._flash_fwd(self.q, self.k, self.v, self.n if TUNE_TRANSFORM == "ssa" else None,
+                                  self.b if TUNE_TRANSFORM == "ssa" else None, None, None, None, TUNE_TRANSFORM,
+                                  causal, 1.0 / math.sqrt(D), 0.0, N, N, "tf32", True, save_c=True)[2]
         self.fwd_table = flash.fwd_config(D, causal, torch.bfloat16)
 
     def table(self, kernel: str) -> Tuple[int, int, int, int]:
@@ -167,6 +173,8 @@ class _Case:
             return tuple(self.bwd_table[:4])
         if kernel == "bwd_dkv":
             return tuple(self.bwd_table[4:])
+        if kernel == "bwd_single":
+            return tuple(self.single_table[4:])
         from nemo_ssa.ops.elsa import routing
 
         return tuple(routing.FWD_TILES["16bit"][routing.block_d(self.D)])
@@ -177,12 +185,18 @@ class _Case:
             cfg = flash.FwdConfig(*cand)
             return lambda: flash.flash_attention_fwd(self.q, self.k, self.v, transform=TUNE_TRANSFORM, **self.nb,
                                                      causal=self.causal, config=cfg)
+        if kernel == "bwd_single":
+            cfg = ab.BwdConfig(0, 0, 0, 0, *cand)
+            return lambda: ab.attention_bwd(self.do, self.q, self.k, self.v, self.o, self.M, transform=TUNE_TRANSFORM,
+                                            **self.nb, causal=self.causal, config=cfg, need_db=False, cstat=self.C,
+                                            deterministic=False)
         if kernel in ("bwd_dq", "bwd_dkv"):
             t = self.bwd_table
             cfg = ab.BwdConfig(*cand, *t[4:]) if kernel == "bwd_dq" else ab.BwdConfig(*t[:4], *cand)
             # need_db=False: the pinned policy trains n and fixes b (dQ kernel without db sums)
             return lambda: ab.attention_bwd(self.do, self.q, self.k, self.v, self.o, self.M, transform=TUNE_TRANSFORM,
-                                            **self.nb, causal=self.causal, config=cfg, need_db=False)
+                                            **self.nb, causal=self.causal, config=cfg, need_db=False,
+                                            deterministic=True)
         from nemo_ssa.ops.elsa import routing
         from nemo_ssa.ops.elsa.scan import elsa_forward
         from nemo_ssa.ops.common.transforms import transform_id

@@ -61,6 +61,9 @@ from nemo_ssa.ops.common.transforms import (
 __all__ = [
     "attention_bwd",
     "BwdConfig",
+    "bwd_deterministic",
+    "single_config",
+    "SINGLE_CONFIGS",
     "bwd_config",
     "BWD_CONFIGS",
     "dropout_keep",
@@ -305,13 +308,17 @@ def _bwd_dq_inner(
 
 @triton.jit
 def _attn_bwd_preprocess(
-    O, DO, Delta, CU_Q,
+    O, DO, Delta, CU_Q, DQA,
     s_oz, s_oh, s_os, s_od,
     s_doz, s_doh, s_dos, s_dod,
     s_mz, s_mh, s_ms,
+    s_az, s_ah, s_as, s_ad,
     HQ, SEQ_Q,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, VARLEN: tl.constexpr,
+    ZERO_DQ: tl.constexpr = False,
 ):
+    """``delta = rowsum(o * do)`` (fp32); ``ZERO_DQ``: also zero the rows of the fp32 dq
+    accumulator the single-pass backward adds into (no separate memset launch)."""
     pid_m = tl.program_id(0)
     pid_zh = tl.program_id(1)
     off_z = pid_zh // HQ
@@ -331,6 +338,10 @@ def _attn_bwd_preprocess(
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)  # [BLOCK_M]
     tl.store(Delta + off_z.to(tl.int64) * s_mz + off_h.to(tl.int64) * s_mh + row * s_ms,
              delta, mask=offs_m < q_len)
+    if ZERO_DQ:
+        tl.store(DQA + off_z.to(tl.int64) * s_az + off_h.to(tl.int64) * s_ah
+                 + row[:, None] * s_as + offs_d[None, :] * s_ad,
+                 tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), mask=mask)
 
 
 @triton.jit
@@ -428,20 +439,27 @@ def _attn_bwd_kernel_dq(
 
 @triton.jit
 def _bwd_dkv_inner(
-    dk, dv, k, v,
+    dk, dv, dnk, k, v,
     q_base, do_base, m_base, d_base, s_qs, s_qd, s_dos, s_dod, s_ms,
     s_qh64, s_doh64, s_mh64, s_qs64, s_dos64,
     offs_n, lo, n_blk, q_len, k_len, off_c,
     c0, c1, seed, rbase, RNG_SH, RSTRIDE, dropout_p, inv_keep, GROUP,
+    a_base, c_base, s_as, s_ad, s_ah64, s_as64, g_s,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, TRANSFORM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FAST_LOG2: tl.constexpr,
-    EVEN: tl.constexpr = False,
+    EVEN: tl.constexpr = False, ATOMIC_DQ: tl.constexpr = False, DN_KV: tl.constexpr = False,
 ):
     """Query blocks ``lo + i*BLOCK_M`` (``i < n_blk``) of each of the GROUP query heads.
 
     ``EVEN``: every block is whole (dense, ``Sq % BLOCK_M == 0``, ``HEAD_DIM == BLOCK_D``) --
     the q/dO/M/delta loads need no masks.
+
+    ``ATOMIC_DQ`` (single-pass backward): also ``dq += g_s * ds @ k`` for the block,
+    added into the fp32 accumulator at ``a_base`` (same head/row addressing as ``q``)
+    with atomics -- no dQ kernel recomputing ``p``. ``DN_KV``: ``dnk`` (per key row)
+    accumulates ``sum_i p dp (smag - C_i)`` with the forward's row means ``C`` at
+    ``c_base`` (M's layout), i.e. ``dn / ln 2`` split by key rows, without atomics.
 
     One flat loop over (head, block) pairs, head-major: a nested runtime loop around the
     software-pipelined block loop made ptxas spill heavily (sm_90), a flat one does not.
@@ -464,12 +482,16 @@ def _bwd_dkv_inner(
             do = tl.load(do_base + (start_m * s_dos64 + g * s_doh64) + do_off)
             m_row = tl.load(m_base + m_off)
             delta_row = tl.load(d_base + m_off)
+            if DN_KV:
+                c_row = tl.load(c_base + m_off)
         else:
             qT = tl.load(q_base + row0 + qT_off, mask=row_ok[None, :] & d_ok[:, None], other=0.0)
             do = tl.load(do_base + (start_m * s_dos64 + g * s_doh64) + do_off,
                          mask=row_ok[:, None] & d_ok[None, :], other=0.0)
             m_row = tl.load(m_base + m_off, mask=row_ok, other=float("inf"))
             delta_row = tl.load(d_base + m_off, mask=row_ok, other=0.0)
+            if DN_KV:
+                c_row = tl.load(c_base + m_off, mask=row_ok, other=0.0)
         qkT = tl.dot(k, qT, input_precision=INPUT_PRECISION)  # [BLOCK_N, BLOCK_M] fp32
         z2T, smagT, rinvT = score_bwd_parts(qkT, c0, c1, TRANSFORM, FAST_LOG2)
         if MASKED:
@@ -486,15 +508,30 @@ def _bwd_dkv_inner(
         dzT = pT * (dpT - delta_row[None, :])  # [BLOCK_N, BLOCK_M]
         if TRANSFORM == 1:
             dsT = dzT * rinvT
+            if DN_KV:
+                # dn / ln2 = sum_ij p dp (smag - C_i) (the exact-delta dn of the dQ kernel;
+                # C_i = sum_j p smag from the forward) = sum_ij dz (smag - C_i), since
+                # sum_j p (smag - C_i) = 0: the stored-o delta inside dz drops out (to fp32
+                # rounding of C), and the sum splits by key rows -- no row sum of p dp
+                dnk += tl.sum(dzT * (smagT - c_row[None, :]), axis=1)
         else:
             dsT = dzT
-        dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=INPUT_PRECISION)
-    return dk, dv
+        ds_lp = dsT.to(qT.dtype)
+        dk = tl.dot(ds_lp, tl.trans(qT), dk, input_precision=INPUT_PRECISION)
+        if ATOMIC_DQ:
+            dq_t = tl.dot(tl.trans(ds_lp), k, input_precision=INPUT_PRECISION) * g_s  # [BLOCK_M, BLOCK_D]
+            a_ptrs = (a_base + (start_m * s_as64 + g * s_ah64)
+                      + offs_mb[:, None] * s_as + offs_d[None, :] * s_ad)
+            if EVEN:
+                tl.atomic_add(a_ptrs, dq_t, sem="relaxed")
+            else:
+                tl.atomic_add(a_ptrs, dq_t, mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
+    return dk, dv, dnk
 
 
 @triton.jit
 def _attn_bwd_kernel_dkv(
-    Q, K, V, DO, DK, DV, M, Delta, NP, BP, RNG, CU_Q, CU_K,
+    Q, K, V, DO, DK, DV, M, Delta, NP, BP, RNG, CU_Q, CU_K, DQA, CS, DNK,
     s_qz, s_qh, s_qs, s_qd,
     s_kz, s_kh, s_ks, s_kd,
     s_vz, s_vh, s_vs, s_vd,
@@ -502,13 +539,15 @@ def _attn_bwd_kernel_dkv(
     s_dkz, s_dkh, s_dks, s_dkd,
     s_dvz, s_dvh, s_dvs, s_dvd,
     s_mz, s_mh, s_ms,
+    s_az, s_ah, s_as, s_ad,
+    s_nz, s_nh, s_ns,
     HKV, GROUP, SEQ_Q, SEQ_K,
     scale, dropout_p, RNG_SZ, RNG_SH, RNG_SS,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TRANSFORM: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FAST_LOG2: tl.constexpr,
-    EVEN_Q: tl.constexpr = False,
+    EVEN_Q: tl.constexpr = False, ATOMIC_DQ: tl.constexpr = False, DN_KV: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_zh = tl.program_id(1)
@@ -531,11 +570,12 @@ def _attn_bwd_kernel_dkv(
 
     n, b = load_params(NP, BP, TRANSFORM)
     c0, c1 = transform_consts(scale, n, b, TRANSFORM)
-    g_s, _, _ = grad_consts(scale, n, b, TRANSFORM)
+    g_s, g_n, _ = grad_consts(scale, n, b, TRANSFORM)
     seed, rng_off, inv_keep = dropout_state(RNG, dropout_p, HAS_DROPOUT)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dnk = tl.zeros([BLOCK_N], dtype=tl.float32)
     lo, mid = q_range_for_kv_block(start_n, q_len, k_len, BLOCK_M, BLOCK_N, CAUSAL)
     off_c = k_len - q_len
     # the GQA group's query heads, in a fixed order (deterministic, no atomics)
@@ -545,28 +585,34 @@ def _attn_bwd_kernel_dkv(
     m_base = M + z64 * s_mz + hq0 * s_mh + q_start * s_ms
     d_base = Delta + z64 * s_mz + hq0 * s_mh + q_start * s_ms
     rbase = rng_off + z64 * RNG_SZ + hq0 * RNG_SH + q_start * RNG_SS
+    a_base = DQA + z64 * s_az + hq0 * s_ah + q_start * s_as
+    c_base = CS + z64 * s_mz + hq0 * s_mh + q_start * s_ms
     n_masked = (mid - lo) // BLOCK_M
     n_full = (q_len - mid + BLOCK_M - 1) // BLOCK_M
-    dk, dv = _bwd_dkv_inner(
-        dk, dv, k, v,
+    dk, dv, dnk = _bwd_dkv_inner(
+        dk, dv, dnk, k, v,
         q_base, do_base, m_base, d_base, s_qs, s_qd, s_dos, s_dod, s_ms,
         s_qh + zero64, s_doh + zero64, s_mh + zero64, s_qs + zero64, s_dos + zero64,
         offs_n, lo, n_masked, q_len, k_len, off_c, c0, c1, seed, rbase, RNG_SH + zero64, RNG_SS, dropout_p,
-        inv_keep, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, TRANSFORM,
-        HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2)
-    dk, dv = _bwd_dkv_inner(
-        dk, dv, k, v,
+        inv_keep, GROUP, a_base, c_base, s_as, s_ad, s_ah + zero64, s_as + zero64, g_s,
+        HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, TRANSFORM,
+        HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2, False, ATOMIC_DQ, DN_KV)
+    dk, dv, dnk = _bwd_dkv_inner(
+        dk, dv, dnk, k, v,
         q_base, do_base, m_base, d_base, s_qs, s_qd, s_dos, s_dod, s_ms,
         s_qh + zero64, s_doh + zero64, s_mh + zero64, s_qs + zero64, s_dos + zero64,
         offs_n, mid, n_full, q_len, k_len, off_c, c0, c1, seed, rbase, RNG_SH + zero64, RNG_SS, dropout_p,
-        inv_keep, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, False, CAUSAL, TRANSFORM,
-        HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2, EVEN_Q)
+        inv_keep, GROUP, a_base, c_base, s_as, s_ad, s_ah + zero64, s_as + zero64, g_s,
+        HEAD_DIM, BLOCK_D, BLOCK_M, False, CAUSAL, TRANSFORM,
+        HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2, EVEN_Q, ATOMIC_DQ, DN_KV)
 
     dk = dk * g_s
     tl.store(tile_ptrs(DK, z64, hkv64, col, s_dkz, s_dkh, s_dks, s_dkd, offs_nb, offs_d),
              dk.to(DK.dtype.element_ty), mask=ld)
     tl.store(tile_ptrs(DV, z64, hkv64, col, s_dvz, s_dvh, s_dvs, s_dvd, offs_nb, offs_d),
              dv.to(DV.dtype.element_ty), mask=ld)
+    if DN_KV:  # one dn partial per key row (fixed order: summed in float64 on the host)
+        tl.store(DNK + z64 * s_nz + hkv64 * s_nh + (k_start + offs_n) * s_ns, dnk * g_n, mask=offs_n < k_len)
 
 
 # ----------------------------------------------------------------------------------------
@@ -745,6 +791,17 @@ for _causal in (False, True):
         BWD_CONFIGS[(_bd, _causal, "fp32")] = _BWD_32[_bd]
 INTERPRETER_BWD_CONFIG = BwdConfig(16, 16, 1, 1, 16, 16, 1, 1)
 
+# The single-pass backward's dK/dV(+dQ) kernel: (BLOCK_D bucket, "16bit" | "fp32") ->
+# (BLOCK_M, BLOCK_N, warps, stages); it carries the dq tile and (SSA) the dn sums on top
+# of the dK/dV kernel's registers, so it gets its own row. Initial values: the largest
+# sm_90 tiles without (many) spills in benchmarks/sass_mix.py --bwd atomic.
+_SINGLE_16 = {32: (64, 64, 4, 1), 64: (64, 64, 4, 1), 128: (32, 64, 4, 2), 256: (32, 32, 8, 2)}
+_SINGLE_32 = {32: (32, 32, 8, 2), 64: (16, 16, 4, 2), 128: (16, 16, 4, 2), 256: (16, 16, 8, 2)}
+SINGLE_CONFIGS: Dict[Tuple[int, str], Tuple[int, int, int, int]] = {}
+for _bd in (32, 64, 128, 256):
+    SINGLE_CONFIGS[(_bd, "16bit")] = _SINGLE_16[_bd]
+    SINGLE_CONFIGS[(_bd, "fp32")] = _SINGLE_32[_bd]
+
 # candidates when autotuning (GPU only; NEMO_SSA_AUTOTUNE=1)
 _BWD_TUNE_DQ = [(bm, bn, w, s) for bm in (64, 128) for bn in (32, 64) for w in (4, 8) for s in (2, 3)]
 _BWD_TUNE_KV = [(bm, bn, w, s) for bm in (16, 32, 64) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
@@ -758,6 +815,17 @@ def bwd_config(head_dim: int, causal: bool, dtype: torch.dtype, interpret: Optio
         return INTERPRETER_BWD_CONFIG
     kind = "fp32" if dtype == torch.float32 else "16bit"
     return BWD_CONFIGS[(_d_bucket(head_dim), bool(causal), kind)]
+
+
+def single_config(head_dim: int, dtype: torch.dtype, interpret: Optional[bool] = None) -> BwdConfig:
+    """Tiles of the single-pass backward (the dK/dV fields of a ``BwdConfig``; the dQ
+    fields are unused there)."""
+    if interpret is None:
+        interpret = is_interpreter()
+    if interpret:
+        return INTERPRETER_BWD_CONFIG
+    kind = "fp32" if dtype == torch.float32 else "16bit"
+    return BwdConfig(0, 0, 0, 0, *SINGLE_CONFIGS[(_d_bucket(head_dim), kind)])
 
 
 def autotune_enabled() -> bool:
@@ -826,6 +894,31 @@ def _param_ptrs(n: Optional[torch.Tensor], b: Optional[torch.Tensor], dummy: tor
     return n.detach(), b.detach()
 
 
+BWD_MODES = ("auto", "atomic", "deterministic")
+
+
+def bwd_deterministic() -> bool:
+    """Which backward runs by default: ``NEMO_SSA_BWD`` = ``atomic`` (single pass: the
+    dK/dV kernel also adds ``dq`` with fp32 atomics -- the FA2/FA3 default; ``dq`` is then
+    not bit-identical run to run, ``dk``, ``dv``, ``dn`` still are), ``deterministic``
+    (the two-kernel backward: a dQ kernel recomputes ``p``; every gradient bit-identical
+    run to run), or ``auto`` (default: deterministic iff
+    ``torch.are_deterministic_algorithms_enabled()``, e.g. under Megatron's
+    ``deterministic_mode``)."""
+    mode = os.environ.get("NEMO_SSA_BWD", "auto") or "auto"
+    if mode not in BWD_MODES:
+        raise ValueError(f"NEMO_SSA_BWD={mode!r}; supported: {', '.join(BWD_MODES)}")
+    if mode == "auto":
+        return torch.are_deterministic_algorithms_enabled()
+    return mode == "deterministic"
+
+
+def new_cstat(M: torch.Tensor) -> torch.Tensor:
+    """The fp32 row statistic ``C`` a forward writes for the single-pass backward's ``dn``
+    (``M``'s shape and layout)."""
+    return new_output_like(M)
+
+
 def _fused_delta(is_ssa: bool) -> bool:
     """Fold the delta pass into the dQ kernel? Softmax yes, SSA no (measured);
     ``NEMO_SSA_FUSED_DELTA=0|1`` forces either for A/B runs."""
@@ -859,6 +952,8 @@ def attention_bwd(
     need_dparams: bool = True,
     config: Optional[BwdConfig] = None,
     need_db: bool = True,
+    cstat: Optional[torch.Tensor] = None,
+    deterministic: Optional[bool] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Backward of ``o = dropout(softmax(transform(scale * q k^T) + mask)) @ v``.
 
@@ -896,6 +991,13 @@ def attention_bwd(
         need_db: with ``need_dparams``, also ``db`` (False: ``db`` is None and the dQ
             kernel skips its two row sums -- ``b`` is fixed under the pinned policy).
         config: override the block-size table (``BwdConfig``).
+        cstat: the forward's ``C_i = sum_j p_ij smag_ij`` (fp32, ``M``'s layout; SSA), which
+            lets the single-pass backward compute ``dn`` from key-row partials.
+        deterministic: ``False``: single pass -- the dK/dV kernel also accumulates ``dq``
+            in an fp32 buffer with atomics (no dQ kernel; ``dq`` not bit-identical run to
+            run). Used when ``b`` needs no gradient and, with ``dn``, ``cstat`` is given;
+            otherwise the two-kernel path runs. ``True``: always the two-kernel path.
+            ``None``: ``bwd_deterministic()`` (env ``NEMO_SSA_BWD``).
 
     Returns:
         ``(dq, dk, dv, dn, db)``: ``dq/dk/dv`` with the dtype and (dense) layout of
@@ -946,6 +1048,14 @@ def attention_bwd(
     block_d = max(16, next_pow2(d))
     cfg = config or bwd_config(d, causal, q.dtype)
     tune = config is None and autotune_enabled()
+    if deterministic is None:
+        deterministic = bwd_deterministic()
+    if not deterministic and not tune and not want_db and (not dparams or cstat is not None):
+        return _attention_bwd_single(
+            do, q, k, v, o, M, cstat if dparams else None, varlen=varlen, tid=tid, bz=bz, hq=hq, hkv=hkv,
+            sq=sq, sk=sk, d=d, block_d=block_d, cfg=config or single_config(d, q.dtype), scale=scale, dropout_p=dropout_p, rng=rng,
+            rz=rz, rh=rh, rs=rs, n_ptr=n_ptr, b_ptr=b_ptr, cu_q=cu_q, cu_k=cu_k,
+            input_precision=input_precision, fast_math=fast_math, causal=causal)
 
     dq = new_output_like(q)
     dk = new_output_like(k)
@@ -970,9 +1080,9 @@ def attention_bwd(
     # slower with the extra tile on an H100 (B32 N1024: 2.10 vs 1.88 ms fwd+bwd GPU time)
     fused_delta = _fused_delta(is_ssa)
     if not fused_delta:
-        pre_bm = 16 if is_interpreter() else max(16, min(128, 8192 // block_d))
+        pre_bm = _pre_block_m(block_d)
         launch(_attn_bwd_preprocess, (cdiv(sq, pre_bm), bz * hq),
-               (o, do, delta, cu_q, *_zhsd(o, varlen), *_zhsd(do, varlen), *ms, hq, sq),
+               (o, do, delta, cu_q, M, *_zhsd(o, varlen), *_zhsd(do, varlen), *ms, 0, 0, 0, 0, hq, sq),
                dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_bm, VARLEN=varlen))
     common = dict(HEAD_DIM=d, BLOCK_D=block_d, TRANSFORM=tid, CAUSAL=bool(causal), VARLEN=varlen,
                   HAS_DROPOUT=has_dropout, INPUT_PRECISION=input_precision,
@@ -990,9 +1100,9 @@ def attention_bwd(
                dict(BLOCK_M=cfg.block_m_dq, BLOCK_N=cfg.block_n_dq, DPARAMS=dparams, DB=want_db,
                     FUSED_DELTA=fused_delta,
                     num_warps=cfg.warps_dq, num_stages=cfg.stages_dq, **common))
-    kv_args = (q, k, v, do, dk, dv, M, delta, n_ptr, b_ptr, rng, cu_q, cu_k,
+    kv_args = (q, k, v, do, dk, dv, M, delta, n_ptr, b_ptr, rng, cu_q, cu_k, M, M, M,
                *_zhsd(q, varlen), *_zhsd(k, varlen), *_zhsd(v, varlen), *_zhsd(do, varlen),
-               *_zhsd(dk, varlen), *_zhsd(dv, varlen), *ms, hkv, group, sq, sk,
+               *_zhsd(dk, varlen), *_zhsd(dv, varlen), *ms, 0, 0, 0, 0, 0, 0, 0, hkv, group, sq, sk,
                float(scale), float(dropout_p), rz, rh, rs)
     if tune:
         kern = _autotuned("dkv", _attn_bwd_kernel_dkv, _BWD_TUNE_KV, ("BLOCK_M", "BLOCK_N"),
@@ -1019,3 +1129,53 @@ def attention_bwd(
     else:
         dn = db = None
     return dq, dk, dv, dn, db
+
+
+def _pre_block_m(block_d: int) -> int:
+    """Rows per program of ``_attn_bwd_preprocess``."""
+    return 16 if is_interpreter() else max(16, min(128, 8192 // block_d))
+
+
+def _attention_bwd_single(do, q, k, v, o, M, cstat, *, varlen, tid, bz, hq, hkv, sq, sk, d, block_d, cfg,
+                          scale, dropout_p, rng, rz, rh, rs, n_ptr, b_ptr, cu_q, cu_k, input_precision,
+                          fast_math, causal):
+    """Single-pass backward (``attention_bwd(deterministic=False)``): one preprocess launch
+    (delta, and the fp32 dq accumulator zeroed), one dK/dV launch that also adds ``dq``
+    with atomics and (``cstat`` given) writes one ``dn`` partial per key row."""
+    is_ssa = tid == TRANSFORM_SSA
+    dparams = cstat is not None
+    dev = q.device
+    dqa = new_output_like(q, dtype=torch.float32)  # zeroed by the preprocess kernel
+    dk = new_output_like(k)
+    dv = new_output_like(v)
+    delta = new_output_like(M)
+    ms = _stat_strides(M, varlen)
+    if dparams:
+        if cstat.dtype != torch.float32 or cstat.shape != M.shape or cstat.stride() != M.stride():
+            raise ValueError(f"cstat must be fp32 with M's shape {tuple(M.shape)} and strides {M.stride()}, "
+                             f"got {cstat.dtype} {tuple(cstat.shape)} {cstat.stride()}")
+        dnk = new_output((hkv, k.shape[0]) if varlen else (bz, hkv, sk), torch.float32, dev)
+        ns = _stat_strides(dnk, varlen)
+    else:
+        dnk, ns = M, (0, 0, 0)
+    az = _zhsd(dqa, varlen)
+    pre_bm = _pre_block_m(block_d)
+    launch(_attn_bwd_preprocess, (cdiv(sq, pre_bm), bz * hq),
+           (o, do, delta, cu_q, dqa, *_zhsd(o, varlen), *_zhsd(do, varlen), *ms, *az, hq, sq),
+           dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_bm, VARLEN=varlen, ZERO_DQ=True))
+    common = dict(HEAD_DIM=d, BLOCK_D=block_d, TRANSFORM=tid, CAUSAL=bool(causal), VARLEN=varlen,
+                  HAS_DROPOUT=dropout_p > 0.0, INPUT_PRECISION=input_precision,
+                  FAST_LOG2=log2_mode(fast_math) if is_ssa else int(bool(fast_math)))
+    kv_args = (q, k, v, do, dk, dv, M, delta, n_ptr, b_ptr, rng, cu_q, cu_k, dqa,
+               cstat if dparams else M, dnk,
+               *_zhsd(q, varlen), *_zhsd(k, varlen), *_zhsd(v, varlen), *_zhsd(do, varlen),
+               *_zhsd(dk, varlen), *_zhsd(dv, varlen), *ms, *az, *ns, hkv, hq // hkv, sq, sk,
+               float(scale), float(dropout_p), rz, rh, rs)
+    even_q = (not varlen) and sq % cfg.block_m_kv == 0 and d == block_d
+    launch(_attn_bwd_kernel_dkv, (cdiv(sk, cfg.block_n_kv), bz * hkv), kv_args,
+           dict(BLOCK_M=cfg.block_m_kv, BLOCK_N=cfg.block_n_kv, EVEN_Q=even_q, ATOMIC_DQ=True, DN_KV=dparams,
+                num_warps=cfg.warps_kv, num_stages=cfg.stages_kv, **common))
+    dq = dqa if q.dtype == torch.float32 else dqa.to(q.dtype)
+    # fixed-size buffer, fixed order, float64: dn bit-identical run to run
+    dn = dnk.sum(dtype=torch.float64).to(torch.float32).reshape(1) if dparams else None
+    return dq, dk, dv, dn, None

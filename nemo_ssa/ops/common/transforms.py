@@ -63,6 +63,7 @@ __all__ = [
     "grad_consts",
     "score_fwd",
     "score_fwd_hoisted",
+    "score_fwd_smag",
     "score_bwd",
     "score_bwd_parts",
     "score_bwd_params",
@@ -259,6 +260,22 @@ def score_fwd_hoisted(qk, c0, c1, TRANSFORM: tl.constexpr, FAST_LOG2: tl.constex
     else:
         z2 = qk * c0
     return z2
+
+
+@triton.jit
+def score_fwd_smag(qk, c0, c1, TRANSFORM: tl.constexpr, FAST_LOG2: tl.constexpr = False):
+    """``(z2, smag)``: ``z2`` exactly as ``score_fwd_hoisted`` (the same operations) and,
+    for SSA, ``smag = sgn(s) * log2(1 + b|s|)`` as ``score_bwd_parts`` returns it. A
+    forward that also accumulates the row mean of ``smag`` under ``p`` uses it (the
+    single-pass backward's ``dn``, ``attn_bwd``); softmax: ``smag`` is a placeholder."""
+    if TRANSFORM == 1:
+        mag = log2_fast(abs_fast(qk, FAST_LOG2) * c0 + 1.0, FAST_LOG2)
+        smag = flip_sign(mag, qk, FAST_LOG2)
+        z2 = c1 * smag
+    else:
+        z2 = qk * c0
+        smag = z2
+    return z2, smag
 
 
 @triton.jit

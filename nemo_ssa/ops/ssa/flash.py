@@ -60,6 +60,7 @@ from nemo_ssa.ops.common.attn_bwd import (
     _zhsd,
     attention_bwd,
     autotune_enabled,
+    bwd_deterministic,
     cdiv,
     default_input_precision,
     dropout_keep,
@@ -72,6 +73,7 @@ from nemo_ssa.ops.common.attn_bwd import (
     load_params,
     make_rng_state,
     mask_scores,
+    new_cstat,
     new_output,
     new_output_like,
     next_pow2,
@@ -79,7 +81,13 @@ from nemo_ssa.ops.common.attn_bwd import (
     tile_ptrs,
     use_fast_math,
 )
-from nemo_ssa.ops.common.transforms import log2_mode, score_fwd_hoisted, transform_consts, transform_id
+from nemo_ssa.ops.common.transforms import (
+    log2_mode,
+    score_fwd_hoisted,
+    score_fwd_smag,
+    transform_consts,
+    transform_id,
+)
 from nemo_ssa.ops.ssa.naive import TRANSFORMS, _check_scalar_param
 
 __all__ = [
@@ -103,13 +111,14 @@ __all__ = [
 
 @triton.jit
 def _attn_fwd_inner(
-    acc, l_i, m_i, q,
+    acc, l_i, m_i, c_i, q,
     k_base, v_base, s_ks, s_kd, s_vs, s_vd, s_ks64, s_vs64,
     offs_m, lo, hi, k_len, off_c,
     c0, c1, seed, rbase, RSTRIDE, dropout_p,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, TRANSFORM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FAST_LOG2: tl.constexpr,
+    SAVE_C: tl.constexpr = False,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -121,7 +130,10 @@ def _attn_fwd_inner(
         v_ptrs = v_base + start_n * s_vs64 + v_off
         kT = load_kv_tile(k_ptrs, cols, k_len, offs_d, HEAD_DIM, BLOCK_D, MASKED, True)
         qk = tl.dot(q, kT, input_precision=INPUT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
-        z2 = score_fwd_hoisted(qk, c0, c1, TRANSFORM, FAST_LOG2)
+        if SAVE_C:
+            z2, smag = score_fwd_smag(qk, c0, c1, TRANSFORM, FAST_LOG2)
+        else:
+            z2 = score_fwd_hoisted(qk, c0, c1, TRANSFORM, FAST_LOG2)
         if MASKED:
             z2 = mask_scores(z2, offs_m, cols, k_len, off_c, CAUSAL, False)
             m_new = tl.maximum(m_i, tl.max(z2, 1))
@@ -133,6 +145,8 @@ def _attn_fwd_inner(
         p = tl.math.exp2(z2 - m_use[:, None])  # [BLOCK_M, BLOCK_N]
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if SAVE_C:  # sum_j p smag (undropped p; masked keys have p = 0, finite smag)
+            c_i = c_i * alpha + tl.sum(p * smag, 1)
         acc = acc * alpha[:, None]
         v = load_kv_tile(v_ptrs, cols, k_len, offs_d, HEAD_DIM, BLOCK_D, MASKED, False)
         if HAS_DROPOUT:
@@ -140,12 +154,12 @@ def _attn_fwd_inner(
             p = tl.where(keep, p, 0.0)  # l_i keeps the undropped normaliser
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
         m_i = m_new
-    return acc, l_i, m_i
+    return acc, l_i, m_i, c_i
 
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, O, M, NP, BP, RNG, CU_Q, CU_K,
+    Q, K, V, O, M, CS, NP, BP, RNG, CU_Q, CU_K,
     s_qz, s_qh, s_qs, s_qd,
     s_kz, s_kh, s_ks, s_kd,
     s_vz, s_vh, s_vs, s_vd,
@@ -157,6 +171,7 @@ def _attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TRANSFORM: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FAST_LOG2: tl.constexpr,
+    SAVE_C: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     if CAUSAL:
@@ -191,18 +206,19 @@ def _attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    c_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     full, hi = kv_range_for_q_block(start_m, q_len, k_len, BLOCK_M, BLOCK_N, CAUSAL)
     off_c = k_len - q_len
     # stage 1: key blocks every row of this block sees -> no masks at all
-    acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, s_ks, s_kd, s_vs, s_vd, s_ks + zero64, s_vs + zero64, offs_m, 0, full, k_len, off_c,
+    acc, l_i, m_i, c_i = _attn_fwd_inner(
+        acc, l_i, m_i, c_i, q, k_base, v_base, s_ks, s_kd, s_vs, s_vd, s_ks + zero64, s_vs + zero64, offs_m, 0, full, k_len, off_c,
         c0, c1, seed, rbase, RNG_SS, dropout_p, HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL,
-        TRANSFORM, HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2)
+        TRANSFORM, HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2, SAVE_C)
     # stage 2: causal diagonal band and the ragged tail of Sk
-    acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, s_ks, s_kd, s_vs, s_vd, s_ks + zero64, s_vs + zero64, offs_m, full, hi, k_len, off_c,
+    acc, l_i, m_i, c_i = _attn_fwd_inner(
+        acc, l_i, m_i, c_i, q, k_base, v_base, s_ks, s_kd, s_vs, s_vd, s_ks + zero64, s_vs + zero64, offs_m, full, hi, k_len, off_c,
         c0, c1, seed, rbase, RNG_SS, dropout_p, HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL,
-        TRANSFORM, HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2)
+        TRANSFORM, HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2, SAVE_C)
 
     empty = l_i == 0.0  # no visible key: o = 0, M = +inf (backward then gets p = 0)
     l_safe = tl.where(empty, 1.0, l_i)
@@ -211,6 +227,8 @@ def _attn_fwd_kernel(
     tl.store(tile_ptrs(O, z64, hq64, row, s_oz, s_oh, s_os, s_od, offs_mb, offs_d),
              o.to(O.dtype.element_ty), mask=ld)
     tl.store(M + z64 * s_mz + hq64 * s_mh + (q_start + offs_m) * s_ms, m_out, mask=row_ok)
+    if SAVE_C:  # C = E_p[smag] per row (0 for rows without a key), M's layout
+        tl.store(CS + z64 * s_mz + hq64 * s_mh + (q_start + offs_m) * s_ms, c_i / l_safe, mask=row_ok)
 
 
 # ----------------------------------------------------------------------------------------
@@ -262,10 +280,13 @@ def _flash_fwd(
     rng_state: Optional[Tensor], cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
     transform: str, causal: bool, scale: float, dropout_p: float, max_seqlen_q: int,
     max_seqlen_k: int, input_precision: str, fast_math: bool, config: Optional[FwdConfig] = None,
-    out: Optional[Tensor] = None,
-) -> Tuple[Tensor, Tensor]:
-    """Launch the forward kernel; returns ``(o, M)`` (no autograd). ``out`` (validated by
-    the caller): the tensor ``o`` is written into, any strides."""
+    out: Optional[Tensor] = None, save_c: bool = False,
+) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """Launch the forward kernel; returns ``(o, M, C)`` (no autograd). ``out`` (validated
+    by the caller): the tensor ``o`` is written into, any strides. ``save_c`` (SSA only;
+    else ``C`` is None): also write ``C_i = sum_j p_ij smag_ij`` (fp32, ``M``'s layout),
+    the row mean of ``dz/dn`` the single-pass backward needs for ``dn``
+    (``attn_bwd.attention_bwd(cstat=C)``)."""
     varlen = cu_seqlens_q is not None
     tid = transform_id(transform)
     dev = q.device
@@ -290,12 +311,14 @@ def _flash_fwd(
     cu_k = cu_seqlens_k if varlen else M
     rz, rh, rs = dropout_rng_layout(hq, sq, sk, varlen, total_q)
     block_d = max(16, next_pow2(d))
-    args = (q, k, v, o, M, n_ptr, b_ptr, rng, cu_q, cu_k,
+    save_c = bool(save_c) and tid == 1
+    cstat = new_cstat(M) if save_c else None
+    args = (q, k, v, o, M, cstat if save_c else M, n_ptr, b_ptr, rng, cu_q, cu_k,
             *_zhsd(q, varlen), *_zhsd(k, varlen), *_zhsd(v, varlen), *_zhsd(o, varlen),
             *_stat_strides(M, varlen), hq, hq // hkv, sq, sk, float(scale), float(dropout_p), rz, rh, rs)
     meta = dict(HEAD_DIM=d, BLOCK_D=block_d, TRANSFORM=tid, CAUSAL=bool(causal), VARLEN=varlen,
                 HAS_DROPOUT=has_dropout, INPUT_PRECISION=input_precision,
-                FAST_LOG2=log2_mode(fast_math) if tid == 1 else int(bool(fast_math)))
+                FAST_LOG2=log2_mode(fast_math) if tid == 1 else int(bool(fast_math)), SAVE_C=save_c)
     if config is None and autotune_enabled():
         kern = _autotuned("fwd", _attn_fwd_kernel, _FWD_TUNE, ("BLOCK_M", "BLOCK_N"),
                           ["HQ", "GROUP", "SEQ_Q", "SEQ_K", "HEAD_DIM", "TRANSFORM", "CAUSAL", "VARLEN", "HAS_DROPOUT"])
@@ -305,7 +328,7 @@ def _flash_fwd(
         launch(_attn_fwd_kernel, (cdiv(sq, cfg.block_m), bz * hq), args,
                dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta))
-    return o, M
+    return o, M, cstat
 
 
 # ----------------------------------------------------------------------------------------
@@ -319,19 +342,26 @@ def _flash_attn_fwd_op(
     rng_state: Optional[Tensor], cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
     transform: str, causal: bool, scale: float, dropout_p: float,
     max_seqlen_q: int, max_seqlen_k: int, input_precision: str, fast_math: bool,
-) -> Tuple[Tensor, Tensor]:
-    return _flash_fwd(q, k, v, n, b, rng_state, cu_seqlens_q, cu_seqlens_k, transform, causal,
-                      scale, dropout_p, max_seqlen_q, max_seqlen_k, input_precision, fast_math)
+    save_c: bool = False, deterministic: bool = True,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(o, M, C)``; ``C`` is an empty tensor unless ``save_c``. ``deterministic`` is
+    read by the autograd formula (which backward runs), not here."""
+    o, M, C = _flash_fwd(q, k, v, n, b, rng_state, cu_seqlens_q, cu_seqlens_k, transform, causal,
+                         scale, dropout_p, max_seqlen_q, max_seqlen_k, input_precision, fast_math,
+                         save_c=save_c)
+    return o, M, (C if C is not None else M.new_empty((0,)))
 
 
 @_flash_attn_fwd_op.register_fake
 def _(q, k, v, n, b, rng_state, cu_seqlens_q, cu_seqlens_k, transform, causal, scale, dropout_p,
-      max_seqlen_q, max_seqlen_k, input_precision, fast_math):
+      max_seqlen_q, max_seqlen_k, input_precision, fast_math, save_c=False, deterministic=True):
     if cu_seqlens_q is not None:
         m_shape = (q.shape[1], q.shape[0])
     else:
         m_shape = (q.shape[0], q.shape[1], q.shape[2])
-    return torch.empty_like(q), q.new_empty(m_shape, dtype=torch.float32)
+    c_shape = m_shape if (save_c and transform == "ssa") else (0,)
+    return (torch.empty_like(q), q.new_empty(m_shape, dtype=torch.float32),
+            q.new_empty(c_shape, dtype=torch.float32))
 
 
 @torch.library.custom_op("nemo_ssa::flash_attn_bwd", mutates_args=())
@@ -341,13 +371,14 @@ def _flash_attn_bwd_op(
     cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
     transform: str, causal: bool, scale: float, dropout_p: float,
     max_seqlen_q: int, max_seqlen_k: int, input_precision: str, fast_math: bool, need_dparams: bool,
-    need_db: bool = True,
+    need_db: bool = True, cstat: Optional[Tensor] = None, deterministic: bool = True,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     dq, dk, dv, dn, db = attention_bwd(
         do, q, k, v, o, M, transform=transform, n=n, b=b, causal=causal, scale=scale,
         dropout_p=dropout_p, rng_state=rng_state, cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        input_precision=input_precision, fast_math=fast_math, need_dparams=need_dparams, need_db=need_db)
+        input_precision=input_precision, fast_math=fast_math, need_dparams=need_dparams, need_db=need_db,
+        cstat=cstat, deterministic=deterministic)
     # custom ops return tensors: zeros stand in for "no gradient"
     if dn is None:
         dn = torch.zeros(1, dtype=torch.float32, device=q.device)
@@ -358,32 +389,33 @@ def _flash_attn_bwd_op(
 
 @_flash_attn_bwd_op.register_fake
 def _(do, q, k, v, o, M, n, b, rng_state, cu_seqlens_q, cu_seqlens_k, transform, causal, scale,
-      dropout_p, max_seqlen_q, max_seqlen_k, input_precision, fast_math, need_dparams, need_db=True):
+      dropout_p, max_seqlen_q, max_seqlen_k, input_precision, fast_math, need_dparams, need_db=True,
+      cstat=None, deterministic=True):
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             q.new_empty((1,), dtype=torch.float32), q.new_empty((1,), dtype=torch.float32))
 
 
 def _fwd_setup_context(ctx, inputs, output):
     (q, k, v, n, b, rng_state, cu_q, cu_k, transform, causal, scale, dropout_p,
-     max_q, max_k, input_precision, fast_math) = inputs
-    o, M = output
-    ctx.save_for_backward(q, k, v, o, M, n, b, rng_state, cu_q, cu_k)
-    ctx.scalars = (transform, causal, scale, dropout_p, max_q, max_k, input_precision, fast_math)
+     max_q, max_k, input_precision, fast_math, save_c, deterministic) = inputs
+    o, M, C = output
+    ctx.save_for_backward(q, k, v, o, M, n, b, rng_state, cu_q, cu_k, C if save_c else None)
+    ctx.scalars = (transform, causal, scale, dropout_p, max_q, max_k, input_precision, fast_math, deterministic)
 
 
-def _fwd_backward(ctx, do, dM):
-    q, k, v, o, M, n, b, rng_state, cu_q, cu_k = ctx.saved_tensors
-    transform, causal, scale, dropout_p, max_q, max_k, input_precision, fast_math = ctx.scalars
+def _fwd_backward(ctx, do, dM, dC):
+    q, k, v, o, M, n, b, rng_state, cu_q, cu_k, cstat = ctx.saved_tensors
+    transform, causal, scale, dropout_p, max_q, max_k, input_precision, fast_math, det = ctx.scalars
     need_dparams = transform == "ssa" and (ctx.needs_input_grad[3] or ctx.needs_input_grad[4])
     need_db = need_dparams and ctx.needs_input_grad[4]
     dq, dk, dv, dn, db = torch.ops.nemo_ssa.flash_attn_bwd(
         do, q, k, v, o, M, n, b, rng_state, cu_q, cu_k, transform, causal, scale, dropout_p,
-        max_q, max_k, input_precision, fast_math, need_dparams, need_db)
+        max_q, max_k, input_precision, fast_math, need_dparams, need_db, cstat, det)
     if not need_dparams:  # the op returns placeholder zeros then
         dn = db = None
     elif not need_db:
         db = None
-    return _grads_from_bwd(n, b, ctx.needs_input_grad, dq, dk, dv, dn, db) + (None,) * 11
+    return _grads_from_bwd(n, b, ctx.needs_input_grad, dq, dk, dv, dn, db) + (None,) * 13
 
 
 _flash_attn_fwd_op.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
@@ -417,33 +449,34 @@ class _FlashAttnFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, n, b, rng_state, cu_q, cu_k, transform, causal, scale, dropout_p,
-                max_q, max_k, input_precision, fast_math, out=None):
-        o, M = _flash_fwd(q, k, v, n, b, rng_state, cu_q, cu_k, transform, causal, scale, dropout_p,
-                          max_q, max_k, input_precision, fast_math, out=out)
+                max_q, max_k, input_precision, fast_math, out=None, save_c=False, deterministic=True):
+        o, M, cstat = _flash_fwd(q, k, v, n, b, rng_state, cu_q, cu_k, transform, causal, scale, dropout_p,
+                                 max_q, max_k, input_precision, fast_math, out=out, save_c=save_c)
         if out is not None:
             # written in place; the returned alias (same memory, own autograd identity)
             # carries the graph -- mark_dirty on a view of a no-grad buffer trips autograd
             o = out.detach()
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(q, k, v, o, M, n, b, rng_state, cu_q, cu_k)
-        ctx.scalars = (transform, causal, scale, dropout_p, max_q, max_k, input_precision, fast_math)
+        ctx.save_for_backward(q, k, v, o, M, n, b, rng_state, cu_q, cu_k, cstat)
+        ctx.scalars = (transform, causal, scale, dropout_p, max_q, max_k, input_precision, fast_math, deterministic)
         return o
 
     @staticmethod
     def backward(ctx, do):
         if do is None:
-            return (None,) * 17
-        q, k, v, o, M, n, b, rng_state, cu_q, cu_k = ctx.saved_tensors
-        transform, causal, scale, dropout_p, max_q, max_k, input_precision, fast_math = ctx.scalars
+            return (None,) * 19
+        q, k, v, o, M, n, b, rng_state, cu_q, cu_k, cstat = ctx.saved_tensors
+        transform, causal, scale, dropout_p, max_q, max_k, input_precision, fast_math, det = ctx.scalars
         nig = ctx.needs_input_grad
         need_dparams = transform == "ssa" and (nig[3] or nig[4])
         dq, dk, dv, dn, db = attention_bwd(
             do, q, k, v, o, M, transform=transform, n=n, b=b, causal=causal, scale=scale,
             dropout_p=dropout_p, rng_state=rng_state, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
             max_seqlen_q=max_q, max_seqlen_k=max_k, input_precision=input_precision,
-            fast_math=fast_math, need_dparams=need_dparams, need_db=bool(nig[4]))
+            fast_math=fast_math, need_dparams=need_dparams, need_db=bool(nig[4]), cstat=cstat,
+            deterministic=det)
         grads = _grads_from_bwd(n, b, nig, dq, dk, dv, dn, db)
-        return grads + (None,) * 12
+        return grads + (None,) * 14
 
 
 # False: eager calls use the custom ops too (benchmarks' before/after, the parity tests)
@@ -452,15 +485,23 @@ EAGER_FASTPATH = True
 
 def _flash_apply(q, k, v, n, b, rng, cu_q, cu_k, transform, causal, scale, dropout_p, max_q, max_k,
                  prec, fast, out=None) -> Tensor:
-    """One fused call: the custom op while torch.compile traces, the eager Function otherwise."""
+    """One fused call: the custom op while torch.compile traces, the eager Function otherwise.
+
+    Both take the same backward: single pass unless ``bwd_deterministic()``; with ``dn``
+    wanted and ``b`` fixed (the pinned policy) the forward then also writes the row means
+    ``C`` the single-pass ``dn`` needs (``b`` learnable: the two-kernel backward)."""
+    det = bwd_deterministic()
+    save_c = (not det and transform == "ssa" and n is not None and torch.is_grad_enabled() and n.requires_grad
+              and not (b is not None and b.requires_grad))
     if torch.compiler.is_compiling() or not EAGER_FASTPATH:
-        o, _ = torch.ops.nemo_ssa.flash_attn_fwd(
-            q, k, v, n, b, rng, cu_q, cu_k, transform, causal, scale, dropout_p, max_q, max_k, prec, fast)
+        o, _, _ = torch.ops.nemo_ssa.flash_attn_fwd(
+            q, k, v, n, b, rng, cu_q, cu_k, transform, causal, scale, dropout_p, max_q, max_k, prec, fast,
+            save_c, det)
         if out is None:
             return o
         return out.copy_(o)  # functional op: out= becomes one (differentiable) copy
     return _FlashAttnFn.apply(q, k, v, n, b, rng, cu_q, cu_k, transform, causal, scale, dropout_p,
-                              max_q, max_k, prec, fast, out)
+                              max_q, max_k, prec, fast, out, save_c, det)
 
 
 # ----------------------------------------------------------------------------------------
@@ -655,8 +696,9 @@ def flash_attention_fwd(
     if dropout_p > 0.0 and rng_state is None:
         raise ValueError("dropout_p > 0 needs rng_state (make_rng_state)")
     with torch.no_grad():
-        return _flash_fwd(q, k, v, n, b, rng_state, None, None, transform, bool(causal), scale,
-                          float(dropout_p), q.shape[2], k.shape[2], prec, fast, config)
+        o, M, _ = _flash_fwd(q, k, v, n, b, rng_state, None, None, transform, bool(causal), scale,
+                             float(dropout_p), q.shape[2], k.shape[2], prec, fast, config)
+        return o, M
 
 
 def flash_attention_varlen(
