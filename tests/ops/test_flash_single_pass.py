@@ -212,14 +212,18 @@ def test_mode_selection(monkeypatch):
     monkeypatch.setenv("NEMO_SSA_BWD", "deterministic")
     got = kernels()
     assert ("_attn_fwd_kernel", False, None) in got and any(nm == "_attn_bwd_kernel_dq" for nm, _, _ in got), got
-    # auto follows torch's deterministic-algorithms switch (Megatron's deterministic_mode)
+    # auto: the single pass where it measured faster (SSA, head dim <= 32), never when torch's
+    # deterministic-algorithms switch is on (Megatron's deterministic_mode)
     monkeypatch.setenv("NEMO_SSA_BWD", "auto")
-    assert attn_bwd.bwd_deterministic() is False
+    assert attn_bwd.use_single_pass("ssa", 32) and attn_bwd.use_single_pass("ssa", 16)
+    assert not attn_bwd.use_single_pass("ssa", 64) and not attn_bwd.use_single_pass("softmax", 32)
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        assert attn_bwd.bwd_deterministic() is True
+        assert not attn_bwd.use_single_pass("ssa", 32)
     finally:
         torch.use_deterministic_algorithms(False)
+    monkeypatch.setenv("NEMO_SSA_BWD", "atomic")
+    assert attn_bwd.use_single_pass("softmax", 128)
     # b learnable: db needs the dQ kernel's row sums -> two-kernel backward even in atomic mode
     monkeypatch.setenv("NEMO_SSA_BWD", "atomic")
     bl = b.detach().clone().requires_grad_()

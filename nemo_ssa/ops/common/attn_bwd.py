@@ -61,7 +61,8 @@ from nemo_ssa.ops.common.transforms import (
 __all__ = [
     "attention_bwd",
     "BwdConfig",
-    "bwd_deterministic",
+    "use_single_pass",
+    "single_pass_pays",
     "single_config",
     "SINGLE_CONFIGS",
     "bwd_config",
@@ -793,9 +794,12 @@ INTERPRETER_BWD_CONFIG = BwdConfig(16, 16, 1, 1, 16, 16, 1, 1)
 
 # The single-pass backward's dK/dV(+dQ) kernel: (BLOCK_D bucket, "16bit" | "fp32") ->
 # (BLOCK_M, BLOCK_N, warps, stages); it carries the dq tile and (SSA) the dn sums on top
-# of the dK/dV kernel's registers, so it gets its own row. Initial values: the largest
-# sm_90 tiles without (many) spills in benchmarks/sass_mix.py --bwd atomic.
-_SINGLE_16 = {32: (64, 64, 4, 1), 64: (64, 64, 4, 1), 128: (32, 64, 4, 2), 256: (32, 32, 8, 2)}
+# of the dK/dV kernel's registers, so it gets its own row (16-bit rows 32/64/128 measured,
+# docs/results/2026-11-25-single-pass; 256 and fp32: estimates).
+_SINGLE_16 = {32: (64, 64, 4, 2),     # tune_tiles bwd_single 2026-11-25: b32 and B4 N4K (1.01-1.02x)
+              64: (64, 64, 4, 2),     # B1 N16K H16: 1.13x over (64, 64, 4, 1)
+              128: (32, 128, 8, 2),   # B2 N8K H8: 1.15x over (32, 64, 4, 2)
+              256: (32, 32, 8, 2)}    # estimate
 _SINGLE_32 = {32: (32, 32, 8, 2), 64: (16, 16, 4, 2), 128: (16, 16, 4, 2), 256: (16, 16, 8, 2)}
 SINGLE_CONFIGS: Dict[Tuple[int, str], Tuple[int, int, int, int]] = {}
 for _bd in (32, 64, 128, 256):
@@ -897,20 +901,30 @@ def _param_ptrs(n: Optional[torch.Tensor], b: Optional[torch.Tensor], dummy: tor
 BWD_MODES = ("auto", "atomic", "deterministic")
 
 
-def bwd_deterministic() -> bool:
-    """Which backward runs by default: ``NEMO_SSA_BWD`` = ``atomic`` (single pass: the
-    dK/dV kernel also adds ``dq`` with fp32 atomics -- the FA2/FA3 default; ``dq`` is then
-    not bit-identical run to run, ``dk``, ``dv``, ``dn`` still are), ``deterministic``
-    (the two-kernel backward: a dQ kernel recomputes ``p``; every gradient bit-identical
-    run to run), or ``auto`` (default: deterministic iff
-    ``torch.are_deterministic_algorithms_enabled()``, e.g. under Megatron's
-    ``deterministic_mode``)."""
+def single_pass_pays(transform: str, head_dim: int) -> bool:
+    """Where the single-pass backward is the faster one (H100, bf16, causal, 2026-11-25,
+    docs/results/2026-11-25-single-pass): SSA at head dim <= 32, whose dQ kernel spends ~19
+    instructions per score recomputing what the dK/dV loop already has (B32 N1024 fwd+bwd
+    1.12 -> 1.06x cuDNN, B2 N4096 1.50 -> 1.34x). Softmax's dQ loop is cheap (~9 per score)
+    and the fp32 atomics (``D / BLOCK_N`` per score, per-thread ``red`` into L2) cost more
+    than it: single pass measured slower (B32 0.69 -> 0.83x); so did D >= 64 for both."""
+    return transform in ("ssa", TRANSFORM_SSA) and _d_bucket(int(head_dim)) == 32
+
+
+def use_single_pass(transform: str, head_dim: int) -> bool:
+    """Which backward a call takes. ``NEMO_SSA_BWD`` = ``auto`` (default): the two-kernel
+    backward when ``torch.are_deterministic_algorithms_enabled()`` (e.g. Megatron's
+    ``deterministic_mode``), else the single pass where it is measured faster
+    (``single_pass_pays``); ``atomic``: the single pass always (the dK/dV kernel also adds
+    ``dq`` with fp32 atomics, FA2-style: ``dq`` is then not bit-identical run to run;
+    ``dk``, ``dv``, ``dn`` still are); ``deterministic``: the two-kernel backward always
+    (a dQ kernel recomputes ``p``; every gradient bit-identical run to run)."""
     mode = os.environ.get("NEMO_SSA_BWD", "auto") or "auto"
     if mode not in BWD_MODES:
         raise ValueError(f"NEMO_SSA_BWD={mode!r}; supported: {', '.join(BWD_MODES)}")
     if mode == "auto":
-        return torch.are_deterministic_algorithms_enabled()
-    return mode == "deterministic"
+        return (not torch.are_deterministic_algorithms_enabled()) and single_pass_pays(transform, head_dim)
+    return mode == "atomic"
 
 
 def new_cstat(M: torch.Tensor) -> torch.Tensor:
@@ -997,7 +1011,7 @@ def attention_bwd(
             in an fp32 buffer with atomics (no dQ kernel; ``dq`` not bit-identical run to
             run). Used when ``b`` needs no gradient and, with ``dn``, ``cstat`` is given;
             otherwise the two-kernel path runs. ``True``: always the two-kernel path.
-            ``None``: ``bwd_deterministic()`` (env ``NEMO_SSA_BWD``).
+            ``None``: ``not use_single_pass(transform, D)`` (env ``NEMO_SSA_BWD``).
 
     Returns:
         ``(dq, dk, dv, dn, db)``: ``dq/dk/dv`` with the dtype and (dense) layout of
@@ -1049,7 +1063,7 @@ def attention_bwd(
     cfg = config or bwd_config(d, causal, q.dtype)
     tune = config is None and autotune_enabled()
     if deterministic is None:
-        deterministic = bwd_deterministic()
+        deterministic = not use_single_pass(transform, d)
     if not deterministic and not tune and not want_db and (not dparams or cstat is not None):
         return _attention_bwd_single(
             do, q, k, v, o, M, cstat if dparams else None, varlen=varlen, tid=tid, bz=bz, hq=hq, hkv=hkv,

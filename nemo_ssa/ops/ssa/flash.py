@@ -60,7 +60,7 @@ from nemo_ssa.ops.common.attn_bwd import (
     _zhsd,
     attention_bwd,
     autotune_enabled,
-    bwd_deterministic,
+    use_single_pass,
     cdiv,
     default_input_precision,
     dropout_keep,
@@ -487,10 +487,10 @@ def _flash_apply(q, k, v, n, b, rng, cu_q, cu_k, transform, causal, scale, dropo
                  prec, fast, out=None) -> Tensor:
     """One fused call: the custom op while torch.compile traces, the eager Function otherwise.
 
-    Both take the same backward: single pass unless ``bwd_deterministic()``; with ``dn``
+    Both take the same backward: single pass where ``use_single_pass`` says so; with ``dn``
     wanted and ``b`` fixed (the pinned policy) the forward then also writes the row means
     ``C`` the single-pass ``dn`` needs (``b`` learnable: the two-kernel backward)."""
-    det = bwd_deterministic()
+    det = not use_single_pass(transform, q.shape[-1])
     save_c = (not det and transform == "ssa" and n is not None and torch.is_grad_enabled() and n.requires_grad
               and not (b is not None and b.requires_grad))
     if torch.compiler.is_compiling() or not EAGER_FASTPATH:
