@@ -20,6 +20,10 @@ Kernels (Triton tutorial 06 structure, FA2 split):
 * ``dn``/``db`` come from the dQ kernel, one partial per query row (``M``'s layout),
   using the exact row delta ``sum_j p dp`` (see the README); the host reduces the buffer
   in float64 -- bit-identical run to run.
+* Single pass (``use_single_pass``: SSA at head dim <= 32 by default, ``NEMO_SSA_BWD``):
+  no dQ kernel. The dK/dV kernel adds ``dq`` into an fp32 buffer with atomics, and (SSA,
+  ``cstat`` = the forward's row means ``C_i = sum_j p smag``) writes one ``dn`` partial per
+  key row of ``sum_i dz (smag - C_i)``.
 
 Per element (``s = scale*qk``, ``t = 1 + b|s|``; ``dp = do . v`` times the dropout
 mask / (1 - p_drop)):
