@@ -145,7 +145,7 @@ def capture_launches(fn) -> List[Tuple[object, tuple, tuple, dict]]:
     import nemo_ssa.ops.ssa.flash as fl
     got = []
 
-    def fake_launch(kernel, grid, args, meta):
+    def fake_launch(kernel, grid, args, meta, ntensors=None):
         got.append((kernel, tuple(grid), tuple(args), dict(meta)))
 
     saved = (ab.launch, fl.launch)

@@ -216,6 +216,108 @@ def test_cached_launch_reuses_compiled_kernel_with_all_args(monkeypatch):
     assert len(kern.slow) == 4 and len(c1.runs) == 1
 
 
+class _FakeLauncher:
+    """CudaLauncher stand-in: the C ``launch`` plus the scratch sizes and flags."""
+
+    def __init__(self, scratch=0):
+        self.global_scratch_size, self.profile_scratch_size = scratch, 0
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+        self.direct, self.calls = [], []
+
+        def launch(*a):
+            self.direct.append(a)
+        self.launch = launch
+
+    def __call__(self, *a):
+        self.calls.append(a)
+
+
+class _FakeCompiledDirect:
+    function, packed_metadata = "fn", "meta"
+
+    def __init__(self, scratch=0):
+        self.run = _FakeLauncher(scratch)
+
+
+class _FakeKernelDirect(_FakeKernel):
+    def __init__(self, scratch=0):
+        super().__init__()
+        self.scratch = scratch
+
+    def __getitem__(self, grid):
+        def call(*args, **meta):
+            self.slow.append((grid, args, meta))
+            return _FakeCompiledDirect(self.scratch)
+        return call
+
+
+def _fast_env(monkeypatch):
+    monkeypatch.setattr(attn_bwd, "_INTERPRETED", False)
+    monkeypatch.setattr(attn_bwd, "FAST_LAUNCH", True)
+    monkeypatch.setattr(attn_bwd, "_LAUNCH_CACHE", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(attn_bwd, "_current_stream", lambda dev: 99)
+
+
+def test_fast_key_hits_only_identical_specializations(monkeypatch):
+    """launch(..., ntensors=k): tensors' dtype and 16-byte alignment, the scalar tail by
+    value, meta, kernel and device each make a new entry; identical ones hit."""
+    _fast_env(monkeypatch)
+    kern, other = _FakeKernelDirect(), _FakeKernelDirect()
+    x = torch.empty(64)
+    meta = {"BLOCK": 64, "num_warps": 4}
+    attn_bwd.launch(kern, (1, 1), (x, 16, 0.5), meta, 1)
+    attn_bwd.launch(kern, (2, 3), (torch.empty(64), 16, 0.5), dict(meta), 1)  # other buffer, same spec
+    aligned = torch.empty(64).data_ptr() % 16 == x.data_ptr() % 16
+    assert len(kern.slow) == (1 if aligned else 2)
+    seen = len(kern.slow)
+    for args, m in [((x.half(), 16, 0.5), meta),            # dtype
+                    ((x[1:], 16, 0.5), meta),               # alignment
+                    ((x, 17, 0.5), meta),                   # int value
+                    ((x, 16, 0.25), meta),                  # float value (a new entry, never a wrong one)
+                    ((x, 16, 0.5), {"BLOCK": 32, "num_warps": 4})]:  # constexpr
+        attn_bwd.launch(kern, (1, 1), args, m, 1)
+        seen += 1
+        assert len(kern.slow) == seen, args
+    attn_bwd.launch(other, (1, 1), (x, 16, 0.5), meta, 1)  # kernel
+    assert len(other.slow) == 1
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)  # device
+    attn_bwd.launch(kern, (1, 1), (x, 16, 0.5), meta, 1)
+    assert len(kern.slow) == seen + 1
+
+
+def test_fast_key_calls_the_c_launcher_directly(monkeypatch):
+    """A hit calls the driver's C launcher with what CudaLauncher.__call__ would pass (no
+    scratch, its cooperative-grid and PDL flags); a kernel that needs scratch memory keeps
+    CompiledKernel.run."""
+    _fast_env(monkeypatch)
+    kern, x = _FakeKernelDirect(), torch.empty(32)
+    c = attn_bwd.launch(kern, (3, 2), (x, 16), {"BLOCK": 64}, 1)
+    assert attn_bwd.launch(kern, (5, 7), (x, 16), {"BLOCK": 64}, 1) is c
+    (a,) = c.run.direct
+    assert a[:13] == (5, 7, 1, 99, "fn", False, True, None, None, "meta", None, None, None)
+    assert a[13] is x and a[14:] == (16, 64, True) and c.run.calls == []
+    kern2 = _FakeKernelDirect(scratch=128)
+    c2 = attn_bwd.launch(kern2, (1, 1), (x, 16), {"BLOCK": 64}, 1)
+    attn_bwd.launch(kern2, (4, 1), (x, 16), {"BLOCK": 64}, 1)
+    assert c2.run.direct == [] and len(c2.run.calls) == 1
+    assert c2.run.calls[0][:9] == (4, 1, 1, 99, "fn", "meta", None, None, None)
+
+
+@pytest.mark.parametrize("interpreted", [True, False])
+def test_fast_key_checks_the_tensor_scalar_split(monkeypatch, interpreted):
+    _fast_env(monkeypatch)
+    monkeypatch.setattr(attn_bwd, "_INTERPRETED", interpreted)
+    kern, x = _FakeKernelDirect(), torch.empty(32)
+    with pytest.raises(TypeError, match="must be a tensor"):
+        attn_bwd.launch(kern, (1, 1), (x, 16), {"BLOCK": 64}, 2)
+    with pytest.raises(TypeError, match="after the 1 tensors"):
+        attn_bwd.launch(kern, (1, 1), (x, x), {"BLOCK": 64}, 1)
+    with pytest.raises(TypeError, match="after the 1 tensors"):
+        attn_bwd.launch(kern, (1, 1), (x, "str"), {"BLOCK": 64}, 1)
+    assert kern.slow == []
+
+
 def test_cached_launch_steps_aside_for_launch_hooks(monkeypatch):
     import triton
     monkeypatch.setattr(attn_bwd, "_INTERPRETED", False)

@@ -66,9 +66,9 @@ def _launched(monkeypatch):
     got = []
 
     def recorder(real):
-        def rec(kernel, grid, args, meta):
+        def rec(kernel, grid, args, meta, ntensors=None):
             got.append((getattr(kernel, "__name__", str(kernel)), dict(meta)))
-            return real(kernel, grid, args, meta)
+            return real(kernel, grid, args, meta, ntensors)
         return rec
     monkeypatch.setattr(attn_bwd, "launch", recorder(_REAL_LAUNCH[0]))
     monkeypatch.setattr(fl, "launch", recorder(_REAL_LAUNCH[1]))
@@ -261,3 +261,58 @@ def test_dn_wrong_formula_fails_the_check():
                            cstat=torch.zeros_like(C), deterministic=False)[3]
     with pytest.raises(AssertionError, match="dn"):
         assert_scalar_grad_close("dn", dn_bad, dn_ref, tn, torch.float32, rtol=1e-7)  # 5.7e-6
+
+
+# bf16 only on the GPU: the interpreter's bf16 tl.dot is wrong (bf16 kept as uint16)
+_TAIL_DTYPES = [torch.float16, torch.float32] + ([] if is_interpreter() else [torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", _TAIL_DTYPES, ids=str)
+@pytest.mark.parametrize("tr", ["ssa", "softmax"])
+@pytest.mark.parametrize("layout", ["bhsd", "sbhd-view", "packed-qkv-slice"])
+def test_postprocess_tail_casts_dq_and_sums_dn(monkeypatch, dtype, tr, layout):
+    """The backward's tail is one launch (issue 13: three torch launches before): dq's
+    fp32 accumulator cast to the input dtype (a flat cast: dq and the accumulator share
+    q's dense layout) and dn's float64 sum. NaN-poisoned outputs: an element it misses
+    fails; strided q (a permuted [S, B, H, D] view, a non-dense slice of a packed QKV
+    buffer) keeps the flat cast honest."""
+    B, Hq, Hkv, S, D = 2, 4, 2, 37, 32
+    base = make_qkv(B, Hq, Hkv, S, S, D, torch.float32, device=DEVICE)
+    if layout == "bhsd":
+        q, k, v = (t.to(dtype).requires_grad_() for t in base)
+    elif layout == "sbhd-view":
+        q, k, v = (t.to(dtype).permute(2, 0, 1, 3).contiguous().detach().requires_grad_() for t in base)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    else:  # one [S, B, Hq + 2 Hkv, D] buffer, q/k/v non-dense slices of it
+        buf = torch.cat([t.permute(2, 0, 1, 3) for t in base], dim=2).to(dtype).requires_grad_()
+        q = buf[:, :, :Hq].permute(1, 2, 0, 3)
+        k = buf[:, :, Hq:Hq + Hkv].permute(1, 2, 0, 3)
+        v = buf[:, :, Hq + Hkv:].permute(1, 2, 0, 3)
+    n, b = _nb()
+    go = torch.randn(B, Hq, S, D, device=DEVICE).to(dtype)
+    launches = _launched(monkeypatch)
+    kw = dict(n=n, b=b) if tr == "ssa" else {}
+    o = fl.flash_attention(q, k, v, transform=tr, causal=True, **kw)
+    leaves = [q, k, v] + ([n] if tr == "ssa" else [])
+    g = torch.autograd.grad(o, leaves, go)
+    names = [nm for nm, _ in launches]
+    cast, dparams = dtype != torch.float32, tr == "ssa"
+    want = ["_attn_fwd_kernel", "_attn_bwd_preprocess", "_attn_bwd_kernel_dkv"]
+    want += ["_attn_bwd_postprocess"] if (cast or dparams) else []
+    assert names == want, names
+    if cast or dparams:
+        meta = launches[-1][1]
+        assert meta["CAST"] == cast and meta["DPARAMS"] == dparams
+    assert g[0].dtype == dtype and g[0].shape == q.shape
+    up = [t.detach().to(F64).requires_grad_() for t in (q, k, v, n)]
+    kw_ref = dict(n=up[3], b=b.to(F64)) if tr == "ssa" else {}
+    ref = attention_naive(*up[:3], transform=tr, causal=True, **kw_ref)
+    g_ref = torch.autograd.grad(ref, up[:3] + ([up[3]] if tr == "ssa" else []), go.to(F64))
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for name, x, r in zip("qkv", g, g_ref):
+        assert torch.isfinite(x).all(), name
+        assert rel_err(x, r) <= tol, f"d{name}: {rel_err(x, r):.2e}"
+    if tr == "ssa":
+        assert g[3].shape == n.shape and g[3].dtype == n.dtype
+        tn, _ = ssa_scalar_grad_terms(q.float(), k.float(), v.float(), n, b, go.float(), causal=True)
+        assert_scalar_grad_close("dn", g[3], g_ref[3], tn, dtype)

@@ -763,9 +763,9 @@ def test_dkv_even_q_flag_only_for_whole_blocks(monkeypatch, sq, d, even):
     seen = []
     real = attn_bwd.launch
 
-    def spy(kernel, grid, args, meta):
+    def spy(kernel, grid, args, meta, ntensors=None):
         seen.append(dict(meta))
-        return real(kernel, grid, args, meta)
+        return real(kernel, grid, args, meta, ntensors)
 
     monkeypatch.setattr(attn_bwd, "launch", spy)
     q, k, v = make_qkv(1, 2, 1, sq, sq, d, torch.float32, device=DEVICE)

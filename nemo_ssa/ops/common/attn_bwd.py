@@ -350,6 +350,35 @@ def _attn_bwd_preprocess(
 
 
 @triton.jit
+def _attn_bwd_postprocess(
+    DQA, DQ, DNK, NUMEL, NK,
+    BLOCK: tl.constexpr, DN_BLOCK: tl.constexpr, CAST: tl.constexpr, DPARAMS: tl.constexpr,
+):
+    """The single-pass backward's tail in one launch (issue 13: three torch launches
+    before). ``DPARAMS``: program 0 sums the ``NK`` per-key-row ``dn`` partials in float64,
+    in a fixed order (bit-identical run to run), and stores the fp32 total at ``DNK[NK]``.
+    ``CAST``: every other program casts ``BLOCK`` elements of the dense fp32 dq
+    accumulator into ``dq`` (the input dtype; both dense with the same strides)."""
+    pid = tl.program_id(0)
+    if DPARAMS:
+        if pid == 0:
+            acc = tl.zeros([DN_BLOCK], dtype=tl.float64)
+            for start in range(0, NK, DN_BLOCK):
+                offs = start + tl.arange(0, DN_BLOCK)
+                acc += tl.load(DNK + offs, mask=offs < NK, other=0.0).to(tl.float64)
+            tl.store(DNK + NK, tl.sum(acc, axis=0).to(tl.float32))
+        pid_c = pid - 1
+    else:
+        pid_c = pid
+    if CAST:
+        if pid_c >= 0:
+            offs = pid_c.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < NUMEL
+            x = tl.load(DQA + offs, mask=mask)
+            tl.store(DQ + offs, x.to(DQ.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _attn_bwd_kernel_dq(
     Q, K, V, DO, O, DQ, M, Delta, NP, BP, RNG, CU_Q, CU_K, DN, DBP,
     s_qz, s_qh, s_qs, s_qd,
@@ -702,36 +731,85 @@ def _full_args(kernel, args: tuple, meta: dict):
     return out if len(out) == len(names) else None
 
 
-def launch(kernel, grid: tuple, args: tuple, meta: dict):
-    """``kernel[grid](*args, **meta)`` with the compiled kernel cached per ``launch_key``.
+def _check_split(args: tuple, ntensors: int) -> None:
+    """The contract of ``launch(..., ntensors=k)``: tensors first, then plain Python scalars."""
+    for i, a in enumerate(args):
+        is_t = isinstance(a, torch.Tensor)
+        if i < ntensors and not is_t:
+            raise TypeError(f"launch: argument {i} must be a tensor (ntensors={ntensors}), got {type(a).__name__}")
+        if i >= ntensors and (is_t or not (a is None or isinstance(a, (int, float)))):
+            raise TypeError(f"launch: argument {i} after the {ntensors} tensors must be an int, float, bool or "
+                            f"None, got {type(a).__name__}")
+
+
+def _cache_entry(compiled, kernel, args: tuple, meta: dict):
+    """``(callable, prefix, tail)`` for the hit path, or None when the compiled kernel does
+    not expose what a direct launch needs. ``callable(gx, gy, gz, stream, *prefix, *args,
+    *tail)`` launches: the driver's C launcher itself where the kernel needs no global or
+    profile scratch (what ``CudaLauncher.__call__`` would pass then: no scratch, the
+    cooperative-grid and PDL flags), else ``CompiledKernel.run``."""
+    full = _full_args(kernel, args, meta)
+    if full is None or getattr(compiled, "function", None) is None or not hasattr(compiled, "packed_metadata"):
+        return None
+    tail = tuple(full[len(args):])  # the constexpr/default tail depends only on meta (part of the key)
+    run = compiled.run
+    direct = getattr(run, "launch", None)
+    if (callable(direct) and getattr(run, "global_scratch_size", None) == 0
+            and getattr(run, "profile_scratch_size", None) == 0
+            and hasattr(run, "launch_cooperative_grid") and hasattr(run, "launch_pdl")):
+        pre = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+               compiled.packed_metadata, None, None, None)
+        return direct, pre, tail
+    return run, (compiled.function, compiled.packed_metadata, None, None, None), tail
+
+
+def launch(kernel, grid: tuple, args: tuple, meta: dict, ntensors: Optional[int] = None):
+    """``kernel[grid](*args, **meta)`` with the compiled kernel cached per launch key.
 
     A hit skips ``JITFunction.run``'s binder, option parsing and cache-key hashing and
-    calls ``CompiledKernel.run`` (the launcher ``JITFunction.run`` itself ends with) with
-    the same arguments. A miss (or the interpreter, a launch hook such as the profiler's,
-    ``FAST_LAUNCH`` off) takes the normal path, which compiles if needed; its returned
-    ``CompiledKernel`` is stored under the key."""
+    calls the launcher ``JITFunction.run`` itself ends with, with the same arguments. A
+    miss (or the interpreter, a launch hook such as the profiler's, ``FAST_LAUNCH`` off)
+    takes the normal path, which compiles if needed; its ``CompiledKernel`` is stored.
+
+    ``ntensors=k`` (every call site in this package): ``args[:k]`` are tensors and the rest
+    ints, floats, bools or None, each position keeping its Python type from call to call.
+    The key is then built in C loops (issue 13: ``launch_key``'s per-argument Python cost
+    was ~26 us of each ~44 us launch on the lent H100's host): each tensor's dtype and
+    16-byte alignment, the scalar tail by value (floats too: a new ``scale`` is a new
+    entry, never a wrong one), ``meta`` in insertion order, kernel and device. The split
+    is checked on every normal-path call (the interpreter's CPU tests cover each call
+    site). ``ntensors=None``: ``launch_key`` (any argument order)."""
     if _INTERPRETED or not FAST_LAUNCH or _launch_hooks_active():
+        if ntensors is not None:
+            _check_split(args, ntensors)
         return kernel[grid](*args, **meta)
     dev = torch.cuda.current_device()
-    key = launch_key(kernel, dev, args, meta)
+    if ntensors is None:
+        key = launch_key(kernel, dev, args, meta)
+    else:
+        try:
+            key = (id(kernel), dev, tuple(meta.items()),
+                   tuple([(t.dtype, not t.data_ptr() & 15) for t in args[:ntensors]]), args[ntensors:])
+        except AttributeError:
+            _check_split(args, ntensors)  # raises the TypeError that names the argument
+            raise
     hit = _LAUNCH_CACHE.get(key)
     if hit is None:
+        if ntensors is not None:
+            _check_split(args, ntensors)
         compiled = kernel[grid](*args, **meta)
-        full = _full_args(kernel, args, meta)
-        if (full is not None and getattr(compiled, "function", None) is not None
-                and hasattr(compiled, "packed_metadata")):
+        entry = _cache_entry(compiled, kernel, args, meta)
+        if entry is not None:
             if len(_LAUNCH_CACHE) >= _LAUNCH_CACHE_MAX:
                 _LAUNCH_CACHE.clear()
-            # the constexpr/default tail depends only on meta (part of the key)
-            _LAUNCH_CACHE[key] = (compiled, tuple(full[len(args):]))
+            _LAUNCH_CACHE[key] = entry + (compiled,)
         return compiled
-    compiled, tail = hit
-    full = args + tail
-    g = tuple(grid) + (1, 1)
-    stream = _current_stream(dev)
-    # no launch hooks registered (checked above): None skips them, as an empty chain would
-    compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None,
-                 None, None, *full)
+    fn, pre, tail, compiled = hit
+    if len(grid) == 2:
+        fn(grid[0], grid[1], 1, _current_stream(dev), *pre, *args, *tail)
+    else:
+        g = tuple(grid) + (1, 1)
+        fn(g[0], g[1], g[2], _current_stream(dev), *pre, *args, *tail)
     return compiled
 
 
@@ -882,16 +960,18 @@ def make_rng_state(device, seed: Optional[int] = None, offset: int = 0) -> torch
 
 def _zhsd(t: torch.Tensor, varlen: bool) -> Tuple[int, int, int, int]:
     """(batch, head, seq, dim) strides of ``[B, H, S, D]`` or packed ``[T, H, D]``."""
+    s = t.stride()
     if varlen:
-        return 0, t.stride(1), t.stride(0), t.stride(2)
-    return t.stride(0), t.stride(1), t.stride(2), t.stride(3)
+        return 0, s[1], s[0], s[2]
+    return s
 
 
 def _stat_strides(M: torch.Tensor, varlen: bool) -> Tuple[int, int, int]:
     """(batch, head, row) strides of ``M`` ``[B, Hq, Sq]`` or packed ``[Hq, T_q]``."""
+    s = M.stride()
     if varlen:
-        return 0, M.stride(0), M.stride(1)
-    return M.stride(0), M.stride(1), M.stride(2)
+        return 0, s[0], s[1]
+    return s
 
 
 def _param_ptrs(n: Optional[torch.Tensor], b: Optional[torch.Tensor], dummy: torch.Tensor):
@@ -1101,7 +1181,7 @@ def attention_bwd(
         pre_bm = _pre_block_m(block_d)
         launch(_attn_bwd_preprocess, (cdiv(sq, pre_bm), bz * hq),
                (o, do, delta, cu_q, M, *_zhsd(o, varlen), *_zhsd(do, varlen), *ms, 0, 0, 0, 0, hq, sq),
-               dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_bm, VARLEN=varlen))
+               dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_bm, VARLEN=varlen), 5)
     common = dict(HEAD_DIM=d, BLOCK_D=block_d, TRANSFORM=tid, CAUSAL=bool(causal), VARLEN=varlen,
                   HAS_DROPOUT=has_dropout, INPUT_PRECISION=input_precision,
                   FAST_LOG2=log2_mode(fast_math) if is_ssa else int(bool(fast_math)))
@@ -1117,7 +1197,7 @@ def attention_bwd(
         launch(_attn_bwd_kernel_dq, (cdiv(sq, cfg.block_m_dq), bz * hq), dq_args,
                dict(BLOCK_M=cfg.block_m_dq, BLOCK_N=cfg.block_n_dq, DPARAMS=dparams, DB=want_db,
                     FUSED_DELTA=fused_delta,
-                    num_warps=cfg.warps_dq, num_stages=cfg.stages_dq, **common))
+                    num_warps=cfg.warps_dq, num_stages=cfg.stages_dq, **common), 15)
     kv_args = (q, k, v, do, dk, dv, M, delta, n_ptr, b_ptr, rng, cu_q, cu_k, M, M, M,
                *_zhsd(q, varlen), *_zhsd(k, varlen), *_zhsd(v, varlen), *_zhsd(do, varlen),
                *_zhsd(dk, varlen), *_zhsd(dv, varlen), *ms, 0, 0, 0, 0, 0, 0, 0, hkv, group, sq, sk,
@@ -1131,7 +1211,7 @@ def attention_bwd(
         even_q = (not varlen) and sq % cfg.block_m_kv == 0 and d == block_d
         launch(_attn_bwd_kernel_dkv, (cdiv(sk, cfg.block_n_kv), bz * hkv), kv_args,
                dict(BLOCK_M=cfg.block_m_kv, BLOCK_N=cfg.block_n_kv, EVEN_Q=even_q,
-                    num_warps=cfg.warps_kv, num_stages=cfg.stages_kv, **common))
+                    num_warps=cfg.warps_kv, num_stages=cfg.stages_kv, **common), 16)
     if stacked is not None:
         # fixed-size buffer, fixed order, accumulated in float64 (sum's dtype= casts each
         # element before accumulating, no fp64 copy): bit-identical run to run
@@ -1149,6 +1229,10 @@ def attention_bwd(
     return dq, dk, dv, dn, db
 
 
+# elements per program of _attn_bwd_postprocess (dq cast; also the dn sum's block)
+_POST_BLOCK, _POST_BLOCK_INTERP = 4096, 1024
+
+
 def _pre_block_m(block_d: int) -> int:
     """Rows per program of ``_attn_bwd_preprocess``."""
     return 16 if is_interpreter() else max(16, min(128, 8192 // block_d))
@@ -1164,6 +1248,8 @@ def _attention_bwd_single(do, q, k, v, o, M, cstat, *, varlen, tid, bz, hq, hkv,
     dparams = cstat is not None
     dev = q.device
     dqa = new_output_like(q, dtype=torch.float32)  # zeroed by the preprocess kernel
+    cast = q.dtype != torch.float32
+    dq = new_output_like(q) if cast else dqa  # same dense strides as dqa: a flat cast
     dk = new_output_like(k)
     dv = new_output_like(v)
     delta = new_output_like(M)
@@ -1172,15 +1258,19 @@ def _attention_bwd_single(do, q, k, v, o, M, cstat, *, varlen, tid, bz, hq, hkv,
         if cstat.dtype != torch.float32 or cstat.shape != M.shape or cstat.stride() != M.stride():
             raise ValueError(f"cstat must be fp32 with M's shape {tuple(M.shape)} and strides {M.stride()}, "
                              f"got {cstat.dtype} {tuple(cstat.shape)} {cstat.stride()}")
-        dnk = new_output((hkv, k.shape[0]) if varlen else (bz, hkv, sk), torch.float32, dev)
-        ns = _stat_strides(dnk, varlen)
+        # one dn partial per key row ([B, Hkv, Sk] or packed [Hkv, T_k], dense) and, after
+        # them, the fp32 total the postprocess kernel writes: one allocation, dn a view
+        t_k = k.shape[0]
+        nk = hkv * t_k if varlen else bz * hkv * sk
+        dnk = new_output((nk + 1,), torch.float32, dev)
+        ns = (0, t_k, 1) if varlen else (hkv * sk, sk, 1)
     else:
-        dnk, ns = M, (0, 0, 0)
+        nk, dnk, ns = 0, M, (0, 0, 0)
     az = _zhsd(dqa, varlen)
     pre_bm = _pre_block_m(block_d)
     launch(_attn_bwd_preprocess, (cdiv(sq, pre_bm), bz * hq),
            (o, do, delta, cu_q, dqa, *_zhsd(o, varlen), *_zhsd(do, varlen), *ms, *az, hq, sq),
-           dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_bm, VARLEN=varlen, ZERO_DQ=True))
+           dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_bm, VARLEN=varlen, ZERO_DQ=True), 5)
     common = dict(HEAD_DIM=d, BLOCK_D=block_d, TRANSFORM=tid, CAUSAL=bool(causal), VARLEN=varlen,
                   HAS_DROPOUT=dropout_p > 0.0, INPUT_PRECISION=input_precision,
                   FAST_LOG2=log2_mode(fast_math) if is_ssa else int(bool(fast_math)))
@@ -1192,8 +1282,11 @@ def _attention_bwd_single(do, q, k, v, o, M, cstat, *, varlen, tid, bz, hq, hkv,
     even_q = (not varlen) and sq % cfg.block_m_kv == 0 and d == block_d
     launch(_attn_bwd_kernel_dkv, (cdiv(sk, cfg.block_n_kv), bz * hkv), kv_args,
            dict(BLOCK_M=cfg.block_m_kv, BLOCK_N=cfg.block_n_kv, EVEN_Q=even_q, ATOMIC_DQ=True, DN_KV=dparams,
-                num_warps=cfg.warps_kv, num_stages=cfg.stages_kv, **common))
-    dq = dqa if q.dtype == torch.float32 else dqa.to(q.dtype)
-    # fixed-size buffer, fixed order, float64: dn bit-identical run to run
-    dn = dnk.sum(dtype=torch.float64).to(torch.float32).reshape(1) if dparams else None
-    return dq, dk, dv, dn, None
+                num_warps=cfg.warps_kv, num_stages=cfg.stages_kv, **common), 16)
+    if cast or dparams:
+        # dq's cast and dn's fixed-order float64 sum: one launch
+        numel = dqa.numel() if cast else 0
+        pb = _POST_BLOCK_INTERP if _INTERPRETED else _POST_BLOCK
+        launch(_attn_bwd_postprocess, (cdiv(numel, pb) + int(dparams),), (dqa, dq, dnk, numel, nk),
+               dict(BLOCK=pb, DN_BLOCK=pb, CAST=cast, DPARAMS=dparams, num_warps=4), 3)
+    return dq, dk, dv, (dnk[nk:] if dparams else None), None

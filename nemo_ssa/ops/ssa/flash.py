@@ -327,7 +327,7 @@ def _flash_fwd(
         cfg = config or fwd_config(d, causal, q.dtype)
         launch(_attn_fwd_kernel, (cdiv(sq, cfg.block_m), bz * hq), args,
                dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta))
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta), 11)
     return o, M, cstat
 
 
@@ -429,9 +429,16 @@ _flash_attn_fwd_op.register_autograd(_fwd_backward, setup_context=_fwd_setup_con
 def _grads_from_bwd(n, b, needs_input_grad, dq, dk, dv, dn, db):
     """Shared tail of both backward paths (custom op and eager): identical casts, so the
     two paths return bitwise-identical gradients."""
-    dn_out = dn.to(n.dtype).reshape(n.shape) if (n is not None and dn is not None and needs_input_grad[3]) else None
-    db_out = db.to(b.dtype).reshape(b.shape) if (b is not None and db is not None and needs_input_grad[4]) else None
-    return dq, dk, dv, dn_out, db_out
+    return dq, dk, dv, _param_grad(n, dn, needs_input_grad[3]), _param_grad(b, db, needs_input_grad[4])
+
+
+def _param_grad(p, g, needed):
+    """``g`` (fp32 ``[1]``) in the parameter's dtype and shape; no op when they match."""
+    if p is None or g is None or not needed:
+        return None
+    if g.dtype != p.dtype:
+        g = g.to(p.dtype)
+    return g if g.shape == p.shape else g.reshape(p.shape)
 
 
 class _FlashAttnFn(torch.autograd.Function):
@@ -448,8 +455,10 @@ class _FlashAttnFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, n, b, rng_state, cu_q, cu_k, transform, causal, scale, dropout_p,
-                max_q, max_k, input_precision, fast_math, out=None, save_c=False, deterministic=True):
+    def forward(ctx, q, k, v, n, b, rng_state, cu_q, cu_k, out, scalars):
+        # the scalars travel as one tuple: Function.apply walks every argument in Python
+        (transform, causal, scale, dropout_p, max_q, max_k, input_precision, fast_math, save_c,
+         deterministic) = scalars
         o, M, cstat = _flash_fwd(q, k, v, n, b, rng_state, cu_q, cu_k, transform, causal, scale, dropout_p,
                                  max_q, max_k, input_precision, fast_math, out=out, save_c=save_c)
         if out is not None:
@@ -457,16 +466,18 @@ class _FlashAttnFn(torch.autograd.Function):
             # carries the graph -- mark_dirty on a view of a no-grad buffer trips autograd
             o = out.detach()
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(q, k, v, o, M, n, b, rng_state, cu_q, cu_k, cstat)
-        ctx.scalars = (transform, causal, scale, dropout_p, max_q, max_k, input_precision, fast_math, deterministic)
+        ctx.save_for_backward(q, k, v, o, n, b, rng_state, cu_q, cu_k)
+        ctx.stats = (M, cstat)  # internal (never user-visible, never an output): no SavedVariable
+        ctx.scalars = scalars
         return o
 
     @staticmethod
     def backward(ctx, do):
         if do is None:
-            return (None,) * 19
-        q, k, v, o, M, n, b, rng_state, cu_q, cu_k, cstat = ctx.saved_tensors
-        transform, causal, scale, dropout_p, max_q, max_k, input_precision, fast_math, det = ctx.scalars
+            return (None,) * 10
+        q, k, v, o, n, b, rng_state, cu_q, cu_k = ctx.saved_tensors
+        M, cstat = ctx.stats
+        transform, causal, scale, dropout_p, max_q, max_k, input_precision, fast_math, _, det = ctx.scalars
         nig = ctx.needs_input_grad
         need_dparams = transform == "ssa" and (nig[3] or nig[4])
         dq, dk, dv, dn, db = attention_bwd(
@@ -476,7 +487,7 @@ class _FlashAttnFn(torch.autograd.Function):
             fast_math=fast_math, need_dparams=need_dparams, need_db=bool(nig[4]), cstat=cstat,
             deterministic=det)
         grads = _grads_from_bwd(n, b, nig, dq, dk, dv, dn, db)
-        return grads + (None,) * 14
+        return grads + (None,) * 5
 
 
 # False: eager calls use the custom ops too (benchmarks' before/after, the parity tests)
@@ -500,8 +511,8 @@ def _flash_apply(q, k, v, n, b, rng, cu_q, cu_k, transform, causal, scale, dropo
         if out is None:
             return o
         return out.copy_(o)  # functional op: out= becomes one (differentiable) copy
-    return _FlashAttnFn.apply(q, k, v, n, b, rng, cu_q, cu_k, transform, causal, scale, dropout_p,
-                              max_q, max_k, prec, fast, out, save_c, det)
+    return _FlashAttnFn.apply(q, k, v, n, b, rng, cu_q, cu_k, out,
+                              (transform, causal, scale, dropout_p, max_q, max_k, prec, fast, save_c, det))
 
 
 # ----------------------------------------------------------------------------------------
