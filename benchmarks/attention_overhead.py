@@ -80,11 +80,137 @@ def wall_us(fn: Callable[[], None]) -> float:
     return triton.testing.do_bench(fn, rep=100, return_mode="median") * 1e3
 
 
+def host_profile(calls: int, dev, dt, H: int, HKV: int, D: int) -> int:
+    """cProfile of the host path (Python and the C calls it makes, wall time per function)
+    and the bare costs it is built from: one Triton launch through ``attn_bwd.launch`` (cached
+    path), ``CompiledKernel.run`` with prepared arguments, ``launch_key``, a one-argument
+    Triton kernel, one ``torch.empty`` and one small torch kernel."""
+    import cProfile
+    import pstats
+
+    import triton
+    import triton.language as tl
+
+    from nemo_ssa.ops.common import attn_bwd
+    from nemo_ssa.ops.ssa import flash
+
+    B, N = 1, 128
+    torch.manual_seed(0)
+    q = torch.randn(B, H, N, D, device=dev, dtype=dt, requires_grad=True)
+    k = torch.randn(B, HKV, N, D, device=dev, dtype=dt, requires_grad=True)
+    v = torch.randn(B, HKV, N, D, device=dev, dtype=dt, requires_grad=True)
+    go = torch.randn(B, H, N, D, device=dev, dtype=dt)
+    n = torch.tensor([1.5], device=dev, requires_grad=True)
+    b = torch.tensor([0.8], device=dev)
+    fns = {"ssa_triton": lambda: flash.ssa_attention_triton(q, k, v, n, b, causal=True).backward(go),
+           "softmax_triton": lambda: flash.softmax_attention_triton(q, k, v, causal=True).backward(go)}
+    for name, fn in fns.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        print(f"\n## {name} fwd+bwd B{B} N{N}: {(t1 - t0) / calls * 1e6:.1f} us host per call "
+              f"(back to back, {calls} calls)")
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(calls):
+            fn()
+        pr.disable()
+        torch.cuda.synchronize()
+        st = pstats.Stats(pr)
+        st.sort_stats("tottime").print_stats(30)
+
+    @triton.jit
+    def _one_arg(X):
+        tl.store(X, 1.0)
+
+    x = torch.zeros(1, device=dev)
+    _one_arg[(1,)](x)
+    scale = D ** -0.5
+    qd, kd, vd, nd = q.detach(), k.detach(), v.detach(), n.detach()
+    captured = {}
+    real_launch = attn_bwd.launch
+
+    def spy(kernel, grid, a, meta, ntensors=None):
+        captured.setdefault("fwd", (kernel, grid, a, meta, ntensors))
+        return real_launch(kernel, grid, a, meta, ntensors)
+    flash.launch = spy
+    try:
+        flash._flash_fwd(qd, kd, vd, nd, b, None, None, None, "ssa", True, scale, 0.0, N, N, "tf32", True)
+    finally:
+        flash.launch = real_launch
+    kern, grid, kargs, meta, nt = captured["fwd"]
+    compiled = real_launch(kern, grid, kargs, meta, nt)
+    full = tuple(attn_bwd._full_args(kern, kargs, meta))
+    stream = attn_bwd._current_stream(torch.cuda.current_device())
+    g = tuple(grid) + (1, 1)
+
+    def bare_run():
+        compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None, None, None, *full)
+    micro = {
+        "attn_bwd.launch (cached path), fwd kernel, %d args" % len(kargs): lambda: real_launch(kern, grid, kargs,
+                                                                                               meta, nt),
+        "attn_bwd.launch, generic key (ntensors=None)": lambda: real_launch(kern, grid, kargs, meta),
+        "CompiledKernel.run alone, same args": bare_run,
+        "launch_key alone (generic key)": lambda: attn_bwd.launch_key(kern, 0, kargs, meta),
+        "one-argument Triton kernel, JITFunction.run": lambda: _one_arg[(1,)](x),
+        "torch.empty [B,H,N] fp32": lambda: torch.empty(B, H, N, device=dev),
+        "torch x.add(1) (one small kernel)": lambda: x.add(1.0),
+        "_flash_fwd (allocs + launch)": lambda: flash._flash_fwd(qd, kd, vd, nd, b, None, None, None, "ssa", True,
+                                                                 scale, 0.0, N, N, "tf32", True),
+    }
+    class _Identity(torch.autograd.Function):
+        """The floor of any Python autograd.Function: forward and backward do no work."""
+
+        @staticmethod
+        def forward(ctx, a, b_, c, d):
+            ctx.set_materialize_grads(False)
+            return a.view_as(a)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g, None, None, None
+
+    xa = torch.randn(8, device=dev, requires_grad=True)
+    xb = torch.randn(8, device=dev, requires_grad=True)
+    gx = torch.ones(8, device=dev)
+
+    def ident_fb():
+        xa.grad = None
+        _Identity.apply(xa, xb, None, None).backward(gx)
+
+    def cpp_fb():
+        xa.grad = None
+        xa.mul(2.0).backward(gx)
+    micro["floor: empty Python autograd.Function fwd+bwd (CUDA leaf)"] = ident_fb
+    micro["floor: x.mul(2) fwd+bwd (C++ autograd node)"] = cpp_fb
+    print("\n| bare cost (back to back, idle GPU) | us per call |\n|---|---|")
+    for name, fn in micro.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        print(f"| {name} | {(t1 - t0) / calls * 1e6:.1f} |")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {list(SHAPES)}")
     ap.add_argument("--out", default=None, help="markdown table path")
     ap.add_argument("--trace", default=None, help="chrome trace of one B8-N1024 ssa_triton fwd+bwd")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="only profile the host path: cProfile of N back-to-back ssa_triton and softmax_triton "
+                         "fwd+bwd calls at B1-N128 (the GPU is idle, every microsecond is host) plus the bare "
+                         "launch costs, then exit")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("attention_overhead.py needs CUDA", file=sys.stderr)
@@ -97,6 +223,8 @@ def main(argv=None) -> int:
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     H, HKV, D = 24, 8, 32
+    if args.cprofile:
+        return host_profile(args.cprofile, dev, dt, H, HKV, D)
     rows: List[Dict] = []
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | bf16 causal H{H}/{HKV} D{D}", flush=True)
     for label in args.shapes.split(","):
@@ -184,8 +312,8 @@ def main(argv=None) -> int:
                                                           dropout_p=0.0, softmax_scale=None, varlen=False,
                                                           input_precision=None),
                 "eager_function_fwd": lambda: flash._FlashAttnFn.apply(
-                    q.detach(), k.detach(), v.detach(), n.detach(), b, None, None, None, "ssa", True, scale, 0.0,
-                    N, N, "tf32", True, None),
+                    q.detach(), k.detach(), v.detach(), n.detach(), b, None, None, None, None,
+                    ("ssa", True, scale, 0.0, N, N, "tf32", True, False, False)),
                 "custom_op_fwd": lambda: torch.ops.nemo_ssa.flash_attn_fwd(
                     q.detach(), k.detach(), v.detach(), n.detach(), b, None, None, None, "ssa", True, scale, 0.0,
                     N, N, "tf32", True),
@@ -195,7 +323,7 @@ def main(argv=None) -> int:
                 "empty_like_x2": lambda: (torch.empty_like(q), torch.empty(B, H, N, device=dev)),
                 "torch_add": lambda: q.detach().add(1.0),
             }
-            o, M = flash._flash_fwd(q.detach(), k.detach(), v.detach(), n.detach(), b, None, None, None, "ssa",
+            o, M, _ = flash._flash_fwd(q.detach(), k.detach(), v.detach(), n.detach(), b, None, None, None, "ssa",
                                     True, scale, 0.0, N, N, "tf32", True)
             layers["attention_bwd_direct"] = lambda: attn_bwd.attention_bwd(
                 go, q.detach(), k.detach(), v.detach(), o, M, transform="ssa", n=n.detach(), b=b, causal=True,
