@@ -291,6 +291,14 @@ def test_postprocess_tail_casts_dq_and_sums_dn(monkeypatch, dtype, tr, layout):
     n, b = _nb()
     go = torch.randn(B, Hq, S, D, device=DEVICE).to(dtype)
     launches = _launched(monkeypatch)
+    tail_args = []
+    rec = attn_bwd.launch
+
+    def keep_tail(kernel, grid, args, meta, ntensors=None):
+        if kernel is attn_bwd._attn_bwd_postprocess:
+            tail_args.append(args)
+        return rec(kernel, grid, args, meta, ntensors)
+    monkeypatch.setattr(attn_bwd, "launch", keep_tail)
     kw = dict(n=n, b=b) if tr == "ssa" else {}
     o = fl.flash_attention(q, k, v, transform=tr, causal=True, **kw)
     leaves = [q, k, v] + ([n] if tr == "ssa" else [])
@@ -316,3 +324,7 @@ def test_postprocess_tail_casts_dq_and_sums_dn(monkeypatch, dtype, tr, layout):
         assert g[3].shape == n.shape and g[3].dtype == n.dtype
         tn, _ = ssa_scalar_grad_terms(q.float(), k.float(), v.float(), n, b, go.float(), causal=True)
         assert_scalar_grad_close("dn", g[3], g_ref[3], tn, dtype)
+        # the kernel's fp64 sum = torch's fp64 sum of the same partials (the path it replaced), to 1 fp32 ulp
+        dnk, nk = tail_args[-1][2], tail_args[-1][4]
+        want = dnk[:nk].sum(dtype=torch.float64).to(torch.float32)
+        torch.testing.assert_close(g[3].reshape(()), want, rtol=1.2e-7, atol=0)

@@ -979,7 +979,7 @@ def _param_ptrs(n: Optional[torch.Tensor], b: Optional[torch.Tensor], dummy: tor
     (never dereferenced) for softmax."""
     if n is None or b is None:
         return dummy, dummy
-    return n.detach(), b.detach()
+    return n, b  # the launcher only reads data_ptr(): no detach (a host op per call)
 
 
 BWD_MODES = ("auto", "atomic", "deterministic")
@@ -1139,12 +1139,12 @@ def attention_bwd(
         raise ValueError("dropout_p > 0 needs the forward's rng_state (int64 [2] seed, offset)")
     # pointers a constexpr branch never dereferences get M as a placeholder (no allocation)
     rng = rng_state if has_dropout else M
-    rz, rh, rs = dropout_rng_layout(hq, sq, sk, varlen, total_q)
+    # unused without dropout (constexpr branch): zeros keep them out of the launch key
+    rz, rh, rs = dropout_rng_layout(hq, sq, sk, varlen, total_q) if has_dropout else (0, 0, 0)
     n_ptr, b_ptr = _param_ptrs(n, b, M) if is_ssa else (M, M)
     cu_q = cu_seqlens_q if varlen else M
     cu_k = cu_seqlens_k if varlen else M
     block_d = max(16, next_pow2(d))
-    cfg = config or bwd_config(d, causal, q.dtype)
     tune = config is None and autotune_enabled()
     if deterministic is None:
         deterministic = not use_single_pass(transform, d)
@@ -1155,6 +1155,7 @@ def attention_bwd(
             rz=rz, rh=rh, rs=rs, n_ptr=n_ptr, b_ptr=b_ptr, cu_q=cu_q, cu_k=cu_k,
             input_precision=input_precision, fast_math=fast_math, causal=causal)
 
+    cfg = config or bwd_config(d, causal, q.dtype)
     dq = new_output_like(q)
     dk = new_output_like(k)
     dv = new_output_like(v)

@@ -309,7 +309,8 @@ def _flash_fwd(
     n_ptr, b_ptr = _param_ptrs(n, b, M) if tid == 1 else (M, M)
     cu_q = cu_seqlens_q if varlen else M
     cu_k = cu_seqlens_k if varlen else M
-    rz, rh, rs = dropout_rng_layout(hq, sq, sk, varlen, total_q)
+    # unused without dropout (constexpr branch): zeros keep them out of the launch key
+    rz, rh, rs = dropout_rng_layout(hq, sq, sk, varlen, total_q) if has_dropout else (0, 0, 0)
     block_d = max(16, next_pow2(d))
     save_c = bool(save_c) and tid == 1
     cstat = new_cstat(M) if save_c else None
