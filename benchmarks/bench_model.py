@@ -215,7 +215,8 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak for MFU (default: by device)")
-    ap.add_argument("--profile", default=None, help="append a kernel breakdown of mb 8 to this file")
+    ap.add_argument("--profile", default=None, help="append a kernel breakdown of one micro batch to this file")
+    ap.add_argument("--profile-mb", type=int, default=8, help="micro batch of the --profile breakdown")
     ap.add_argument("--out", default=None, help="markdown table path")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -262,9 +263,9 @@ def main(argv=None) -> int:
                 del data, step
                 torch.cuda.empty_cache()
             if args.profile:
-                step = make(model, batch(8, args.seq))
+                step = make(model, batch(args.profile_mb, args.seq))
                 with open(args.profile, "a") as f:
-                    f.write(f"## {attention} {mode} mb 8 ({name})\n")
+                    f.write(f"## {attention} {mode} mb {args.profile_mb} ({name})\n")
                 print(f"[{attention} {mode}] " + kernel_breakdown(step, args.profile), flush=True)
                 del step
             del model

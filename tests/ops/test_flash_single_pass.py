@@ -324,7 +324,8 @@ def test_postprocess_tail_casts_dq_and_sums_dn(monkeypatch, dtype, tr, layout):
         assert g[3].shape == n.shape and g[3].dtype == n.dtype
         tn, _ = ssa_scalar_grad_terms(q.float(), k.float(), v.float(), n, b, go.float(), causal=True)
         assert_scalar_grad_close("dn", g[3], g_ref[3], tn, dtype)
-        # the kernel's fp64 sum = torch's fp64 sum of the same partials (the path it replaced), to 1 fp32 ulp
+        # the kernel's fp64 sum = torch's fp64 sum of the same per-key-block partials, to 1 fp32 ulp
         dnk, nk = tail_args[-1][2], tail_args[-1][4]
-        want = dnk[:nk].sum(dtype=torch.float64).to(torch.float32)
+        assert nk == B * Hkv * math.ceil(S / attn_bwd.single_config(D, dtype).block_n_kv)
+        want = dnk[:2 * nk].view(torch.float64).sum().to(torch.float32)
         torch.testing.assert_close(g[3].reshape(()), want, rtol=1.2e-7, atol=0)

@@ -355,18 +355,20 @@ def _attn_bwd_postprocess(
     BLOCK: tl.constexpr, DN_BLOCK: tl.constexpr, CAST: tl.constexpr, DPARAMS: tl.constexpr,
 ):
     """The single-pass backward's tail in one launch (issue 13: three torch launches
-    before). ``DPARAMS``: program 0 sums the ``NK`` per-key-row ``dn`` partials in float64,
-    in a fixed order (bit-identical run to run), and stores the fp32 total at ``DNK[NK]``.
-    ``CAST``: every other program casts ``BLOCK`` elements of the dense fp32 dq
-    accumulator into ``dq`` (the input dtype; both dense with the same strides)."""
+    before). ``DPARAMS``: program 0 sums the ``NK`` float64 ``dn`` partials (one per key
+    block, at the start of the fp32 buffer ``DNK``) in a fixed order (bit-identical run to
+    run) and stores the fp32 total at ``DNK[2 * NK]``. ``CAST``: every other program casts
+    ``BLOCK`` elements of the dense fp32 dq accumulator into ``dq`` (the input dtype; both
+    dense with the same strides)."""
     pid = tl.program_id(0)
     if DPARAMS:
         if pid == 0:
+            parts = DNK.to(tl.pointer_type(tl.float64), bitcast=True)
             acc = tl.zeros([DN_BLOCK], dtype=tl.float64)
             for start in range(0, NK, DN_BLOCK):
                 offs = start + tl.arange(0, DN_BLOCK)
-                acc += tl.load(DNK + offs, mask=offs < NK, other=0.0).to(tl.float64)
-            tl.store(DNK + NK, tl.sum(acc, axis=0).to(tl.float32))
+                acc += tl.load(parts + offs, mask=offs < NK, other=0.0)
+            tl.store(DNK + 2 * NK, tl.sum(acc, axis=0).to(tl.float32))
         pid_c = pid - 1
     else:
         pid_c = pid
@@ -590,6 +592,9 @@ def _attn_bwd_kernel_dkv(
     q_start, q_len, k_start, k_len = seq_info(CU_Q, CU_K, off_z, SEQ_Q, SEQ_K, VARLEN)
     start_n = pid_n * BLOCK_N
     if start_n >= k_len:
+        if DN_KV:  # every partial slot is written (poisoned buffers stay checkable): 0 here
+            tl.store(DNK.to(tl.pointer_type(tl.float64), bitcast=True) + off_z.to(tl.int64) * s_nz
+                     + off_hkv.to(tl.int64) * s_nh + pid_n * s_ns, 0.0)
         return
     z64 = off_z.to(tl.int64)
     hkv64 = off_hkv.to(tl.int64)
@@ -645,8 +650,10 @@ def _attn_bwd_kernel_dkv(
              dk.to(DK.dtype.element_ty), mask=ld)
     tl.store(tile_ptrs(DV, z64, hkv64, col, s_dvz, s_dvh, s_dvs, s_dvd, offs_nb, offs_d),
              dv.to(DV.dtype.element_ty), mask=ld)
-    if DN_KV:  # one dn partial per key row (fixed order: summed in float64 on the host)
-        tl.store(DNK + z64 * s_nz + hkv64 * s_nh + (k_start + offs_n) * s_ns, dnk * g_n, mask=offs_n < k_len)
+    if DN_KV:  # one float64 dn partial per key block: its rows summed in a fixed order
+        part = tl.sum(tl.where(offs_n < k_len, dnk * g_n, 0.0).to(tl.float64), axis=0)
+        tl.store(DNK.to(tl.pointer_type(tl.float64), bitcast=True) + z64 * s_nz + hkv64 * s_nh + pid_n * s_ns,
+                 part)
 
 
 # ----------------------------------------------------------------------------------------
@@ -1259,12 +1266,15 @@ def _attention_bwd_single(do, q, k, v, o, M, cstat, *, varlen, tid, bz, hq, hkv,
         if cstat.dtype != torch.float32 or cstat.shape != M.shape or cstat.stride() != M.stride():
             raise ValueError(f"cstat must be fp32 with M's shape {tuple(M.shape)} and strides {M.stride()}, "
                              f"got {cstat.dtype} {tuple(cstat.shape)} {cstat.stride()}")
-        # one dn partial per key row ([B, Hkv, Sk] or packed [Hkv, T_k], dense) and, after
-        # them, the fp32 total the postprocess kernel writes: one allocation, dn a view
-        t_k = k.shape[0]
-        nk = hkv * t_k if varlen else bz * hkv * sk
-        dnk = new_output((nk + 1,), torch.float32, dev)
-        ns = (0, t_k, 1) if varlen else (hkv * sk, sk, 1)
+        # one float64 dn partial per key block ([B, Hkv, cdiv(Sk, BLOCK_N)], B = sequences
+        # when packed) and, after them, the fp32 total the postprocess kernel writes: one
+        # fp32 allocation (the partials are read through a float64 pointer), dn a view.
+        # Per block, not per key row: the postprocess kernel's single-program sum stays
+        # short (per row it was 171 us at B32 N1024 on an H100)
+        nblk = cdiv(sk, cfg.block_n_kv)
+        nk = bz * hkv * nblk
+        dnk = new_output((2 * nk + 1,), torch.float32, dev)
+        ns = (hkv * nblk, nblk, 1)
     else:
         nk, dnk, ns = 0, M, (0, 0, 0)
     az = _zhsd(dqa, varlen)
@@ -1290,4 +1300,4 @@ def _attention_bwd_single(do, q, k, v, o, M, cstat, *, varlen, tid, bz, hq, hkv,
         pb = _POST_BLOCK_INTERP if _INTERPRETED else _POST_BLOCK
         launch(_attn_bwd_postprocess, (cdiv(numel, pb) + int(dparams),), (dqa, dq, dnk, numel, nk),
                dict(BLOCK=pb, DN_BLOCK=pb, CAST=cast, DPARAMS=dparams, num_warps=4), 3)
-    return dq, dk, dv, (dnk[nk:] if dparams else None), None
+    return dq, dk, dv, (dnk[2 * nk:] if dparams else None), None
