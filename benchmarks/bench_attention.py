@@ -41,6 +41,9 @@ DEFAULT_ROWS = ("softmax_triton", "ssa_triton", "sdpa_flash", "sdpa_cudnn")
 def _parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the three D=32 shapes only (no D64/D128)")
+    ap.add_argument("--gpu-time", action="store_true",
+                    help="also time fwd+bwd as CUDA-graph replays (kernel time without host cost or launch "
+                         "gaps; no L2 flush between replays): shows which rows are bound by host time")
     ap.add_argument("--sweep", action="store_true", help="add an N sweep at constant B*N tokens")
     ap.add_argument("--sweep-max", type=int, default=32768, help="largest N of the sweep")
     ap.add_argument("--tokens", type=int, default=16384, help="B*N kept constant in the sweep")
@@ -101,7 +104,29 @@ def _sdpa_fn(backend_name: str, causal: bool, q, k, v):
     return expanded, True
 
 
-def _bench_row(name: str, fn: Callable, q, k, v, go, rep: int, extra_grads=()) -> Dict:
+def _graph_ms(fn: Callable[[], None], n: int = 30) -> float:
+    """Milliseconds per call of ``fn`` replayed as a CUDA graph (no host cost, no gaps)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(n):
+        g.replay()
+    e1.record()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1) / n
+
+
+def _bench_row(name: str, fn: Callable, q, k, v, go, rep: int, extra_grads=(), gpu_time: bool = False) -> Dict:
     import triton.testing
 
     leaves = [q, k, v, *extra_grads]
@@ -120,6 +145,18 @@ def _bench_row(name: str, fn: Callable, q, k, v, go, rep: int, extra_grads=()) -
     out["fwdbwd_ms"] = triton.testing.do_bench(fwd_bwd, rep=rep, grad_to_none=leaves, return_mode="median")
     for t in leaves:
         t.grad = None
+    if gpu_time:
+        def fresh_fwd_bwd():
+            for t in leaves:
+                t.grad = None
+            fwd_bwd()
+        try:
+            out["gpu_fwdbwd_ms"] = _graph_ms(fresh_fwd_bwd)
+        except Exception as e:  # a path that cannot be captured: say so, keep the row
+            out["gpu_fwdbwd_ms"] = math.nan
+            print(f"   {name}: no CUDA-graph timing ({type(e).__name__}: {str(e).splitlines()[0][:80]})")
+        for t in leaves:
+            t.grad = None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -176,7 +213,7 @@ def run(args) -> List[Dict]:
                 old = os.environ.get("NEMO_SSA_POLY_LOG2")
                 os.environ["NEMO_SSA_POLY_LOG2"] = "1" if name == "ssa_triton_poly" else "0"
                 try:
-                    r = _bench_row(name, fn, q, k, v, go, args.rep, extra)
+                    r = _bench_row(name, fn, q, k, v, go, args.rep, extra, gpu_time=args.gpu_time)
                 finally:
                     if old is None:
                         os.environ.pop("NEMO_SSA_POLY_LOG2", None)
@@ -200,7 +237,8 @@ def run(args) -> List[Dict]:
             print(f"   {name:15s} x flash {r['fwd_ms'] / fl.get('fwd_ms', math.nan):5.2f} / "
                   f"{r['fwdbwd_ms'] / fl.get('fwdbwd_ms', math.nan):5.2f}   x cuDNN "
                   f"{r['fwd_ms'] / cu.get('fwd_ms', math.nan):5.2f} / {r['fwdbwd_ms'] / cu.get('fwdbwd_ms', math.nan):5.2f}"
-                  "  (fwd / fwd+bwd)", flush=True)
+                  "  (fwd / fwd+bwd)" + (f"   GPU-time fwd+bwd x cuDNN {r.get('gpu_fwdbwd_ms', math.nan) / cu.get('gpu_fwdbwd_ms', math.nan):5.2f}"
+                                         if args.gpu_time else ""), flush=True)
         ref_flash = rows.get("sdpa_flash", {})
         ref_cudnn = rows.get("sdpa_cudnn", {})
         for name, r in rows.items():
@@ -210,6 +248,8 @@ def run(args) -> List[Dict]:
             for tag, ref in (("flash", ref_flash), ("cudnn", ref_cudnn)):
                 res[f"fwd_x_{tag}"] = r["fwd_ms"] / ref.get("fwd_ms", math.nan)
                 res[f"fwdbwd_x_{tag}"] = r["fwdbwd_ms"] / ref.get("fwdbwd_ms", math.nan)
+            if args.gpu_time:
+                res["gpu_fwdbwd_x_cudnn"] = r.get("gpu_fwdbwd_ms", math.nan) / ref_cudnn.get("gpu_fwdbwd_ms", math.nan)
             results.append(res)
         del q, k, v, go
         torch.cuda.empty_cache()
@@ -219,14 +259,15 @@ def run(args) -> List[Dict]:
 COLS = [("shape", "{}"), ("B", "{}"), ("N", "{}"), ("Hq", "{}"), ("Hkv", "{}"), ("D", "{}"), ("impl", "{}"),
         ("fwd_ms", "{:.3f}"), ("fwdbwd_ms", "{:.3f}"), ("fwd_tflops", "{:.1f}"), ("fwdbwd_tflops", "{:.1f}"),
         ("peak_mib", "{:.0f}"), ("fwd_x_flash", "{:.2f}"), ("fwdbwd_x_flash", "{:.2f}"),
-        ("fwd_x_cudnn", "{:.2f}"), ("fwdbwd_x_cudnn", "{:.2f}"), ("note", "{}")]
+        ("fwd_x_cudnn", "{:.2f}"), ("fwdbwd_x_cudnn", "{:.2f}"), ("gpu_fwdbwd_ms", "{:.3f}"),
+        ("gpu_fwdbwd_x_cudnn", "{:.2f}"), ("note", "{}")]
 
 
 def _fmt(res: Dict) -> List[str]:
     out = []
     for key, f in COLS:
-        val = res.get(key, "")
-        out.append("-" if isinstance(val, float) and math.isnan(val) else f.format(val))
+        val = res.get(key)
+        out.append("-" if val is None or (isinstance(val, float) and math.isnan(val)) else f.format(val))
     return out
 
 
