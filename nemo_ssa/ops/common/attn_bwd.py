@@ -22,8 +22,9 @@ Kernels (Triton tutorial 06 structure, FA2 split):
   in float64 -- bit-identical run to run.
 * Single pass (``use_single_pass``: SSA at head dim <= 32 by default, ``NEMO_SSA_BWD``):
   no dQ kernel. The dK/dV kernel adds ``dq`` into an fp32 buffer with atomics, and (SSA,
-  ``cstat`` = the forward's row means ``C_i = sum_j p smag``) writes one ``dn`` partial per
-  key row of ``sum_i dz (smag - C_i)``.
+  ``cstat`` = the forward's row means ``C_i = sum_j p smag``) writes one float64 ``dn``
+  partial per key block of ``sum_i dz (smag - C_i)``; one tail kernel casts ``dq`` and
+  sums the partials (fixed order).
 
 Per element (``s = scale*qk``, ``t = 1 + b|s|``; ``dp = do . v`` times the dropout
 mask / (1 - p_drop)):
@@ -493,8 +494,8 @@ def _bwd_dkv_inner(
 
     ``ATOMIC_DQ`` (single-pass backward): also ``dq += g_s * ds @ k`` for the block,
     added into the fp32 accumulator at ``a_base`` (same head/row addressing as ``q``)
-    with atomics -- no dQ kernel recomputing ``p``. ``DN_KV``: ``dnk`` (per key row)
-    accumulates ``sum_i p dp (smag - C_i)`` with the forward's row means ``C`` at
+    with atomics -- no dQ kernel recomputing ``p``. ``DN_KV``: ``dnk`` (per key row, summed
+    per key block in the kernel's epilogue) accumulates ``sum_i p dp (smag - C_i)`` with the forward's row means ``C`` at
     ``c_base`` (M's layout), i.e. ``dn / ln 2`` split by key rows, without atomics.
 
     One flat loop over (head, block) pairs, head-major: a nested runtime loop around the
@@ -1097,7 +1098,7 @@ def attention_bwd(
             kernel skips its two row sums -- ``b`` is fixed under the pinned policy).
         config: override the block-size table (``BwdConfig``).
         cstat: the forward's ``C_i = sum_j p_ij smag_ij`` (fp32, ``M``'s layout; SSA), which
-            lets the single-pass backward compute ``dn`` from key-row partials.
+            lets the single-pass backward compute ``dn`` from key-block partials.
         deterministic: ``False``: single pass -- the dK/dV kernel also accumulates ``dq``
             in an fp32 buffer with atomics (no dQ kernel; ``dq`` not bit-identical run to
             run). Used when ``b`` needs no gradient and, with ``dn``, ``cstat`` is given;
@@ -1107,8 +1108,9 @@ def attention_bwd(
     Returns:
         ``(dq, dk, dv, dn, db)``: ``dq/dk/dv`` with the dtype and (dense) layout of
         ``q/k/v`` (``empty_like``); ``dn``, ``db`` fp32 ``[1]`` (summed in float64 over a
-        fixed-size buffer of per-key-row compensated partials, bit-identical run to
-        run), or ``None`` for softmax / ``need_dparams=False``.
+        fixed-size buffer of partials -- per query row (two kernels) or per key block
+        (single pass) -- in a fixed order, bit-identical run to run), or ``None`` for
+        softmax / ``need_dparams=False``.
     """
     varlen = cu_seqlens_q is not None
     tid = transform_id(transform)
@@ -1251,7 +1253,9 @@ def _attention_bwd_single(do, q, k, v, o, M, cstat, *, varlen, tid, bz, hq, hkv,
                           fast_math, causal):
     """Single-pass backward (``attention_bwd(deterministic=False)``): one preprocess launch
     (delta, and the fp32 dq accumulator zeroed), one dK/dV launch that also adds ``dq``
-    with atomics and (``cstat`` given) writes one ``dn`` partial per key row."""
+    with atomics and (``cstat`` given) writes one float64 ``dn`` partial per key block, and
+    one tail launch (``_attn_bwd_postprocess``: dq cast, dn sum) unless dq is fp32 and
+    there is no dn."""
     is_ssa = tid == TRANSFORM_SSA
     dparams = cstat is not None
     dev = q.device
