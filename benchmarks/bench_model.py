@@ -206,6 +206,65 @@ def kernel_breakdown(step, path: str) -> str:
     return text
 
 
+def gpu_gaps(step, path: str, label: str, min_gap_us: float = 20.0) -> str:
+    """Where the GPU idles inside a step: profile 2 steps, walk the kernels of the trace in
+    time order and report busy time, idle time and the largest gaps between consecutive
+    kernels (with the kernels on either side). Idle time inside a step that is not host
+    bound overall means the host fell behind there."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        trace = f.name
+    prof.export_chrome_trace(trace)
+    with open(trace) as f:
+        events = json.load(f).get("traceEvents", [])
+    os.unlink(trace)
+    return _gap_report(events, path, label, min_gap_us)
+
+
+def _gap_report(events, path: str, label: str, min_gap_us: float) -> str:
+    ks = sorted((e["ts"], e["ts"] + e.get("dur", 0), e.get("name", "?")) for e in events
+                if e.get("cat") == "kernel" and e.get("ph") == "X")
+    if not ks:
+        return f"{label}: no kernel events"
+    busy = sum(b - a for a, b, _ in ks)
+    span = ks[-1][1] - ks[0][0]
+    gaps = []
+    end, prev = ks[0][1], ks[0][2]
+    for a, b, name in ks[1:]:
+        if a - end >= min_gap_us:
+            gaps.append((a - end, prev, name))
+        if b > end:
+            end, prev = b, name
+    idle = sum(g for g, _, _ in gaps)
+    gaps.sort(reverse=True)
+    lines = [f"{label}: 2 steps, kernel span {span / 1e3:.1f} ms, kernels busy {busy / 1e3:.1f} ms, "
+             f"{len(gaps)} gaps >= {min_gap_us:.0f} us totalling {idle / 1e3:.1f} ms"]
+    by_next: Dict[str, List[float]] = {}
+    for g, _, nxt in gaps:
+        by_next.setdefault(nxt[:70], []).append(g)
+    lines.append("  idle before (next kernel): count, total us")
+    for nxt, gs in sorted(by_next.items(), key=lambda kv: -sum(kv[1]))[:12]:
+        lines.append(f"    {nxt:70s} {len(gs):4d} {sum(gs):10.0f}")
+    lines.append("  largest gaps: us, previous kernel -> next kernel")
+    for g, a, b in gaps[:10]:
+        lines.append(f"    {g:8.0f}  {a[:60]} -> {b[:60]}")
+    text = "\n".join(lines)
+    with open(path, "a") as f:
+        f.write(text + "\n\n")
+    return text
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--attentions", default="softmax,softmax_triton,ssa_triton")
@@ -216,7 +275,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak for MFU (default: by device)")
     ap.add_argument("--profile", default=None, help="append a kernel breakdown of one micro batch to this file")
-    ap.add_argument("--profile-mb", type=int, default=8, help="micro batch of the --profile breakdown")
+    ap.add_argument("--profile-mb", type=int, default=8, help="micro batch of the --profile / --gaps runs")
+    ap.add_argument("--gaps", default=None, help="append where the GPU idles inside a step (trace of 2 steps at "
+                                                 "--profile-mb) to this file")
     ap.add_argument("--out", default=None, help="markdown table path")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -262,6 +323,10 @@ def main(argv=None) -> int:
                       f"MFU {100 * r['mfu']:5.1f} %  peak {mem:6.1f} GiB", flush=True)
                 del data, step
                 torch.cuda.empty_cache()
+            if args.gaps:
+                step = make(model, batch(args.profile_mb, args.seq))
+                print(gpu_gaps(step, args.gaps, f"{attention} {mode} mb {args.profile_mb}"), flush=True)
+                del step
             if args.profile:
                 step = make(model, batch(args.profile_mb, args.seq))
                 with open(args.profile, "a") as f:
