@@ -11,9 +11,10 @@ write through this class, so the compare tool reads one format.
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 TB_LOSS_TAG = "reduced_train_loss"
 
@@ -106,3 +107,43 @@ def flops_per_token(hidden: int, layers: int, ffn: int, kv_channels: int, query_
     kv = kv_channels * query_groups
     per_layer = hidden * (hidden + 2 * kv) + hidden * hidden + 2 * hidden * ffn
     return 6.0 * (layers * per_layer + hidden * vocab) + 6.0 * layers * seq * hidden
+
+
+def rank_layout() -> dict:
+    """This process's place in the run: global rank and world size (torch.distributed, else
+    the launcher's RANK/WORLD_SIZE), and megatron's tensor/context/data-parallel rank and
+    size where its parallel state exists (else rank 0 of 1)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    out = {"rank": rank, "world_size": world, "tp_rank": 0, "tp_size": 1, "cp_rank": 0, "cp_size": 1,
+           "dp_rank": 0, "dp_size": 1}
+    try:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            out.update(tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
+                       cp_rank=ps.get_context_parallel_rank(), cp_size=ps.get_context_parallel_world_size(),
+                       dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size())
+    except ImportError:
+        pass
+    return out
+
+
+def write_rank_file(run_dir: str, layout: Dict[str, Any], step: int, ssa: Dict[str, Dict[int, float]]) -> str:
+    """``<run_dir>/ranks/rank_RRRRR.json``: this rank's layout (:func:`rank_layout`), the
+    step, and its own SSA n and b per layer as exact ``float.hex`` strings. Every rank
+    writes one at the end of a run (NeMo callback and CPU loop alike), so agreement of n
+    across tensor-parallel ranks is checked bit for bit from files (``scripts/two_gpu.py``)."""
+    record = dict(layout, step=int(step),
+                  n={str(layer): float(v).hex() for layer, v in sorted(ssa.get("n", {}).items())},
+                  b={str(layer): float(v).hex() for layer, v in sorted(ssa.get("b", {}).items())})
+    path = os.path.join(run_dir, "ranks", f"rank_{int(layout.get('rank', 0)):05d}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f, indent=1)
+    os.replace(path + ".tmp", path)
+    return path

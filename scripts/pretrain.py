@@ -258,7 +258,7 @@ def run_cpu(cfg, train, recipe, run_dir) -> None:
 # ---------------------------------------------------------------------------- one run
 
 _NOT_IN_IDENTITY = ("resume", "compare_to", "reuse_baselines", "reuse_if_complete", "stop_after", "profile")
-_ARTIFACTS = ("metrics.csv", "summary.json", "complete.json", "tb", "checkpoints")
+_ARTIFACTS = ("metrics.csv", "summary.json", "complete.json", "tb", "checkpoints", "ranks")
 
 
 def _nemo_log_dirs(run_dir: str) -> tuple:

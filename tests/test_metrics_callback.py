@@ -76,3 +76,51 @@ def test_flops_formula_and_peaks():
     assert device_peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
     assert device_peak_tflops("NVIDIA H100 PCIe") == 756.0
     assert device_peak_tflops("cpu") is None
+
+
+def _run(tmp_path, monkeypatch, layout, steps=4):
+    import nemo_ssa.nemo.callbacks as cbmod
+
+    monkeypatch.setattr(cbmod, "rank_layout", lambda: dict(layout))
+    model = _Model()
+    pl_module = types.SimpleNamespace(module=model, log=lambda *a, **k: None)
+    opt = types.SimpleNamespace(param_groups=[{"lr": 1e-3}])
+    trainer = types.SimpleNamespace(global_step=0, max_steps=steps, callback_metrics={}, optimizers=[opt])
+    cb = MetricsCallback(str(tmp_path), seq_length=4, global_batch_size=2, attention="ssa", flush_every=2)
+    cb.on_train_start(trainer, pl_module)
+    for step in range(1, steps + 1):
+        trainer.global_step = step
+        trainer.callback_metrics[TB_LOSS_TAG] = torch.tensor(5.0)
+        with torch.no_grad():
+            model.decoder.layers[1].self_attention.core_attention.n.add_(0.1)
+        cb.on_train_batch_end(trainer, pl_module, None, None, step)
+    cb.on_train_end(trainer, pl_module)
+    return model
+
+
+def test_only_rank0_writes_logs_every_rank_writes_its_n(tmp_path, monkeypatch):
+    base = dict(world_size=2, tp_size=2, cp_size=1, dp_size=1, cp_rank=0, dp_rank=0)
+    _run(tmp_path, monkeypatch, dict(base, rank=1, tp_rank=1))
+    # rank 1: no per-step log, no summary (rank 0 owns them: two writers would interleave rows)
+    assert not (tmp_path / "metrics.csv").exists() and not (tmp_path / "summary.json").exists()
+    r1 = json.load(open(tmp_path / "ranks" / "rank_00001.json"))
+    assert r1["tp_rank"] == 1 and r1["step"] == 4
+    assert float.fromhex(r1["n"]["2"]) == torch.tensor([1.5]).add_(0.1).add_(0.1).add_(0.1).add_(0.1).item()
+    assert float.fromhex(r1["n"]["1"]) == 1.5 and float.fromhex(r1["b"]["3"]) == torch.tensor([0.8]).item()
+
+    _run(tmp_path, monkeypatch, dict(base, rank=0, tp_rank=0))
+    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4]
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert summary["layout"] == {"world_size": 2, "tp_size": 2, "cp_size": 1, "dp_size": 1}
+    r0 = json.load(open(tmp_path / "ranks" / "rank_00000.json"))
+    assert r0["n"] == r1["n"]  # same updates on both "ranks": bit-identical hex
+
+
+def test_rank_layout_without_distributed(monkeypatch):
+    from nemo_ssa.nemo.callbacks import rank_layout
+
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    out = rank_layout()
+    assert out["rank"] == 3 and out["world_size"] == 4 and out["tp_size"] == 1

@@ -18,9 +18,11 @@ from __future__ import annotations
 import glob
 import os
 import re
-from typing import Any, Optional
+import warnings
+from typing import Any, Dict, Optional
 
-__all__ = ["is_complete", "uses_distributed_optimizer", "nemo_resume_checkpoint", "describe_optimizer"]
+__all__ = ["is_complete", "uses_distributed_optimizer", "nemo_resume_checkpoint", "describe_optimizer",
+           "read_ssa_scalars"]
 
 _UNFINISHED = "-unfinished"
 
@@ -90,3 +92,40 @@ def nemo_resume_checkpoint(checkpoint_dir: str) -> Optional[str]:
         return (int(m.group(1)) if m else -1, os.path.getmtime(d))
 
     return weights(max(cands, key=key))
+
+
+# the model's SSA scalars in a checkpoint: ``[module.]decoder.layers.[K.]self_attention.[core_attention.](n|b)``
+# (megatron stacks the layers of a TransformerBlock into one tensor with a leading layer axis;
+# optimizer-state keys, which also end in ``.n``, start with ``optimizer.`` and do not match)
+_SSA_CKPT_KEY = re.compile(r"^(?:module\.)*decoder\.layers\.(?:(\d+)\.)?self_attention\.(?:core_attention\.)?(n|b)$")
+
+
+def read_ssa_scalars(path: str) -> Dict[str, Dict[int, float]]:
+    """SSA's n and b per layer (1-based) as saved in the dist checkpoint at ``path``
+    (``{"n": {1: 1.52, ...}, "b": {...}}``), read from its torch_dist shards in this process,
+    without a process group or a model. Empty dicts for a checkpoint without SSA.
+
+    A scalar is replicated over TP/CP/DP ranks and saved once, so this is the value training
+    would resume from; whether the ranks agreed is what the per-rank files of the metrics
+    callback show."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader, load
+
+    reader = FileSystemReader(path)
+    meta = reader.read_metadata().state_dict_metadata
+    keys = {k: m for k, m in meta.items() if _SSA_CKPT_KEY.match(k) and hasattr(m, "size")}
+    out: Dict[str, Dict[int, float]] = {"n": {}, "b": {}}
+    if not keys:
+        return out
+    state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in keys.items()}
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": intended here
+        warnings.simplefilter("ignore", UserWarning)
+        load(state, storage_reader=reader, no_dist=True)
+    for k, t in state.items():
+        layer, name = _SSA_CKPT_KEY.match(k).groups()
+        if layer is not None:  # one tensor per layer (no stacking)
+            out[name][int(layer) + 1] = t.reshape(-1)[0].item()
+        else:  # stacked: row i is layer i + 1
+            for i, v in enumerate(t.reshape(t.shape[0], -1)[:, 0].tolist()):
+                out[name][i + 1] = v
+    return out

@@ -10,7 +10,7 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from nemo_ssa.metrics_log import MetricsWriter, TB_LOSS_TAG
+from nemo_ssa.metrics_log import MetricsWriter, TB_LOSS_TAG, rank_layout, write_rank_file
 from nemo_ssa.rng import preserved_rng
 
 
@@ -34,6 +34,13 @@ class MetricsCallback(Callback):
     token x tokens/s / the GPU's dense bf16 peak; ``nemo_ssa.metrics_log.flops_per_token``
     documents the formula), peak GPU memory and the losses; the flush rows print a
     progress line with the same figures.
+
+    Several ranks: global rank 0 alone writes ``metrics.csv``, TensorBoard and
+    ``summary.json`` (the loss it logs is already reduced over the data-parallel ranks);
+    other ranks record nothing per step. At the end *every* rank writes
+    ``ranks/rank_RRRRR.json``: its layout (:func:`rank_layout`) and its own n and b per
+    layer, as exact ``float.hex`` strings, so that "n is identical on every TP rank" is
+    checked bit for bit (``scripts/two_gpu.py check``).
     """
 
     def __init__(self, run_dir: str, seq_length: int, global_batch_size: int, attention: str,
@@ -49,17 +56,23 @@ class MetricsCallback(Callback):
         self._losses = {}
         self._pending = []  # (step, loss tensor | float, lr, rate, n tensor | None)
         self._ssa = []
+        self._layout = {"rank": 0, "world_size": 1}
+        self._main = True
 
     def on_train_start(self, trainer, pl_module):
         from nemo_ssa.megatron.introspect import ssa_modules
 
-        self._writer = MetricsWriter(self.run_dir, append=trainer.global_step > 0)
+        self._layout = rank_layout()
+        self._main = self._layout["rank"] == 0
+        self._writer = MetricsWriter(self.run_dir, append=trainer.global_step > 0) if self._main else None
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         self._ssa = ssa_modules(_unwrap(pl_module))
         self._t_last = time.time()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if not self._main:
+            return
         now = time.time()
         dt = now - self._t_last if self._t_last else float("nan")
         self._t_last = now
@@ -110,10 +123,18 @@ class MetricsCallback(Callback):
         self._flush(None)
         if self._writer is not None:
             self._writer.close()
-        from nemo_ssa.megatron.introspect import ssa_values
+        from nemo_ssa.megatron.introspect import ssa_modules
         from nemo_ssa.metrics_log import device_peak_tflops
 
-        ssa = ssa_values(_unwrap(pl_module))
+        # one device-to-host read for every layer's n and b, for the rank file and the summary
+        mods = ssa_modules(_unwrap(pl_module))
+        vals = torch.cat([t.detach().float().reshape(-1)[:1] for _, m in mods for t in (m.n, m.b)]).tolist() \
+            if mods else []
+        ssa = {"n": {layer: vals[2 * i] for i, (layer, _) in enumerate(mods)},
+               "b": {layer: vals[2 * i + 1] for i, (layer, _) in enumerate(mods)}}
+        write_rank_file(self.run_dir, self._layout, trainer.global_step, ssa)
+        if not self._main:
+            return
         rate = self._steady_rate()
         cuda = torch.cuda.is_available()
         name = torch.cuda.get_device_name() if cuda else "cpu"
@@ -128,18 +149,17 @@ class MetricsCallback(Callback):
             "peak_tflops_bf16": peak,
             "peak_memory_gib": (torch.cuda.max_memory_allocated() / 2**30) if cuda else None,
             "device": name,
+            "layout": {k: v for k, v in self._layout.items() if k.endswith("size")},
             "ssa_n": ssa["n"],
             "ssa_b": ssa["b"],
             "loss": {str(k): v for k, v in sorted(self._losses.items())},
         }
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
-        if int(os.environ.get("RANK", "0")) == 0:
-            mem = summary["peak_memory_gib"]
-            print(f"[metrics] {self.attention}: {rate or float('nan'):,.0f} tokens/s (median), "
-                  f"MFU {100 * mfu:.1f} %" if mfu else f"[metrics] {self.attention}: {rate or float('nan'):,.0f} tokens/s",
-                  f"peak memory {mem:.1f} GiB" if mem else "", flush=True)
-
+        mem = summary["peak_memory_gib"]
+        print(f"[metrics] {self.attention}: {rate or float('nan'):,.0f} tokens/s (median), "
+              f"MFU {100 * mfu:.1f} %" if mfu else f"[metrics] {self.attention}: {rate or float('nan'):,.0f} tokens/s",
+              f"peak memory {mem:.1f} GiB" if mem else "", flush=True)
 
 class AttentionWarmupCallback(Callback):
     """Warm the core attentions up before step 0 without changing the run.

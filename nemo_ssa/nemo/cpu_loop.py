@@ -519,6 +519,9 @@ def train_on_cpu(
                        "layout": layout.describe(), "rank": rank, "n_history": n_history,
                        "distributed_optimizer": bool(ddp.ddp_config.use_distributed_optimizer)},
             )
+            from nemo_ssa.metrics_log import rank_layout, write_rank_file
+
+            write_rank_file(run_dir, rank_layout(), step, ssa_values(ddp))  # every rank: its own n and b
             if main:
                 with open(os.path.join(run_dir, "cpu_run.json"), "w") as f:
                     json.dump({k: v for k, v in result.__dict__.items()}, f, indent=2, default=str)
