@@ -120,6 +120,14 @@ def test_only_rank0_writes_logs_every_rank_writes_its_n(tmp_path, monkeypatch):
 def test_rank_layout_without_distributed(monkeypatch):
     from nemo_ssa.nemo.callbacks import rank_layout
 
+    # an earlier test in this process may have left a gloo world / megatron's parallel state up
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    try:
+        from megatron.core import parallel_state
+
+        monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: False)
+    except ImportError:
+        pass
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "4")
     out = rank_layout()
