@@ -66,7 +66,7 @@ CPU_STEPS, CPU_STOP = 6, 3
 CPU_COMMON = [f"train.max_steps={CPU_STEPS}", "train.seq_length=32", "train.micro_batch_size=2",
               "train.global_batch_size=4", "train.log_every_n_steps=1", "model.cpu_arch.hidden_size=32",
               "model.cpu_arch.ffn_hidden_size=64", "data.vocab_size=512", "data.max_bytes=400000",
-              "compare_to=[]", f"seed={SEED}"]
+              "train.distributed_optimizer=auto", "compare_to=[]", f"seed={SEED}"]
 KEEP = ("metrics.csv", "summary.json", "config.yaml", "complete.json", "cpu_run.json")
 MAX_DELTA, EMA, FROM_STEP, GOLDEN_RTOL, DP_SPEEDUP = 0.05, 0.9, 50, 0.05, 1.8
 REFERENCE_OF = {"ssa-dp2": "ssa-1gpu", "softmax-dp2": "softmax-1gpu", "ssa-tp2sp": "ssa-1gpu",

@@ -94,10 +94,13 @@ def nemo_resume_checkpoint(checkpoint_dir: str) -> Optional[str]:
     return weights(max(cands, key=key))
 
 
-# the model's SSA scalars in a checkpoint: ``[module.]decoder.layers.[K.]self_attention.[core_attention.](n|b)``
-# (megatron stacks the layers of a TransformerBlock into one tensor with a leading layer axis;
-# optimizer-state keys, which also end in ``.n``, start with ``optimizer.`` and do not match)
-_SSA_CKPT_KEY = re.compile(r"^(?:module\.)*decoder\.layers\.(?:(\d+)\.)?self_attention\.(?:core_attention\.)?(n|b)$")
+# the model's SSA scalars in a checkpoint: ``<prefix>decoder.layers.[K.]self_attention.[core_attention.](n|b)``
+# with any model prefix (``module.`` in NeMo's, none in the CPU loop's). Megatron stacks the
+# layers of a TransformerBlock into one tensor with a leading layer axis. Optimizer-state keys
+# (``optimizer.state.exp_avg.<param key>``, the distributed optimizer's too) also end in
+# ``.n`` and are excluded by their ``optimizer.`` start.
+_SSA_CKPT_KEY = re.compile(r"^(?!optimizer\.)(?:\w+\.)*?decoder\.layers\.(?:(\d+)\.)?self_attention\."
+                           r"(?:core_attention\.)?(n|b)$")
 
 
 def read_ssa_scalars(path: str) -> Dict[str, Dict[int, float]]:

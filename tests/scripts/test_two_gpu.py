@@ -138,3 +138,19 @@ def test_tp_cp_part_end_to_end_on_cpu(tmp_path):
     for want in ("ssa-tp2sp loss vs ssa-1gpu | PASS", "ssa-cp2 loss vs ssa-1gpu | PASS", "ssa-tp2to1 resume | PASS",
                  "ssa-tp2sp n on every rank | PASS | 2 rank(s) identical", "checkpoint n = rank 0's"):
         assert want in md, (want, md)
+
+
+@pytest.mark.parametrize("key,want", [
+    ("decoder.layers.self_attention.core_attention.n", (None, "n")),          # CPU loop, stacked layers
+    ("module.decoder.layers.self_attention.core_attention.b", (None, "b")),   # NeMo's prefix
+    ("module.decoder.layers.3.self_attention.n", ("3", "n")),                  # nsa_ssa, per-layer key
+    ("optimizer.state.exp_avg.decoder.layers.self_attention.core_attention.n", None),
+    ("optimizer.distributed.dp_group_idx_0.bucket_idx_0.exp_avg_sq.module.decoder.layers.self_attention."
+     "core_attention.n", None),
+    ("decoder.layers.self_attention.linear_qkv.weight", None),
+])
+def test_checkpoint_key_of_ssa_scalars(key, want):
+    from nemo_ssa.megatron.checkpoints import _SSA_CKPT_KEY
+
+    m = _SSA_CKPT_KEY.match(key)
+    assert (m.groups() if m else None) == want
