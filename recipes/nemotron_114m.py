@@ -201,6 +201,9 @@ def pretrain_recipe(
     """
     from nemo.collections.llm.recipes import nemotron3_4b
 
+    from nemo_ssa.megatron import compat
+
+    compat.apply_megatron_compat()  # numpy 2 + megatron-core 0.15: multi-rank checkpoints
     kwargs = dict(dir=dir, name=name, num_nodes=num_nodes, num_gpus_per_node=num_gpus_per_node)
     if fn is not None:
         kwargs["fn"] = fn

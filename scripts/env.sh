@@ -76,7 +76,7 @@ if [ "${1:-}" = "--which-lock" ]; then echo "$lock"; exit 0; fi
 
 # The hash covers the lock's content, so it also tells the locks apart (cpu and gpu locks
 # differ); the lock's name goes beside it for people.
-want="$(cat "$lock" "$root/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+want="$(cat "$lock" "$root/pyproject.toml" "$root"/requirements/overlays/*.txt | sha256sum | cut -d' ' -f1)"
 stamp="$venv/.nemo-ssa-stamp"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "[env] creating $venv from $(basename "$lock") (first run: a few minutes)" >&2
@@ -91,6 +91,18 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
         | grep -v "^WARNING: Location" >&2 || true
     # from another directory, so the check sees the installed package, not the checkout's cwd
     (cd / && "$venv/bin/python" -c "import nemo_ssa") || { echo "[env] editable install of nemo_ssa failed" >&2; exit 1; }
+    # Overlays: requirements/overlays/NAME.txt -> $venv/overlays/NAME (pip --target, no
+    # deps). A test that must also pass against another version (numpy 2, say) puts the
+    # overlay first on PYTHONPATH of a subprocess; the environment itself is unchanged.
+    rm -rf "$venv/overlays"
+    for ov in "$root"/requirements/overlays/*.txt; do
+        [ -f "$ov" ] || continue
+        name="$(basename "$ov" .txt)"
+        "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps --only-binary=:all: \
+            --target "$venv/overlays/$name" -r "$ov" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+        [ -n "$(ls -A "$venv/overlays/$name" 2>/dev/null)" ] \
+            || { echo "[env] overlay $name ($ov) failed to install" >&2; exit 1; }
+    done
     echo "$want" > "$stamp"
     echo "$lock" > "$venv/.nemo-ssa-lock"
     echo "[env] ready in $(( $(date +%s) - start )) s" >&2

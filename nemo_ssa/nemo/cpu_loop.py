@@ -356,6 +356,9 @@ def train_on_cpu(
     from nemo_ssa.megatron.cpu import cpu_device_shims
     from nemo_ssa.megatron.introspect import ssa_values
 
+    from nemo_ssa.megatron import compat
+
+    compat.apply_megatron_compat()  # numpy 2 + megatron-core 0.15: multi-rank checkpoints
     t_start = time.time()
     seed = int(seed if seed is not None else getattr(recipe.data, "seed", 1234))
     layout = parallel_layout(recipe)
@@ -508,6 +511,7 @@ def train_on_cpu(
                         f"{tokens_per_step / dt:,.0f} tok/s{n_txt}")
                 if (ckpt_every and step % ckpt_every == 0) or (step == end and save_at_end):
                     last_ckpt = save_checkpoint(ckpt_root, step, ddp, optimizer, scheduler, layout)
+                _fault_injection("step_end", step)
             if writer is not None:
                 writer.close()
             result = CPUTrainResult(
@@ -660,6 +664,27 @@ def _state_template(ddp, optimizer, is_loading: bool) -> Dict[str, Any]:
     return {"model": model_sd, "optimizer": opt_sd}
 
 
+def _save_strategy():
+    """What NeMo's ``MegatronCheckpointIO`` saves with by default (``ckpt_parallel_save=True``):
+    torch_dist wrapped in megatron's fully parallel save, which spreads the writing of
+    replicated shards over every rank (the multi-rank path numpy 2 broke in megatron 0.15)."""
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist", 1), None, False)
+
+
+def _load_strategy(path: str):
+    """NeMo's default load (``ckpt_parallel_load=True``): each data(-and-context)-parallel
+    rank reads part of the checkpoint and the ranks exchange the rest."""
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+
+    return FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(path),
+                                            parallel_state.get_data_parallel_group(with_context_parallel=True))
+
+
 def save_checkpoint(root: str, step: int, ddp, optimizer, scheduler, layout: Optional[ParallelLayout] = None) -> str:
     """Collective: every rank calls it. Returns the final (complete) directory."""
     import shutil
@@ -686,7 +711,7 @@ def save_checkpoint(root: str, step: int, ddp, optimizer, scheduler, layout: Opt
         "rng_per_rank": rngs,
         "layout": dataclasses.asdict(layout),
     })
-    dist_checkpointing.save(state, partial)
+    dist_checkpointing.save(state, partial, _save_strategy())
     _fault_injection("after_save", step)
     dist.barrier()
     if dist.get_rank() == 0:
@@ -709,7 +734,7 @@ def _load(path: str, ddp, optimizer, scheduler, layout: Optional[ParallelLayout]
                          f"{describe_optimizer(ours)}; megatron reshards across TP/CP/DP but not between optimizer "
                          f"types: set train.distributed_optimizer={str(saved_dist).lower()} (or auto) to resume it")
     template = _state_template(ddp, optimizer, is_loading=True)
-    state = dist_checkpointing.load(template, path)
+    state = dist_checkpointing.load(template, path, _load_strategy(path))
     ddp.module.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
@@ -729,7 +754,8 @@ def _load(path: str, ddp, optimizer, scheduler, layout: Optional[ParallelLayout]
 
 def _fault_injection(point: str, step: int) -> None:
     """Test hook: ``NEMO_SSA_FAULT=<point>:<step>:<seconds>`` sleeps there (a test then kills
-    the process mid-save). Never set in normal runs."""
+    the process mid-save, or a rank after a step: points ``after_save``, ``step_end``).
+    Never set in normal runs."""
     spec = os.environ.get("NEMO_SSA_FAULT")
     if not spec:
         return

@@ -146,6 +146,8 @@ NEGATIVE_CONTROLS = {
     "no_tp_scalar_reduce": ("nemo_ssa.megatron.core_attention", "replicate_over_tp", lambda t, g: t),
     # megatron-core 0.15.3's optimizers as they are
     "no_optimizer_fixes": ("nemo_ssa.megatron.optimizer_fixes", "patch_megatron_optimizer", lambda opt: []),
+    # megatron-core 0.15's dist_checkpointing as it is under numpy 2 (np.product)
+    "no_numpy2_compat": ("nemo_ssa.megatron.compat", "apply_megatron_compat", lambda *a, **k: []),
 }
 
 
@@ -198,6 +200,16 @@ def main(path):
                     raise
     finally:
         if dist.get_rank() == 0:
+            import megatron.core
+            import numpy
+
+            from nemo_ssa.megatron import compat
+
+            results["_env"] = {"numpy": numpy.__version__, "megatron_core": megatron.core.__version__,
+                               "torch": torch.__version__,
+                               "numpy2_shimmed": [m for m in compat.NUMPY2_MODULES
+                                                  if type(getattr(sys.modules.get(m), "np", None)).__name__
+                                                  == "_NumpyWithProduct"]}
             with open(spec["out"], "w") as f:
                 json.dump(results, f, indent=1)
         from megatron.core import parallel_state

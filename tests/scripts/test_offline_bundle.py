@@ -180,3 +180,25 @@ def test_pulp_stub_imports_and_fails_on_use(monkeypatch):
         mod.LpStatus[1]
     with pytest.raises(AttributeError):
         mod.__wrapped__
+
+
+#: the image's numpy (pip list on the 'cuda' image, 2026-11-25): what the bundle runs beside
+IMAGE_NUMPY = "2.5.2"
+
+
+def test_bundle_megatron_runs_beside_the_image_numpy():
+    """The image's numpy is 2.x, which megatron-core 0.15 (the bundle's) does not support on
+    its own (np.product in multi-rank checkpointing): the bundle must keep a megatron-core
+    that nemo_ssa.megatron.compat covers and that tests/megatron/test_compat.py checks under
+    numpy 2 -- the CPU lock's, whose source the compat test scans."""
+    from nemo_ssa.megatron import compat
+
+    bundle = pins(BUNDLE)
+    assert "numpy" not in bundle, "the bundle must not replace the image's numpy"
+    assert int(IMAGE_NUMPY.split(".")[0]) >= 2
+    mc = bundle["megatron-core"]
+    assert pins(LOCK)["megatron-core"] == mc, "test_compat.py scans the lock's megatron-core, not the bundle's"
+    if mc.startswith("0.15."):
+        assert len(compat.NUMPY2_MODULES) == 3
+    overlay = (REPO / "requirements" / "overlays" / "numpy2.txt").read_text()
+    assert re.search(r"^numpy==2\.", overlay, re.M), "the numpy 2 overlay must pin a numpy 2"
