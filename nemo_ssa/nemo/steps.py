@@ -23,7 +23,9 @@ def data_step(dataloader_iter, use_mtp: bool = False) -> Dict[str, torch.Tensor]
     """Next batch with tokens, labels, loss_mask, position_ids on the device.
 
     Unlike NeMo's ``gpt_data_step`` the attention mask is optional (kept when present).
-    Packed (THD) batches are rejected: our core attentions do not support them yet.
+    Packed (THD) batches are rejected: our core attentions do not support them yet. Under
+    context parallel the batch is sliced for this rank like NeMo's (megatron's
+    ``get_batch_on_this_cp_rank``).
     """
     from megatron.core import parallel_state
 
@@ -43,7 +45,12 @@ def data_step(dataloader_iter, use_mtp: bool = False) -> Dict[str, torch.Tensor]
     if parallel_state.is_pipeline_last_stage():
         keys.update(("labels", "loss_mask"))
     out = {k: (_to_device(v) if k in keys else None) for k, v in batch.items() if k in keys}
-    return out
+    # context parallel: this rank's two load-balanced chunks of every sequence, as NeMo's
+    # gpt_data_step does (the core attention gathers K/V and expects exactly these chunks;
+    # without the slice every CP rank trained on whole sequences under chunk positions)
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    return get_batch_on_this_cp_rank(out)
 
 
 def forward_step(model, batch, fused_cross_entropy="auto") -> torch.Tensor:
