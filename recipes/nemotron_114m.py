@@ -141,6 +141,7 @@ def pretrain_recipe(
     context_parallel: int = 1,
     sequence_parallel: bool = False,
     overlap_grad_reduce: Optional[bool] = None,
+    init_on_cpu: bool = False,
     fn=None,
 ) -> run.Partial:
     """Pre-training recipe for the 114M Nemotron with a selectable core attention.
@@ -181,6 +182,11 @@ def pretrain_recipe(
         vocab_size: padded vocabulary; None derives it from the tokenizer.
         num_workers: data-loader workers.
         precision: ``bf16-mixed`` (default), ``16-mixed`` or ``32``.
+        init_on_cpu: initialise the full weights on the CPU from one generator and split
+            them (megatron's ``use_cpu_initialization``): every parallel layout then starts
+            from the identical model. Megatron's GPU initialisation (the default) draws each
+            tensor-parallel shard from that rank's own RNG stream, so a TP2 run starts from
+            another model than TP1 -- a different seed, in effect. For layout parity checks.
         use_distributed_optimizer: shard optimizer state (fp32 master weights, Adam
             moments) across data-parallel ranks. ``None`` (default): on when data parallel
             is > 1, where it saves memory for the same communication volume
@@ -232,6 +238,8 @@ def pretrain_recipe(
                    overlap_grad_reduce=overlap_grad_reduce)
     strategy = recipe.trainer.strategy
     strategy.ckpt_async_save = False
+    if init_on_cpu:
+        recipe.model.config.use_cpu_initialization = True
 
     # Schedule
     recipe.trainer.max_steps = max_steps

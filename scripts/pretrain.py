@@ -186,6 +186,7 @@ def build_recipe(cfg: DictConfig, train: DictConfig, prefix: str, tokenizer_dir:
         vocab_size=cfg.model.get("vocab_size"),
         fused_cross_entropy=cfg.model.get("fused_cross_entropy", "auto"),
         fused_mlp=cfg.model.get("fused_mlp", "auto"),
+        init_on_cpu=bool(cfg.model.get("init_on_cpu", False)),
         num_workers=int(train.get("num_workers", 2)),
         precision=str(train.precision),
         use_distributed_optimizer=_distributed_optimizer(train, cfg, run_dir, resolved.name, cuda),
@@ -237,6 +238,21 @@ def run_gpu(cfg, train, recipe, resolved, run_dir) -> None:
               f" x CP{strategy.context_parallel_size}, distributed optimizer "
               f"{'on' if recipe.optim.config.use_distributed_optimizer else 'off'}", flush=True)
     run.run(recipe, direct=True)
+    _end_process_group()
+
+
+def _end_process_group() -> None:
+    """Leave the NCCL world together. NeMo returns with the process group still up; on two
+    launchers (nodes) the rank whose agent hosts the rendezvous store can exit first, and the
+    other's NCCL watchdog then polls a store that is gone instead of exiting (seen on 2 x
+    H100 with two torchrun processes). A barrier and an explicit destroy end both cleanly."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
 
 
 def run_cpu(cfg, train, recipe, run_dir) -> None:
