@@ -218,3 +218,15 @@ def test_zero_dim_n_is_exempt_through_our_condition():
     assert ours[id(layer.proj.weight)] == 1.0
     default = wd_mult_of(None)  # negative control: megatron's own rule decays a 0-d n
     assert default[id(layer.core_attention.n)] == 1.0
+
+
+def test_init_on_cpu_sets_megatrons_cpu_initialisation(tmp_path):
+    """model.init_on_cpu sets megatron's use_cpu_initialization (the full weight from one CPU
+    generator, then split: the CPU layout tests, which always initialise so, show TP2
+    reproducing one rank); the default keeps megatron's GPU init."""
+    from recipes.nemotron_114m import pretrain_recipe
+
+    on = pretrain_recipe(dir=str(tmp_path / "a"), attention="ssa", max_steps=2, init_on_cpu=True)
+    off = pretrain_recipe(dir=str(tmp_path / "b"), attention="ssa", max_steps=2)
+    assert on.model.config.use_cpu_initialization is True
+    assert not getattr(off.model.config, "use_cpu_initialization", False)
