@@ -3,6 +3,7 @@
 Commands:
     compare   merge/align/plot/gate loss curves (``scripts/compare_losses.py``)
     pretrain  the hydra launcher (``scripts/pretrain.py``; needs the repository checkout)
+    slurm     render the sbatch script of a multi-node pretrain (nemo-run's Slurm executor)
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import runpy
 import sys
 from typing import Optional, Sequence
 
-USAGE = "usage: python -m nemo_ssa {compare,pretrain} [args...]  (see --help of each)"
+USAGE = "usage: python -m nemo_ssa {compare,pretrain,slurm} [args...]  (see --help of each)"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -25,6 +26,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from nemo_ssa.compare import main as compare_main
 
         return compare_main(rest)
+    if cmd == "slurm":
+        from nemo_ssa.nemo.slurm import main as slurm_main
+
+        return slurm_main(rest)
     if cmd == "pretrain":
         script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "pretrain.py")
         if not os.path.isfile(script):

@@ -1,42 +1,26 @@
-"""The two-GPU runs of the parallel paths (DP2, TP2 + sequence parallel, CP2): train, bring
-the small files back, check.
+"""The multi-GPU runs of the parallel paths on one 2-GPU machine: train, bring the small
+files back, check. docs/two-gpu.md has the plan, the device calls and the gates.
 
-Step 1, on a 2-GPU machine (nvidia-h200-x2 or nvidia-h100-x2), two device commands of
-under 9 minutes each (``.whl`` carried; docs/two-gpu.md has the whole call)::
+On a 2-GPU machine (nvidia-h100-x2 / nvidia-h200-x2), one device command per part::
 
-    python scripts/two_gpu.py run --part dp --out $OUT/dp
-    python scripts/two_gpu.py run --part tp_cp --out $OUT/tp_cp
+    python scripts/two_gpu.py run --part dp --out $OUT/dp         # DP2, two launchers + SIGKILL, resumes
+    python scripts/two_gpu.py run --part tp_cp --out $OUT/tp_cp   # TP2+SP stop/resume, TP2 -> 1, CP2
+    python scripts/two_gpu.py run --part speed --out $OUT/speed   # weak-scaling speed on one machine
 
-Step 2, here, on what came back::
+Here, on what came back::
 
-    python scripts/two_gpu.py check <files_at>/dp/two_gpu-dp.tgz <files_at>/tp_cp/two_gpu-tp_cp.tgz \\
+    python scripts/two_gpu.py check <files_at>/dp/two_gpu-dp.tgz <...tp_cp.tgz> <...speed.tgz> \\
         --out docs/results/<date>-two-gpu
 
-``python scripts/two_gpu.py plan`` prints every command of both parts and runs nothing.
+``python scripts/two_gpu.py plan`` prints every command and runs nothing; ``--cpu-smoke``
+runs a part on CPU (gloo, the tiny model, six steps; tests/scripts/test_two_gpu.py).
 
-Every run is the 114M recipe through ``scripts/pretrain.py`` (local corpus, bf16, seq
-1024, ``train=gpu_9min``), 300 steps, seed 1234, global batch 64 of micro batch 32: the
-same per-GPU micro batch at every layout (weak scaling, as Megatron scales), so a 1-GPU
-run accumulates 2 micro batches where DP2 runs one per rank. Two-rank runs are started by
-``torchrun --nproc-per-node=2``. Each part trains its own 1-GPU reference in the same
-command (the one it is judged against):
-
-* ``dp``: ssa_triton and softmax on 1 GPU (side by side, one per GPU), then each at DP2.
-* ``tp_cp``: ssa_triton at TP2 + sequence parallel to step 150 (checkpoint); then, side by
-  side, the 1-GPU reference (GPU 0) and a copy of the TP2 run resumed on one GPU (GPU 1,
-  steps 151-300); then the TP2 run resumed at TP2 to step 300; then ssa_triton at CP2.
-
-The check (exit 1 if a gate fails; tables in ``<out>/two_gpu.md``):
-
-* loss: each 2-GPU run against its part's 1-GPU run, EMA 0.9 curves from step 50, max |Δ|
-  0.05 (scripts/parity.py's gate; the seed-to-seed band of this corpus is wider, 0.13 mean);
-  the TP2 -> 1-GPU resume against the 1-GPU run with Megatron's golden rtol 0.05 per step;
-* n: every rank's n per layer bit-identical at the end (``ranks/rank_*.json``, written by
-  every rank), and the TP2 checkpoint's saved n equal to rank 0's;
-* speed: DP2 tokens/s >= 1.8x its 1-GPU run (median step rate); TP2 and CP2 reported.
-
-``--cpu-smoke`` runs the same plan on CPU (gloo, the tiny model, a few steps, no speed
-gate): tests/scripts/test_two_gpu.py runs it, so the GPU command is not its first run.
+Every run is the 114M recipe through ``scripts/pretrain.py`` (local corpus, bf16, seq 1024,
+``train=gpu_9min``, ``model.init_on_cpu=true``), 200 steps, seed 1234, global batch 64 of
+micro batch 32, so every layout trains on the same samples in the same order (one GPU
+accumulates two micro batches). The "two nodes" are two ``torchrun --nnodes=2`` launchers
+with one GPU each and a c10d rendezvous on localhost; one of them loses a rank to SIGKILL
+mid-run and both resume from the last complete checkpoint.
 """
 
 from __future__ import annotations
@@ -46,6 +30,7 @@ import csv
 import glob
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -58,11 +43,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:] = [REPO] + [p for p in sys.path if os.path.abspath(p or ".") != REPO]
 
-STEPS, STOP = 300, 150
+STEPS, STOP = 200, 100
+KILL_AT = 130  # the two-node run: global rank 1 SIGKILLed once step >= KILL_AT (checkpoint every STOP)
 SEED = 1234
 GPU_COMMON = ["train=gpu_9min", f"train.max_steps={STEPS}", "train.micro_batch_size=32", "train.global_batch_size=64",
-              "train.val_check_interval=150", "train.limit_val_batches=1", "compare_to=[]", f"seed={SEED}"]
+              f"train.val_check_interval={STOP}", "train.limit_val_batches=1", "compare_to=[]", f"seed={SEED}",
+              "model.init_on_cpu=true"]  # every layout starts from the identical weights
 CPU_STEPS, CPU_STOP = 6, 3
+CPU_KILL_AT = 5
 CPU_COMMON = [f"train.max_steps={CPU_STEPS}", "train.seq_length=32", "train.micro_batch_size=2",
               "train.global_batch_size=4", "train.log_every_n_steps=1", "model.cpu_arch.hidden_size=32",
               "model.cpu_arch.ffn_hidden_size=64", "data.vocab_size=512", "data.max_bytes=400000",
@@ -70,21 +58,40 @@ CPU_COMMON = [f"train.max_steps={CPU_STEPS}", "train.seq_length=32", "train.micr
 KEEP = ("metrics.csv", "summary.json", "config.yaml", "complete.json", "cpu_run.json")
 MAX_DELTA, EMA, FROM_STEP, GOLDEN_RTOL, DP_SPEEDUP = 0.05, 0.9, 50, 0.05, 1.8
 REFERENCE_OF = {"ssa-dp2": "ssa-1gpu", "softmax-dp2": "softmax-1gpu", "ssa-tp2sp": "ssa-1gpu",
-                "ssa-cp2": "ssa-1gpu"}
-RESUMED = {"ssa-tp2to1": "ssa-1gpu"}
+                "ssa-cp2": "ssa-1gpu", "ssa-2node": "ssa-1gpu"}
+RESUMED = {"ssa-tp2to1": "ssa-1gpu", "ssa-dp2to1": "ssa-1gpu"}
+KILLED = ("ssa-2node",)
+#: 1-GPU runs at the per-GPU batch of a DP2 step (global batch 32 = one micro batch): the
+#: weak-scaling speed reference of each DP2 run
+SPEED_REF_OF = {"ssa-dp2-speed": "ssa-1gpu-b32", "softmax-dp2": "softmax-1gpu-b32"}
 
 
 # ----------------------------------------------------------------------------- plan
 
 class Job:
-    """Launches run one after another in one run directory, on the GPUs in ``gpus``."""
+    """Launches run one after another in one run directory, on the GPUs in ``gpus``.
 
-    def __init__(self, label: str, launches: List[List[str]], gpus: str, copy_from: Optional[str] = None):
+    ``run`` names the run directory (default: the label); the two launcher processes of a
+    two-node run are two jobs of one stage with one run directory. ``kill`` = (global rank,
+    step): once the run's log shows that step, that rank's worker gets SIGKILL, and jobs of
+    the stage still alive 30 s later are ended as a scheduler ends a job whose task died
+    (``expect_fail``: the launch is meant to die)."""
+
+    def __init__(self, label: str, launches: List[List[str]], gpus: str, copy_from: Optional[str] = None,
+                 run: Optional[str] = None, kill: Optional[Tuple[int, int]] = None, expect_fail: bool = False):
         self.label, self.launches, self.gpus, self.copy_from = label, launches, gpus, copy_from
+        self.run, self.kill, self.expect_fail = run or label, kill, expect_fail
 
 
-def _pretrain(world: int, overrides: List[str]) -> List[str]:
+def _pretrain(world: int, overrides: List[str], nodes: Optional[Tuple[int, int, str]] = None) -> List[str]:
+    """``nodes`` = (node rank, port, rendezvous id): one of two launcher processes of a
+    two-node run (one GPU each), rendezvous over c10d on localhost as on a cluster."""
     script = os.path.join(REPO, "scripts", "pretrain.py")
+    if nodes is not None:
+        node_rank, port, rdzv_id = nodes
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node_rank}",
+                "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}",
+                f"--rdzv-id={rdzv_id}", script, "train.num_nodes=2", "train.num_gpus_per_node=1", *overrides]
     if world == 1:
         return [sys.executable, script, *overrides]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", script,
@@ -95,35 +102,62 @@ def plan(part: str, scratch: str, cpu: bool, extra: Sequence[str] = ()) -> List[
     """Stages of jobs: the jobs of a stage run side by side, stages one after another."""
     common = (CPU_COMMON if cpu else GPU_COMMON) + list(extra)
     steps, stop = (CPU_STEPS, CPU_STOP) if cpu else (STEPS, STOP)
+    kill_at = CPU_KILL_AT if cpu else KILL_AT
     ssa = "ssa" if cpu else "ssa_triton"  # on CPU `ssa` runs the reference kernel; same parameters
 
-    def run(label, world, attention, *extra):
+    def run(label, world, attention, *extra, nodes=None):
         return _pretrain(world, [f"attention={attention}", f"run_dir={os.path.join(scratch, label)}",
-                                 *common, *extra])
+                                 *common, *extra], nodes=nodes)
 
     if part == "dp":
+        ck = f"train.ckpt_every_n_steps={stop}"
+
+        def two_nodes(port, *extra, kill=None):
+            # one launcher per "node", one GPU each; the same run directory (a shared filesystem)
+            return [Job("ssa-2node", [run("ssa-2node", 2, ssa, ck, *extra, nodes=(0, port, "ssa-2node"))], "0",
+                        kill=kill, expect_fail=kill is not None),
+                    Job("ssa-2node.n1", [run("ssa-2node", 2, ssa, ck, *extra, nodes=(1, port, "ssa-2node"))], "1",
+                        run="ssa-2node", expect_fail=kill is not None)]
+
         return [
             [Job("ssa-1gpu", [run("ssa-1gpu", 1, ssa)], "0"),
              Job("softmax-1gpu", [run("softmax-1gpu", 1, "softmax")], "1")],
             [Job("ssa-dp2", [run("ssa-dp2", 2, ssa)], "0,1")],
+            # two nodes, distributed optimizer (DP2); rank 1 killed after the step-`stop` checkpoint
+            two_nodes(29631, kill=(1, kill_at)),
+            # the same two nodes resume; beside them, a copy of the killed run's DP2 checkpoint
+            # resumes on one GPU (the distributed optimizer resharded DP2 -> DP1)
+            two_nodes(29632, "resume=true")
+            + [Job("ssa-dp2to1", [run("ssa-dp2to1", 1, ssa, ck, "resume=true")], "0", copy_from="ssa-2node")],
+        ]
+    if part == "speed":
+        # weak scaling on one machine: 1 GPU at the per-GPU work of a DP2 step (one micro
+        # batch of 32, then the optimizer) against DP2 (global batch 64); softmax-dp2 also
+        # runs the whole schedule for its loss gate against the dp part's softmax-1gpu
+        ref = [f"train.global_batch_size={2 if cpu else 32}", f"train.max_steps={stop}"]
+        return [
+            [Job("ssa-1gpu-b32", [run("ssa-1gpu-b32", 1, ssa, *ref)], "0"),
+             Job("softmax-1gpu-b32", [run("softmax-1gpu-b32", 1, "softmax", *ref)], "1")],
+            [Job("ssa-dp2-speed", [run("ssa-dp2-speed", 2, ssa, f"train.max_steps={stop}")], "0,1")],
             [Job("softmax-dp2", [run("softmax-dp2", 2, "softmax")], "0,1")],
         ]
     if part == "tp_cp":
         tp = ["train.tensor_parallel=2", "train.sequence_parallel=true"]
         first = [f"stop_after={stop}", f"train.ckpt_every_n_steps={stop}"]
+        # the 1-GPU loss reference is the dp part's ssa-1gpu (same recipe, seed and data order);
+        # here, beside the TP2 resume, the checkpoint's copy resumes on one GPU
         return [
             [Job("ssa-tp2sp", [run("ssa-tp2sp", 2, ssa, *tp, *first)], "0,1")],
-            [Job("ssa-1gpu", [run("ssa-1gpu", 1, ssa)], "0"),
+            [Job("ssa-tp2sp", [run("ssa-tp2sp", 2, ssa, *tp, f"train.ckpt_every_n_steps={stop}", "resume=true")],
+                 "0,1"),
              Job("ssa-tp2to1", [run("ssa-tp2to1", 1, ssa, f"train.ckpt_every_n_steps={stop}", "resume=true")], "1",
                  copy_from="ssa-tp2sp")],
-            [Job("ssa-tp2sp", [run("ssa-tp2sp", 2, ssa, *tp, f"train.ckpt_every_n_steps={stop}", "resume=true")],
-                 "0,1")],
             [Job("ssa-cp2", [run("ssa-cp2", 2, ssa, "train.context_parallel=2")], "0,1")],
         ]
     raise SystemExit(f"unknown part {part!r}: dp or tp_cp")
 
 
-PARTS = ("dp", "tp_cp")
+PARTS = ("dp", "tp_cp", "speed")
 
 
 # ----------------------------------------------------------------------------- run
@@ -140,15 +174,34 @@ def _checkpoint_of(run_dir: str) -> Optional[str]:
     return latest_checkpoint(os.path.join(run_dir, "checkpoints"))
 
 
-def _collect(run_dir: str, dest: str, log: str) -> None:
+def checkpoints_of(run_dir: str) -> List[Dict]:
+    """Every checkpoint directory of a run (NeMo's or the CPU loop's): name, step, complete."""
+    from nemo_ssa.megatron.checkpoints import is_complete
+
+    found = []
+    for d in sorted(glob.glob(os.path.join(run_dir, "*", "checkpoints", "*"))
+                    + glob.glob(os.path.join(run_dir, "checkpoints", "*"))):
+        if not os.path.isdir(d):
+            continue
+        m = re.search(r"step[=_](\d+)", os.path.basename(d))
+        weights = os.path.join(d, "weights")
+        found.append({"name": os.path.basename(d), "step": int(m.group(1)) if m else None,
+                      "complete": is_complete(weights if os.path.isdir(weights) else d)})
+    return found
+
+
+def _collect(run_dir: str, dest: str, logs: Sequence[str]) -> None:
     os.makedirs(dest, exist_ok=True)
     for name in KEEP:
         if os.path.isfile(os.path.join(run_dir, name)):
             shutil.copy2(os.path.join(run_dir, name), os.path.join(dest, name))
     if os.path.isdir(os.path.join(run_dir, "ranks")):
         shutil.copytree(os.path.join(run_dir, "ranks"), os.path.join(dest, "ranks"), dirs_exist_ok=True)
-    if os.path.isfile(log):
-        shutil.copy2(log, os.path.join(dest, "launch.log"))
+    for i, log in enumerate(logs):
+        if os.path.isfile(log):
+            shutil.copy2(log, os.path.join(dest, "launch.log" if i == 0 else f"launch-{i}.log"))
+    with open(os.path.join(dest, "checkpoints.json"), "w") as f:
+        json.dump(checkpoints_of(run_dir), f, indent=1)
     ckpt = _checkpoint_of(run_dir)
     if ckpt:
         from nemo_ssa.megatron.checkpoints import read_ssa_scalars
@@ -172,37 +225,56 @@ def run(args) -> int:
     os.makedirs(out, exist_ok=True)
     data_dir = args.data_dir or (os.path.join(scratch, "corpus") if args.cpu_smoke else None)
     stages = plan(args.part, scratch, args.cpu_smoke, [f"data.dir={data_dir}"] if data_dir else [])
+    if args.only:
+        keep = set(args.only.split(","))
+        stages = [st for st in ([j for j in stage if j.label in keep] for stage in stages) if st]
     t_start = time.time()
     deadline = t_start + args.budget
-    table: List[Tuple[str, int, float]] = []
+    table: List[Dict] = []
     env_base = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     _prepare_corpus(args.cpu_smoke, data_dir)
     for stage in stages:
-        procs = []
+        if time.time() > deadline - 30:
+            print(f"[two_gpu] budget spent: stage {[j.label for j in stage]} not started", flush=True)
+            table += [{"label": j.label, "rc": None, "seconds": 0.0, "skipped": True} for j in stage]
+            continue
         for job in stage:
             if job.copy_from:
-                shutil.copytree(os.path.join(scratch, job.copy_from), os.path.join(scratch, job.label),
-                                dirs_exist_ok=True)
+                dest = os.path.join(scratch, job.run)
+                shutil.copytree(os.path.join(scratch, job.copy_from), dest, dirs_exist_ok=True)
                 # the copy is its own run: its rank files must come from its own launch
-                shutil.rmtree(os.path.join(scratch, job.label, "ranks"), ignore_errors=True)
+                shutil.rmtree(os.path.join(dest, "ranks"), ignore_errors=True)
+        running = []
+        for job in stage:
             env = dict(env_base)
             if not args.cpu_smoke:
                 env["CUDA_VISIBLE_DEVICES"] = job.gpus
-            procs.append((job, env))
-        running = []
-        for job, env in procs:
+            elif job.kill:  # the tiny CPU run is over in seconds: hold every rank after the kill step
+                env["NEMO_SSA_FAULT"] = f"step_end:{job.kill[1]}:120"
             log = os.path.join(out, f"{job.label}.log")
-            running.append((job, env, log, _start(job, env, log)))
-        for job, env, log, proc in running:
-            rc, seconds = _wait(job, env, log, proc, deadline)
-            table.append((job.label, rc, seconds))
-            print(f"[two_gpu] {job.label}: rc {rc} in {seconds:.0f} s", flush=True)
-    for label in sorted({j.label for stage in stages for j in stage}):
-        _collect(os.path.join(scratch, label), os.path.join(out, label), os.path.join(out, f"{label}.log"))
+            running.append((job, log, _start(job, env, log)))
+        kills = [_watch_and_kill(job, log, [r[2] for r in running], grace=10 if args.cpu_smoke else 30)
+                 for job, log, _ in running if job.kill]
+        for job, log, started in running:
+            rc, seconds = _wait(job, log, started, deadline)
+            row = {"label": job.label, "run": job.run, "rc": rc, "seconds": seconds, "expect_fail": job.expect_fail}
+            for k in kills:
+                k.join()
+                if k.job is job:
+                    row["kill"] = k.record
+            table.append(row)
+            print(f"[two_gpu] {job.label}: rc {rc} in {seconds:.0f} s" + (" (expected to die)" if job.expect_fail
+                                                                            else ""), flush=True)
+    for run_label in sorted({j.run for stage in stages for j in stage}):
+        logs = [os.path.join(out, f"{j.label}.log") for stage in stages for j in stage if j.run == run_label]
+        _collect(os.path.join(scratch, run_label), os.path.join(out, run_label), logs)
     with open(os.path.join(out, "runs.json"), "w") as f:
         json.dump({"part": args.part, "cpu_smoke": args.cpu_smoke, "seconds": time.time() - t_start,
-                   "jobs": [{"label": lab, "rc": rc, "seconds": s} for lab, rc, s in table],
-                   "plan": [[{"label": j.label, "gpus": j.gpus, "launches": j.launches} for j in st] for st in stages]},
+                   "max_steps": CPU_STEPS if args.cpu_smoke else STEPS,
+                   "ckpt_every": CPU_STOP if args.cpu_smoke else STOP,
+                   "jobs": table,
+                   "plan": [[{"label": j.label, "run": j.run, "gpus": j.gpus, "launches": j.launches,
+                              "kill": j.kill} for j in st] for st in stages]},
                   f, indent=1)
     tgz = os.path.join(out, f"two_gpu-{args.part}.tgz")
     with tarfile.open(tgz, "w:gz") as tar:
@@ -214,10 +286,120 @@ def run(args) -> int:
         if not name.endswith(".tgz") and name != "runs.json":
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     print("\n| job | rc | s |\n|---|---|---|")
-    for lab, rc, s in table:
-        print(f"| {lab} | {rc} | {s:.0f} |")
+    for row in table:
+        print(f"| {row['label']} | {row['rc']}{' (expected to die)' if row.get('expect_fail') else ''} | "
+              f"{row['seconds']:.0f} |")
     print(f"[two_gpu] part {args.part}: {time.time() - t_start:.0f} s; logs in {tgz}", flush=True)
-    return 0 if all(rc == 0 for _, rc, _ in table) else 1
+    ok = all((row["rc"] not in (0, None)) if row.get("expect_fail") else row["rc"] == 0 for row in table)
+    return 0 if ok else 1
+
+
+_STEP_IN_LOG = re.compile(r"(?:global_step[:=]\s*|\[cpu\] step\s+)(\d+)")
+
+
+def _log_step(log: str) -> int:
+    """The highest training step a launch log shows (NeMo's progress line or the CPU loop's)."""
+    try:
+        with open(log, errors="replace") as f:
+            found = _STEP_IN_LOG.findall(f.read())
+    except OSError:
+        return -1
+    return max((int(x) for x in found), default=-1)
+
+
+def _descendants(pid: int) -> List[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                kids = [int(x) for x in f.read().split()]
+        except OSError:
+            kids = []
+        out += kids
+        todo += kids
+    return out
+
+
+def _env_of(pid: int) -> Dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            pairs = f.read().split(b"\0")
+    except OSError:
+        return {}
+    return dict(p.decode(errors="replace").split("=", 1) for p in pairs if b"=" in p)
+
+
+def rank_worker(roots: Sequence[int], rank: int) -> Optional[int]:
+    """The pid of the training worker of global ``rank`` under the launcher processes
+    ``roots``: the topmost process whose environment has ``RANK=<rank>`` (its data-loader
+    workers inherit the variable; the launcher agent has none)."""
+    for root in roots:
+        procs = _descendants(root)
+        ranked = {p for p in procs if _env_of(p).get("RANK") == str(rank) and "LOCAL_RANK" in _env_of(p)}
+        for p in procs:
+            if p in ranked:
+                try:
+                    with open(f"/proc/{p}/stat") as f:
+                        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                except OSError:
+                    continue
+                if ppid not in ranked:
+                    return p
+    return None
+
+
+class _Killer:
+    """Waits for ``job.kill``'s step in the stage's logs, SIGKILLs that rank's worker, then
+    ends (SIGKILL to the process group) every job of the stage still alive after ``grace``
+    seconds -- what a scheduler does to a job whose task died. ``record`` says what happened."""
+
+    def __init__(self, job: Job, log: str, started, grace: float):
+        import threading
+
+        self.job, self.log, self.started, self.grace = job, log, started, grace
+        self.record: Dict = {"rank": job.kill[0], "at_step": job.kill[1]}
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def join(self):
+        self._thread.join()
+
+    def _run(self):
+        import signal
+
+        rank, at = self.job.kill
+        logs = sorted(glob.glob(os.path.join(os.path.dirname(self.log), f"{self.job.run}*.log")))
+        procs = [s[0] for s in self.started]
+        while all(p.poll() is None for p in procs):
+            seen = max((_log_step(log) for log in logs), default=-1)
+            if seen >= at:
+                pid = rank_worker([p.pid for p in procs], rank)
+                if pid is None:
+                    self.record["error"] = f"no worker with RANK={rank} found"
+                    break
+                os.kill(pid, signal.SIGKILL)
+                self.record.update(killed_pid=pid, seen_step=seen, t=time.time())
+                print(f"[two_gpu] SIGKILL to rank {rank} (pid {pid}) at step {seen}", flush=True)
+                break
+            time.sleep(0.5)
+        else:
+            self.record["error"] = "the launch ended before the kill step"
+            return
+        t_end = time.time() + self.grace
+        while time.time() < t_end and any(p.poll() is None for p in procs):
+            time.sleep(0.5)
+        alive = [p for p in procs if p.poll() is None]
+        self.record["ended_by_themselves"] = not alive
+        for p in alive:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _watch_and_kill(job: Job, log: str, started, grace: float) -> _Killer:
+    return _Killer(job, log, started, grace)
 
 
 def _prepare_corpus(cpu: bool, data_dir: Optional[str]) -> None:
@@ -244,7 +426,7 @@ def _start(job: Job, env: Dict[str, str], log: str):
                             start_new_session=True), f, time.time()
 
 
-def _wait(job, env, log, started, deadline) -> Tuple[int, float]:
+def _wait(job, log, started, deadline) -> Tuple[int, float]:
     import signal
 
     proc, f, t0 = started
@@ -273,9 +455,45 @@ def _unpack(paths: Sequence[str], into: str) -> Dict[str, str]:
             path = dest
         meta = os.path.join(path, "runs.json")
         part = json.load(open(meta))["part"] if os.path.isfile(meta) else f"part{i}"
-        runs[part] = {d: os.path.join(path, d) for d in sorted(os.listdir(path))
-                      if os.path.isfile(os.path.join(path, d, "metrics.csv"))}
+        # a later archive of the same part (a re-run of some of its jobs) adds to it
+        runs.setdefault(part, {}).update({d: os.path.join(path, d) for d in sorted(os.listdir(path))
+                                          if os.path.isfile(os.path.join(path, d, "metrics.csv"))})
+        m = json.load(open(meta)) if os.path.isfile(meta) else {}
+        prev = _META.setdefault(part, {})
+        prev.update({k: v for k, v in m.items() if k != "jobs"})
+        prev["jobs"] = prev.get("jobs", []) + m.get("jobs", [])
     return runs
+
+
+_META: Dict[str, Dict] = {}  # runs.json of each unpacked part
+
+
+def check_killed(run_dir: str, meta: Dict, label: str) -> Tuple[bool, str]:
+    """A run whose rank was SIGKILLed and then resumed lost nothing beyond its last complete
+    checkpoint: the kill happened (the launch died), the resumed segment starts right after
+    the newest checkpoint taken before the kill, and runs to the end of the schedule."""
+    rows = [r for r in meta.get("jobs", []) if r.get("label") == label and r.get("kill")]
+    if not rows:
+        return False, "no kill recorded in runs.json"
+    kill = rows[0]["kill"]
+    if "killed_pid" not in kill:
+        return False, f"the kill did not happen: {kill.get('error', kill)}"
+    if rows[0].get("rc") == 0:
+        return False, "the killed launch exited 0"
+    every, steps = int(meta.get("ckpt_every") or 0), int(meta.get("max_steps") or 0)
+    if not every or not steps:
+        return False, "runs.json lacks ckpt_every / max_steps"
+    last_ckpt = every * (int(kill["seen_step"]) // every)
+    segs: Dict[int, List[int]] = {}
+    for r in csv.DictReader(open(os.path.join(run_dir, "metrics.csv"))):
+        segs.setdefault(int(r.get("segment") or 1), []).append(int(r["step"]))
+    if len(segs) < 2:
+        return False, f"{len(segs)} segment(s) in metrics.csv: no resumed launch"
+    first, last = min(segs[max(segs)]), max(segs[max(segs)])
+    detail = (f"rank {kill['rank']} SIGKILLed at step {kill['seen_step']} (the other launcher "
+              f"{'ended by itself' if kill.get('ended_by_themselves') else 'ended by the teardown'}); "
+              f"last checkpoint {last_ckpt}; resumed segment: steps {first}-{last}")
+    return first == last_ckpt + 1 and last == steps, detail
 
 
 def _rate(run_dir: str) -> Optional[float]:
@@ -333,12 +551,22 @@ def check(args) -> int:
         ok &= bool(passed)
         rows.append((name, "PASS" if passed else "FAIL", detail))
 
-    for part, runs in parts.items():
+    def find(runs, label):
+        """This part's run, else the same run of another part (one 1-GPU reference serves all)."""
+        if label in runs:
+            return runs[label]
+        return next((r[label] for r in parts.values() if label in r), None)
+
+    for part, own in parts.items():
+        runs = dict(own)
+        for label in set(REFERENCE_OF.values()) | set(RESUMED.values()) | set(SPEED_REF_OF.values()):
+            if label not in runs and find(own, label):
+                runs[label] = find(own, label)
         for run_label, ref_label in REFERENCE_OF.items():
             if run_label not in runs:
                 continue
             if ref_label not in runs:
-                gate(f"{part}: {run_label} loss", False, f"no {ref_label} in this part")
+                gate(f"{part}: {run_label} loss", False, f"no {ref_label} in any part")
                 continue
             out = os.path.join(args.out, part, f"{run_label}_vs_{ref_label}")
             rc = compare_main([f"{ref_label}={runs[ref_label]}", f"{run_label}={runs[run_label]}",
@@ -352,27 +580,44 @@ def check(args) -> int:
                 out = os.path.join(args.out, part, f"{run_label}_resume")
                 rc = compare_main([f"{ref_label}={runs[ref_label]}", f"{run_label}={runs[run_label]}",
                                    "--gate", f"{run_label}={ref_label}", "--rtol", str(GOLDEN_RTOL), "--ema", "0",
-                                   "--out", out, "--title", f"TP2 checkpoint resumed on 1 GPU vs {ref_label}"]
+                                   "--out", out, "--title", f"{run_label}: checkpoint resumed on 1 GPU vs {ref_label}"]
                                   + (["--no-plot"] if args.no_plot else []))
                 segs = sorted({r.get("segment") for r in csv.DictReader(open(os.path.join(runs[run_label], "metrics.csv")))})
                 gate(f"{part}: {run_label} resume", rc == 0 and len(segs) >= 2,
                      f"raw loss, rtol {GOLDEN_RTOL} per step; {len(segs)} segment(s) in its metrics.csv")
-        for label, run_dir in runs.items():
-            if label.endswith("1gpu") and label != "ssa-tp2to1":
+        for label in KILLED:
+            if label in runs:
+                passed, detail = check_killed(runs[label], _META.get(part, {}), label)
+                gate(f"{part}: {label} SIGKILL and resume", passed, detail)
+        for label, run_dir in own.items():
+            if label.endswith("1gpu") and label not in RESUMED:
                 continue
             passed, detail = check_ranks(run_dir)
             gate(f"{part}: {label} n on every rank", passed, detail)
-        for label, run_dir in runs.items():
+        for label, run_dir in own.items():
+            weak = SPEED_REF_OF.get(label)
+            if weak is not None:
+                # weak scaling, one machine: each GPU does per step what the 1-GPU run does
+                r, r1 = _rate(run_dir), (_rate(own[weak]) if weak in own else None)
+                ratio = (r / r1) if (r and r1) else None
+                detail = (f"{r or float('nan'):,.0f} vs {r1 or float('nan'):,.0f} tokens/s of {weak} "
+                          f"({ratio or float('nan'):.2f}x)" if weak in own else f"no {weak} in this part "
+                          "(the reference must run on the same machine)")
+                if args.no_speed_gate:
+                    rows.append((f"{part}: {label} speed", "reported", detail))
+                else:
+                    gate(f"{part}: {label} speed >= {DP_SPEEDUP}x one GPU", ratio is not None
+                         and ratio >= DP_SPEEDUP, detail)
+                continue
             ref = REFERENCE_OF.get(label)
             if ref is None or ref not in runs:
                 continue
             r, r1 = _rate(run_dir), _rate(runs[ref])
             ratio = (r / r1) if (r and r1) else None
-            detail = f"{r or float('nan'):,.0f} vs {r1 or float('nan'):,.0f} tokens/s ({ratio or float('nan'):.2f}x)"
-            if label.endswith("dp2") and not args.no_speed_gate:
-                gate(f"{part}: {label} speed >= {DP_SPEEDUP}x", ratio is not None and ratio >= DP_SPEEDUP, detail)
-            else:
-                rows.append((f"{part}: {label} speed", "reported", detail))
+            same = "" if ref in own else " (another machine)"
+            rows.append((f"{part}: {label} speed", "reported",
+                         f"{r or float('nan'):,.0f} vs {r1 or float('nan'):,.0f} tokens/s of {ref}{same} "
+                         f"({ratio or float('nan'):.2f}x)"))
     lines = ["| check | result | detail |", "|---|---|---|"] + [f"| {a} | {b} | {c} |" for a, b, c in rows]
     text = "\n".join(lines)
     with open(os.path.join(args.out, "two_gpu.md"), "w") as f:
@@ -395,8 +640,9 @@ def main(argv=None) -> int:
     r.add_argument("--part", choices=PARTS, required=True)
     r.add_argument("--out", required=True)
     r.add_argument("--scratch", default=None, help="run directories and checkpoints (default: a temp dir)")
-    r.add_argument("--budget", type=float, default=500.0, help="seconds for the whole part (jobs killed at it)")
+    r.add_argument("--budget", type=float, default=560.0, help="seconds for the whole part (jobs killed at it)")
     r.add_argument("--cpu-smoke", action="store_true", help="the same plan on CPU: tiny model, gloo, few steps")
+    r.add_argument("--only", default=None, help="comma-separated job labels: run just these (a re-run of a part)")
     r.add_argument("--data-dir", default=None, help="corpus directory (default: the config's; --cpu-smoke: in scratch)")
     p = sub.add_parser("plan", help="print the commands of every part, run nothing")
     p.add_argument("--cpu-smoke", action="store_true")
