@@ -1,0 +1,114 @@
+"""Scaling on paper: expected tokens/s per GPU of the 114M recipe at 8, 64 and 512 GPUs,
+from the step times measured on one and two H100s and Megatron's communication volumes.
+
+    python benchmarks/scaling_model.py                 # the table with the 2026-11-25 inputs
+    python benchmarks/scaling_model.py --json          # the same as JSON
+
+Model (every assumption is an argument; the defaults are the measured or stated values in
+docs/results/2026-11-25-two-gpu/README.md):
+
+* one optimizer step per GPU = one micro batch of 32 x 1024 tokens (weak scaling, global
+  batch = 32 x data-parallel size), as Megatron scales;
+* ``t_step(N) = t_1 + h_dp + exposed(comm(N))``: ``t_1`` the 1-GPU step at global batch 32,
+  ``h_dp`` what data parallel adds on two GPUs of one node besides the transfer itself (the
+  measured DP2 step minus ``t_1`` minus its modelled transfer), and the gradient (and, with
+  the distributed optimizer, parameter) collectives;
+* volumes per step, P parameters, gradients reduced in fp32, bf16 parameters:
+  DDP all-reduce ``2 (N-1)/N * 4P`` bytes; distributed optimizer reduce-scatter
+  ``(N-1)/N * 4P`` + all-gather ``(N-1)/N * 2P``; a ring's time is volume / bus bandwidth
+  plus ``2 (N-1)`` hops of latency (NCCL's trees cut that at scale: an upper bound);
+* bus bandwidth: NVLink within a node (measured 329-361 GB/s for a 1 GiB all-reduce on the
+  lent 2/8-GPU H100 hosts), the network between nodes (400 Gb/s per GPU, 8 NICs per node as
+  on a DGX H100: 50 GB/s, 45 GB/s reached by NCCL);
+* overlap: megatron overlaps the gradient reduce-scatter / all-reduce with the backward
+  (``overlap_grad_reduce``, on with DP > 1) bucket by bucket; what stays exposed is the last
+  bucket's share (``--exposed``, default 1/3: three 40M-element buckets of a 114M model), and
+  the parameter all-gather is not overlapped (``overlap_param_gather`` is off in the recipe);
+* tensor parallel: the measured TP2+SP step (two GPUs, same global batch), then data
+  parallel across TP groups on the remaining GPUs with the gradient volume divided by TP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Dict, List
+
+#: measured on H100s, 2026-11-25 (docs/results/2026-11-25-two-gpu): seconds per optimizer step
+MEASURED = {
+    "t1_b32": 32768 / 350_525,   # ssa_triton, 1 GPU, global batch 32 (one micro batch)
+    "t_dp2": 65536 / 611_591,    # ssa_triton, DP2 over two launchers, distributed optimizer (before the kill)
+    "t_tp2": 65536 / 316_897,    # ssa_triton, TP2 + SP, global batch 64 (two micro batches), steps 1-100
+    "t1_b64": 65536 / 379_476,   # ssa_triton, 1 GPU, global batch 64 (two micro batches)
+}
+PARAMS = 114_169_344
+
+
+def ring_time(volume_bytes: float, hops: int, busbw: float, hop_latency: float) -> float:
+    """Seconds for a ring collective: per-GPU traffic over the bus bandwidth plus its hops."""
+    return volume_bytes / busbw + hops * hop_latency
+
+
+def dp_comm(n: int, params: int, dist_opt: bool, busbw: float, hop_latency: float, exposed: float) -> float:
+    """Exposed seconds per step of DP gradient (+ parameter) collectives over ``n`` ranks."""
+    if n <= 1:
+        return 0.0
+    frac = (n - 1) / n
+    if dist_opt:
+        rs = ring_time(frac * 4 * params, n - 1, busbw, hop_latency)  # fp32 gradients, reduce-scatter
+        ag = ring_time(frac * 2 * params, n - 1, busbw, hop_latency)  # bf16 parameters, all-gather
+        return exposed * rs + ag
+    return exposed * ring_time(2 * frac * 4 * params, 2 * (n - 1), busbw, hop_latency)
+
+
+def table(gpus: List[int], a) -> List[Dict]:
+    m = MEASURED
+    intra = a.nvlink_gbs * 1e9
+    inter = a.network_gbs * 1e9
+
+    def bw(n):
+        return intra if n <= a.gpus_per_node else inter
+
+    # DP overhead besides the transfer, from the measured DP2 step (distributed optimizer)
+    h_dp = m["t_dp2"] - m["t1_b32"] - dp_comm(2, PARAMS, True, intra, a.hop_latency_s, a.exposed)
+    rows = []
+    for n in gpus:
+        row = {"gpus": n}
+        for name, dist_opt in (("dp_distopt", True), ("dp_ddp", False)):
+            t = m["t1_b32"] + h_dp + dp_comm(n, PARAMS, dist_opt, bw(n), a.hop_latency_s, a.exposed)
+            row[name] = 32768 / t
+        # TP2 groups inside a node, DP over n/2 of them (gradients of P/2 per rank)
+        dp = n // 2
+        t_tp = m["t_tp2"] / 2 + dp_comm(dp, PARAMS // 2, True, bw(n), a.hop_latency_s, a.exposed)
+        row["tp2_dp"] = 32768 / t_tp / 2  # one micro batch per TP group per step, over its 2 GPUs
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gpus", default="2,8,64,512")
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--nvlink-gbs", type=float, default=330.0, help="NVLink bus bandwidth, GB/s")
+    ap.add_argument("--network-gbs", type=float, default=45.0, help="per-GPU network bus bandwidth, GB/s")
+    ap.add_argument("--hop-latency-s", type=float, default=5e-6)
+    ap.add_argument("--exposed", type=float, default=1 / 3, help="share of the gradient reduce not hidden")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    rows = table([int(g) for g in a.gpus.split(",")], a)
+    if a.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    one = 32768 / MEASURED["t1_b32"]
+    print(f"1 GPU (global batch 32): {one:,.0f} tokens/s\n")
+    print("| GPUs | DP + distributed optimizer | DP, plain DDP | TP2+SP x DP |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['gpus']} | {r['dp_distopt']:,.0f} ({r['dp_distopt'] / one:.2f}) | "
+              f"{r['dp_ddp']:,.0f} ({r['dp_ddp'] / one:.2f}) | {r['tp2_dp']:,.0f} ({r['tp2_dp'] / one:.2f}) |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
