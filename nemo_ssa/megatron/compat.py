@@ -11,8 +11,15 @@
 
 With numpy 2 (the GPU image has 2.5) a run on several ranks trains and then dies at its
 first checkpoint with ``AttributeError: module 'numpy' has no attribute 'product'``.
-megatron-core 0.16 calls ``np.prod``, but NeMo 2.7.3's training path does not run on 0.16
-(it passes ``get_megatron_optimizer`` arguments 0.16 removed), so the fix lives here.
+megatron-core 0.16 calls ``np.prod``; 0.15.3 stays the GPU bundle's pin (the one run on
+GPUs), so the fix lives here.
+
+**megatron-core 0.16.** Two API changes reach us: ``get_megatron_optimizer`` lost
+``no_weight_decay_cond`` / ``scale_lr_cond`` / ``lr_mult`` for ``config_overrides``
+(:func:`get_megatron_optimizer_compat` for our own calls, :class:`legacy_optimizer_arguments`
+around NeMo 2.7.3's, which still passes them), and DDP now records the first backward's
+gradient hooks as the pattern of every step (:func:`forget_ddp_grad_hooks` after the
+attention warm-up). tests/test_stack_matrix.py runs the suite's core on 0.16.1.
 
 The shim is as narrow as it can be: it touches neither numpy nor any megatron function.
 In those three modules only, the module-global name ``np`` is rebound to a view of numpy
@@ -36,7 +43,8 @@ from typing import List
 
 import numpy
 
-__all__ = ["NUMPY2_MODULES", "apply_megatron_compat", "needs_numpy2_shim", "modules_calling_np_product"]
+__all__ = ["NUMPY2_MODULES", "apply_megatron_compat", "needs_numpy2_shim", "modules_calling_np_product",
+           "get_megatron_optimizer_compat", "legacy_optimizer_arguments", "forget_ddp_grad_hooks"]
 
 #: megatron-core modules that call ``np.product`` (0.15.x; tests check the list against the
 #: installed package's source)
@@ -112,6 +120,85 @@ def apply_megatron_compat(np_module: types.ModuleType = numpy) -> List[str]:
         module.np = _NumpyWithProduct(np_module)
         patched.append(name)
     return patched
+
+
+def get_megatron_optimizer_compat(config, model_chunks, no_weight_decay_cond=None):
+    """``megatron.core.optimizer.get_megatron_optimizer`` with a weight-decay rule, on every
+    megatron-core we support. Up to 0.15 the rule is the ``no_weight_decay_cond(name, param)``
+    argument; 0.16 removed it for ``config_overrides`` keyed by ``ParamKey``: the rule then
+    becomes one ``ParamWithNamePredicate`` with ``wd_mult=0`` that replaces megatron's
+    standard weight-decay key (its other standard overrides, decoupled LR, stay)."""
+    import megatron.core.optimizer as mo
+
+    kw = {} if no_weight_decay_cond is None else {"no_weight_decay_cond": no_weight_decay_cond}
+    with legacy_optimizer_arguments():
+        return mo.get_megatron_optimizer(config, model_chunks, **kw)
+
+
+def _takes_legacy_optimizer_arguments() -> bool:
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    return "no_weight_decay_cond" in inspect.signature(get_megatron_optimizer).parameters
+
+
+class legacy_optimizer_arguments:
+    """Context manager: inside it, ``megatron.core.optimizer.get_megatron_optimizer`` accepts
+    the arguments megatron-core 0.16 removed (``no_weight_decay_cond``, ``scale_lr_cond``,
+    ``lr_mult``), as NeMo 2.7.3's ``setup_megatron_optimizer`` passes them. It translates them
+    to 0.16's ``config_overrides``: the weight-decay rule as in
+    :func:`get_megatron_optimizer_compat`, and ``scale_lr_cond`` with ``lr_mult`` as one more
+    ``ParamWithNamePredicate`` with that ``lr_mult``. A no-op on megatron-core <= 0.15."""
+
+    def __enter__(self):
+        import megatron.core.optimizer as mo
+
+        self._saved = None
+        if _takes_legacy_optimizer_arguments():
+            return self
+        original = mo.get_megatron_optimizer
+
+        def get_megatron_optimizer(config, model_chunks, no_weight_decay_cond=None, scale_lr_cond=None,
+                                   lr_mult=1.0, config_overrides=None, **kwargs):
+            if config_overrides is None and (no_weight_decay_cond is not None or scale_lr_cond is not None):
+                from megatron.core.optimizer.optimizer_config import ParamKey, ParamWithNamePredicate
+
+                config_overrides = {k: v for k, v in mo.get_standard_config_overrides(config=config).items()
+                                    if no_weight_decay_cond is None or dict(v).get("wd_mult") != 0.0}
+                if no_weight_decay_cond is not None:
+                    rule = ParamWithNamePredicate(name="nemo_ssa_no_weight_decay",
+                                                  fn=lambda p, n: bool(no_weight_decay_cond(n, p)))
+                    config_overrides[ParamKey(with_name_predicate=rule)] = {"wd_mult": 0.0}
+                if scale_lr_cond is not None and lr_mult != 1.0:
+                    scaled = ParamWithNamePredicate(name="nemo_ssa_scale_lr",
+                                                    fn=lambda p, n: bool(scale_lr_cond(n, p)))
+                    config_overrides[ParamKey(with_name_predicate=scaled)] = {"lr_mult": float(lr_mult)}
+            return original(config, model_chunks, config_overrides=config_overrides, **kwargs)
+
+        self._saved = (mo, original)
+        mo.get_megatron_optimizer = get_megatron_optimizer
+        return self
+
+    def __exit__(self, *exc):
+        if self._saved is not None:
+            mo, original = self._saved
+            mo.get_megatron_optimizer = original
+        return False
+
+
+def forget_ddp_grad_hooks(model) -> int:
+    """Clear what megatron's DDP recorded of gradient hooks that fired outside a training step
+    (a warm-up's backward). megatron-core >= 0.16 takes the hooks of the first backward it
+    sees as the "golden" pattern of every later step and asserts that every parameter of a
+    bucket was in it; a warm-up that only reaches the attention's n breaks that. Returns
+    the bucket groups cleared (0 on megatron-core without the bookkeeping)."""
+    cleared = 0
+    for mod in model.modules() if hasattr(model, "modules") else ():
+        for group in list(getattr(mod, "bucket_groups", []) or []) + list(
+                getattr(mod, "expert_parallel_bucket_groups", []) or []):
+            if isinstance(getattr(group, "per_param_grad_ready_counts", None), dict):
+                group.per_param_grad_ready_counts = {}
+                cleared += 1
+    return cleared
 
 
 def main() -> int:

@@ -302,6 +302,9 @@ def warmup_attention(model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> 
     for p in model.parameters():
         if p.grad is not None:
             p.grad = None
+    from nemo_ssa.megatron.compat import forget_ddp_grad_hooks
+
+    forget_ddp_grad_hooks(model)  # n's hook fired above; megatron >= 0.16 would take it as step 1's pattern
     return len(seen)
 
 
@@ -357,7 +360,9 @@ def train_on_cpu(
     from nemo_ssa.megatron.introspect import ssa_values
 
     from nemo_ssa.megatron import compat
+    from nemo_ssa.versions import check_stack
 
+    check_stack()
     compat.apply_megatron_compat()  # numpy 2 + megatron-core 0.15: multi-rank checkpoints
     t_start = time.time()
     seed = int(seed if seed is not None else getattr(recipe.data, "seed", 1234))
@@ -574,8 +579,8 @@ def wrap_for_training(cfg, model, opt_cfg, ddp_config=None):
     """megatron DDP around ``model`` and ``get_megatron_optimizer`` with our weight-decay
     rule, multipliers folded in (call inside :func:`cpu_device_shims` on CPU)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import get_megatron_optimizer
 
+    from nemo_ssa.megatron.compat import get_megatron_optimizer_compat
     from nemo_ssa.megatron.introspect import no_weight_decay_cond
 
     if ddp_config is None:
@@ -584,7 +589,7 @@ def wrap_for_training(cfg, model, opt_cfg, ddp_config=None):
     if bool(opt_cfg.use_distributed_optimizer) != bool(ddp_config.use_distributed_optimizer):
         raise ValueError("use_distributed_optimizer must be the same in the optimizer and DDP configs")
     ddp = DistributedDataParallel(cfg, ddp_config, model)
-    optimizer = get_megatron_optimizer(opt_cfg, [ddp], no_weight_decay_cond=no_weight_decay_cond)
+    optimizer = get_megatron_optimizer_compat(opt_cfg, [ddp], no_weight_decay_cond=no_weight_decay_cond)
     from nemo_ssa.megatron.optimizer_fixes import patch_megatron_optimizer
 
     patch_megatron_optimizer(optimizer)

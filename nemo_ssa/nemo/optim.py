@@ -15,6 +15,7 @@ from __future__ import annotations
 from nemo.lightning.pytorch.optim.megatron import MegatronOptimizerModule
 
 from nemo_ssa.megatron import fast_paths
+from nemo_ssa.megatron.compat import legacy_optimizer_arguments
 from nemo_ssa.megatron.optimizer_fixes import patch_megatron_optimizer
 
 
@@ -28,7 +29,8 @@ class SSAMegatronOptimizerModule(MegatronOptimizerModule):
     def optimizers(self, model):
         if self.fast_paths:
             fast_paths.install()
-        with fast_paths.fused_adamw(self.fast_paths):
+        # NeMo 2.7.3 passes get_megatron_optimizer the arguments megatron-core 0.16 removed
+        with fast_paths.fused_adamw(self.fast_paths), legacy_optimizer_arguments():
             optimizers = super().optimizers(model)
         for opt in optimizers:
             patch_megatron_optimizer(opt)

@@ -187,8 +187,53 @@ def test_optimizer_exempts_ssa_n_from_weight_decay(megatron_cpu, tmp_path_factor
     assert all(effective_wd[k] == pytest.approx(0.1) for k in matrices)
 
 
+class _Chunks(list):
+    """What NeMo hands setup_megatron_optimizer: its MegatronParallel (a list of model chunks
+    whose .module is megatron's DDP, with the DDP config on it)."""
+
+    def __init__(self, chunks, ddp_config):
+        super().__init__(chunks)
+        self.ddp_config = ddp_config
+
+
+def test_nemo_optimizer_setup_exempts_ssa_n_on_this_megatron(megatron_cpu, tmp_path_factory):
+    """NeMo 2.7.3 builds the optimizer with get_megatron_optimizer(no_weight_decay_cond=,
+    scale_lr_cond=, lr_mult=), arguments megatron-core 0.16 removed: the recipe's optimizer
+    module calls it inside compat.legacy_optimizer_arguments, which translates them; on 0.15
+    it changes nothing. Either way n ends up without weight decay."""
+    import inspect
+    from types import SimpleNamespace
+
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from nemo.lightning._strategy_lib import setup_megatron_optimizer
+
+    import megatron.core.optimizer as mo
+    from nemo_ssa.megatron.compat import legacy_optimizer_arguments
+
+    recipe, cfg, model = build_tiny(tmp_path_factory, "ssa")
+    with cpu_device_shims():
+        opt_cfg = fdl.build(recipe.optim.config)
+        ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+        with legacy_optimizer_arguments():
+            chunks = [SimpleNamespace(module=ddp)]
+            opt = setup_megatron_optimizer(_Chunks(chunks, ddp.ddp_config), opt_cfg,
+                                           no_weight_decay_cond=no_weight_decay_cond)
+    assert "no_weight_decay_cond" in inspect.signature(mo.get_megatron_optimizer).parameters or \
+        mo.get_megatron_optimizer.__name__ == "get_megatron_optimizer"  # restored on exit
+    names = {id(p): n for n, p in ddp.module.named_parameters()}
+    wd = {names[id(p)]: g["weight_decay"] for g in opt.mcore_optimizer.param_groups for p in g["params"]}
+    ns = [k for k in wd if k.endswith("core_attention.n")]
+    assert len(ns) == cfg.num_layers and all(wd[k] == 0.0 for k in ns), wd
+    assert all(wd[n] == pytest.approx(0.1) for n, p in ddp.module.named_parameters() if p.dim() == 2)
+
+
 def test_zero_dim_n_is_exempt_through_our_condition():
+    import inspect
+
     from megatron.core.optimizer import _get_param_groups
+
+    if "no_weight_decay_cond" not in inspect.signature(_get_param_groups).parameters:
+        pytest.skip("megatron-core >= 0.16 groups parameters by ParamKey (covered by the optimizer tests)")
 
     class Attn(torch.nn.Module):
         def __init__(self):
