@@ -97,6 +97,9 @@ def model(
     Returns:
         ``run.Config[NemotronModel]``.
     """
+    from nemo_ssa.versions import check_stack
+
+    check_stack()
     from nemo.collections.llm.recipes import nemotron3_4b
 
     cfg = nemotron3_4b.model()
@@ -205,6 +208,9 @@ def pretrain_recipe(
     Returns:
         ``run.Partial`` for ``run.run(recipe, direct=True)``.
     """
+    from nemo_ssa.versions import check_stack
+
+    check_stack()  # nemo_toolkit 3 (no LLM collection) or an untested megatron: one clear error
     from nemo.collections.llm.recipes import nemotron3_4b
 
     from nemo_ssa.megatron import compat
