@@ -110,18 +110,32 @@ def layer_spec(
         raise NotImplementedError("nemo_ssa layer spec: qk_layernorm is not supported yet.")
     if getattr(config, "num_moe_experts", None):
         raise NotImplementedError("nemo_ssa layer spec: MoE is not supported (num_moe_experts).")
+    # NSA replaces the self-attention internals (gates and compression read the layer
+    # input), not only the core attention; nsa_ssa is the same module with the SSA transform
+    layer = gpt_layer_spec(attention, attention_options, policy)
+    if use_fused_mlp(config, fused_mlp):
+        layer.submodules.mlp = ModuleSpec(module=FusedReLU2MLP, submodules=layer.submodules.mlp.submodules)
+    num_layers = get_num_layers_to_build(config)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=LayerNorm1P)
+
+
+def gpt_layer_spec(attention: str = "ssa", attention_options: Optional[Dict[str, Any]] = None,
+                   policy: str = "pinned") -> ModuleSpec:
+    """One GPT layer's ``ModuleSpec`` with the named attention, without a config: what plain
+    megatron-core's ``GPTModel(config, transformer_layer_spec=...)`` and Megatron-LM's
+    ``pretrain_gpt.py --spec`` take (megatron repeats it ``num_layers`` times and adds its own
+    final norm). LayerNorm1P follows ``config.layernorm_zero_centered_gamma``; megatron's
+    MLP (no fused MLP: that choice needs the config). See :func:`layer_spec` for the block
+    spec the NeMo recipe uses, and nemo_ssa/megatron/layer_specs.py for ready-made ones."""
     import torch
 
     resolved = resolve_attention(attention, attention_options, policy=policy,
                                  device="cuda" if torch.cuda.is_available() else "cpu")
+    info = ATTENTIONS[resolved.name]
     layer = copy.deepcopy(get_gpt_layer_local_spec(normalization="LayerNorm"))
     layer.submodules.input_layernorm = LayerNorm1P
     layer.submodules.pre_mlp_layernorm = LayerNorm1P
-    info = ATTENTIONS[resolved.name]
     if info.family == "nsa":
-        # NSA replaces the self-attention internals (gates and compression read the
-        # layer input), not only the core attention; nsa_ssa is the same module with
-        # the SSA transform and its n / b
         from nemo_ssa.megatron.nsa_attention import nsa_self_attention_spec
 
         opts = resolved.options
@@ -130,13 +144,9 @@ def layer_spec(
         layer.submodules.self_attention = nsa_self_attention_spec(nsa or None, transform=info.transform, ssa=ssa)
     else:
         layer.submodules.self_attention.submodules.core_attention = core_attention_spec(
-            resolved.name, resolved.options
-        )
+            resolved.name, resolved.options)
         _use_fused_rope_layout(layer, resolved.name, resolved.options)
-    if use_fused_mlp(config, fused_mlp):
-        layer.submodules.mlp = ModuleSpec(module=FusedReLU2MLP, submodules=layer.submodules.mlp.submodules)
-    num_layers = get_num_layers_to_build(config)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=LayerNorm1P)
+    return layer
 
 
 def _use_fused_rope_layout(layer: ModuleSpec, attention: str, options: Dict[str, Any]) -> None:
