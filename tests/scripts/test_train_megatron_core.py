@@ -16,12 +16,19 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPT = os.path.join(REPO, "scripts", "train_megatron_core.py")
 
 
+def _env():
+    """This process's environment without a torch.distributed world of its own (an in-process
+    test may have set one up: its MASTER_PORT is taken)."""
+    drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"}
+    return {**{k: v for k, v in os.environ.items() if k not in drop}, "OMP_NUM_THREADS": "1"}
+
+
 def _run(tmp_path, name, *args, nproc=1):
     out = tmp_path / f"{name}.json"
     launch = [sys.executable, SCRIPT] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", SCRIPT]
     proc = subprocess.run([*launch, "--steps", "8", "--out", str(out), *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          text=True, timeout=600, env=_env())
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return json.loads(out.read_text()), proc.stdout
 
@@ -50,5 +57,5 @@ def test_tensor_parallel_reproduces_one_rank(one_rank, tmp_path):
 
 def test_unknown_attention_names_the_choices(tmp_path):
     proc = subprocess.run([sys.executable, SCRIPT, "--attention", "nope", "--steps", "1"], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=_env())
     assert proc.returncode != 0 and "one of [" in proc.stderr + proc.stdout
