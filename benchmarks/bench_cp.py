@@ -84,7 +84,7 @@ def run_rows(attentions: List[str], seqs: List[int], warmup: int, iters: int) ->
     from megatron.core import parallel_state
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    from benchmarks.bench_model import batch, build, loss_fn
+    from benchmarks.bench_model import batch, build, loss_fn, time_steps
 
     cp = int(os.environ.get("WORLD_SIZE", 1))
     _init(cp)
@@ -107,19 +107,14 @@ def run_rows(attentions: List[str], seqs: List[int], warmup: int, iters: int) ->
                     for p in model.parameters():
                         p.grad = None
 
-                for _ in range(warmup):
+                comm = []
+
+                def step_and_comm():
                     step()
-                timer.take_ms()
-                times, comm = [], []
-                for _ in range(iters):
-                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    e0.record()
-                    step()
-                    e1.record()
-                    torch.cuda.synchronize()
-                    times.append(e0.elapsed_time(e1))
-                    comm.append(timer.take_ms())
-                ms = statistics.median(times)
+                    comm.append(timer.take_ms())  # syncs at the step end: adds ~host latency before the end event
+
+                ms = statistics.median(time_steps(step_and_comm, warmup, iters))
+                comm = comm[warmup:]
                 kv_bytes = seq * 2 * cfg.num_query_groups * cfg.kv_channels * 2  # K and V, bf16, one layer
                 row.update(ms=ms, tokens_per_s=seq / ms * 1e3, tokens_per_s_per_gpu=seq / ms * 1e3 / cp,
                            peak_gib=torch.cuda.max_memory_allocated() / 2**30, comm_ms=statistics.median(comm),
