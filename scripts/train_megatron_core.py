@@ -110,30 +110,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import parallel_state
 
     from nemo_ssa.megatron.compat import apply_megatron_compat
     from nemo_ssa.megatron.introspect import ssa_values
 
     apply_megatron_compat()
     cuda = torch.cuda.is_available()
-    if not dist.is_initialized():
-        if "RANK" not in os.environ:  # one process without a launcher: a free local port
-            import socket
+    from nemo_ssa.megatron.single import init_single_process
 
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
-            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if cuda else "gloo")
-    parallel_state.initialize_model_parallel(args.tp, 1, context_parallel_size=args.cp)
-    torch.manual_seed(1234)
-    if cuda:
-        tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    else:
-        tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    init_single_process(1234, tp=args.tp, cp=args.cp)
     from nemo_ssa.megatron.cpu import cpu_device_shims
     import contextlib
 
