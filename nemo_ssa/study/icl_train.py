@@ -46,16 +46,19 @@ SHIFTS = {
 
 @dataclass
 class ICLConfig:
-    d: int = 8
-    k: int = 24
+    """The task (``d`` dimensions, ``k`` examples a prompt), the model (a small GPT block with
+    GQA, as the recipe's), and the schedule (Adam, fresh prompts every step)."""
+
+    d: int = 8                # input dimension
+    k: int = 24               # examples per prompt (2k tokens)
     layers: int = 6
     hidden: int = 128
     heads: int = 4
-    groups: int = 2
+    groups: int = 2           # K/V groups: two query heads share one (the recipe: three)
     steps: int = 3000
-    batch: int = 64
+    batch: int = 64           # prompts per step
     lr: float = 3e-4
-    eval_prompts: int = 512
+    eval_prompts: int = 512   # held-out prompts per evaluation condition
 
 
 CPU_SMOKE = ICLConfig(d=3, k=8, layers=2, hidden=32, heads=4, groups=2, steps=40, batch=16, lr=3e-3, eval_prompts=64)
