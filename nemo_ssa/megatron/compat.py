@@ -1,4 +1,4 @@
-"""Compatibility of the megatron-core versions we support with the numpy they run beside.
+"""Shims for the megatron-core versions we support: numpy 2 under 0.15, and 0.16's API changes.
 
 **numpy 2 and megatron-core 0.15.x checkpoints.** megatron-core 0.15.x calls
 ``np.product`` (removed in numpy 2.0) in three places of ``dist_checkpointing``:
