@@ -4,6 +4,7 @@ Commands:
     compare   merge/align/plot/gate loss curves (``scripts/compare_losses.py``)
     pretrain  the hydra launcher (``scripts/pretrain.py``; needs the repository checkout)
     slurm     render the sbatch script of a multi-node pretrain (nemo-run's Slurm executor)
+    study     attentions x seeds and their seed-paired verdicts (``scripts/study.py``)
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import runpy
 import sys
 from typing import Optional, Sequence
 
-USAGE = "usage: python -m nemo_ssa {compare,pretrain,slurm} [args...]  (see --help of each)"
+USAGE = "usage: python -m nemo_ssa {compare,pretrain,slurm,study} [args...]  (see --help of each)"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -30,10 +31,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from nemo_ssa.nemo.slurm import main as slurm_main
 
         return slurm_main(rest)
-    if cmd == "pretrain":
-        script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "pretrain.py")
+    if cmd in ("pretrain", "study"):
+        script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", f"{cmd}.py")
         if not os.path.isfile(script):
-            print(f"nemo_ssa pretrain: {script} not found; run from a repository checkout", file=sys.stderr)
+            print(f"nemo_ssa {cmd}: {script} not found; run from a repository checkout", file=sys.stderr)
             return 2
         sys.argv = [script, *rest]
         runpy.run_path(script, run_name="__main__")

@@ -1,0 +1,78 @@
+"""scripts/study.py with a stand-in launcher (no training): every (attention, seed) run in
+seed-major order with its own run directory, finished runs handed to pretrain's reuse,
+unfinished ones resumed, progress and time left printed; the summary's table and verdicts
+from the runs' metrics.csv (a planted difference is detected, an absent one is not)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import random
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+
+import study  # noqa: E402
+
+
+def _write_run(run_dir, seed, offset, steps=200, finished=True):
+    os.makedirs(run_dir, exist_ok=True)
+    rng = random.Random(seed * 7 + int(offset * 1000))
+    band = random.Random(seed).gauss(0, 0.03)  # the seed's own data order: shared by both attentions
+    with open(os.path.join(run_dir, "metrics.csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["step", "loss", "segment"])
+        for s in range(1, steps + 1):
+            w.writerow([s, f"{3 + 5 * math.exp(-s / 40) + band + (offset if s > 50 else 0) + rng.gauss(0, 0.005):.5f}", 1])
+    if finished:
+        with open(os.path.join(run_dir, "complete.json"), "w") as f:
+            json.dump({"seed": seed}, f)
+
+
+def _fake_launcher(out, offsets, calls):
+    def launch(cmd):
+        calls.append(cmd)
+        args = dict(a.split("=", 1) for a in cmd[2:] if "=" in a)
+        _write_run(args["run_dir"], int(args["seed"]), offsets[args["attention"]])
+        return 0
+    return launch
+
+
+def test_runs_seed_major_with_reuse_and_resume_flags(tmp_path, capsys):
+    out = str(tmp_path)
+    _write_run(study.run_dir_of(out, "ssa", 1235), 1235, 0.1, finished=False)  # a run that died
+    calls = []
+    codes = study.train_all(out, ["softmax", "ssa"], [1234, 1235], ["train.max_steps=200"],
+                            launch=_fake_launcher(out, {"softmax": 0.0, "ssa": 0.1}, calls))
+    assert list(codes) == ["softmax-s1234", "ssa-s1234", "softmax-s1235", "ssa-s1235"] and not any(codes.values())
+    for cmd in calls:
+        assert "compare_to=[]" in cmd and "reuse_if_complete=true" in cmd and "train.max_steps=200" in cmd
+    resumed = [c for c in calls if "resume=true" in c]
+    assert len(resumed) == 1 and "attention=ssa" in resumed[0] and "seed=1235" in resumed[0]
+    printed = capsys.readouterr().out
+    assert "[study] run 4/4: ssa-s1235" in printed and "s left" in printed
+
+
+@pytest.mark.parametrize("offset,detected", [(0.15, True), (0.0, False)])
+def test_summary_verdict(tmp_path, offset, detected):
+    out = str(tmp_path)
+    seeds = [1, 2, 3]
+    for s in seeds:
+        _write_run(study.run_dir_of(out, "softmax", s), s, 0.0)
+        _write_run(study.run_dir_of(out, "ssa", s), s, offset)
+    text = study.summarize(out, ["softmax", "ssa"], seeds, plot=True)
+    assert os.path.isfile(os.path.join(out, "study.png")) and "## ssa vs softmax" in text
+    last = [line for line in text.splitlines() if line.startswith("| 151-200 |")]
+    assert len(last) == 1
+    assert ("softmax lower by" in last[0]) == detected, text
+    assert "| ssa | 3 |" in text
+
+
+def test_needs_two_attentions(tmp_path):
+    with pytest.raises(SystemExit, match="at least two"):
+        study.main(["--attentions", "ssa", "--out", str(tmp_path), "--summarize-only"])
