@@ -16,8 +16,9 @@ Then, from every run's metrics.csv: per attention the mean and spread over seeds
 training loss (``study.png`` with bands), a table per step bucket (quarters of the
 schedule), and for each attention against the first one the verdict of
 :mod:`nemo_ssa.study.verdict` (difference, its 95 % interval over seeds, and whether it
-exceeds the seed spread) -> ``study.md``. The held-out loss is not recorded by the training
-paths yet: the verdict is on training loss (docs/study.md).
+exceeds the seed spread) -> ``study.md``; the same verdict on the held-out loss where the
+runs recorded it (``heldout.csv``, written at each NeMo validation on the split no step
+trains on; the CPU loop has no validation, docs/study.md).
 """
 
 from __future__ import annotations
@@ -52,16 +53,17 @@ def command(out: str, attention: str, seed: int, overrides: Sequence[str]) -> Li
             f"resume={'true' if started and not finished else 'false'}", *overrides]
 
 
-def read_curve(run_dir: str) -> Optional[Curve]:
-    """(steps, loss) of a run's metrics.csv, later segments winning where a resume re-did steps."""
-    path = os.path.join(run_dir, "metrics.csv")
+def read_curve(run_dir: str, name: str = "metrics.csv", column: str = "loss") -> Optional[Curve]:
+    """(steps, values) of a run's CSV (metrics.csv's training loss, or heldout.csv's
+    ``val_loss``), later rows winning where a resume re-did steps."""
+    path = os.path.join(run_dir, name)
     if not os.path.isfile(path):
         return None
     by_step: Dict[int, float] = {}
     with open(path, newline="") as f:
         for row in csv.DictReader(f):
             try:
-                by_step[int(row["step"])] = float(row["loss"])
+                by_step[int(row["step"])] = float(row[column])
             except (KeyError, ValueError):
                 continue
     steps = sorted(by_step)
@@ -94,7 +96,9 @@ def summarize(out: str, attentions: Sequence[str], seeds: Sequence[int], plot: b
     q = max(last // 4, 1)
     buckets = [(1 + i * q, last if i == 3 else (i + 1) * q) for i in range(4)]
     lines = [f"# Study: {', '.join(attentions)} x seeds {', '.join(map(str, seeds))}", "",
-             f"`{out}`; training loss (held-out loss is not recorded yet); lower is better.", "",
+             f"`{out}`; training loss per quarter of the schedule (mean ± sd over seeds; lower is better),"
+             " then the verdicts on training and, where the runs recorded it (heldout.csv: NeMo's validation"
+             " on the split no step trains on; the CPU loop has none), held-out loss.", "",
              "| attention | seeds | " + " | ".join(f"steps {a}-{b}" for a, b in buckets) + " |",
              "|---|---|" + "---|" * len(buckets)]
     from nemo_ssa.study.verdict import bucket_means
@@ -107,9 +111,15 @@ def summarize(out: str, attentions: Sequence[str], seeds: Sequence[int], plot: b
                          if vals else "-")
         lines.append(f"| {a} | {len(curves[a])} | " + " | ".join(cells) + " |")
     base = attentions[0]
+    held = {a: {s: c for s in seeds if (c := read_curve(run_dir_of(out, a, s), "heldout.csv", "val_loss"))}
+            for a in attentions}
+    held_steps = sorted({st for runs in held.values() for c in runs.values() for st in c[0]})
     for other in attentions[1:]:
         v = compare_pair(curves[other], curves[base], buckets, names=(other, base))
-        lines += ["", f"## {other} vs {base}", "", format_table(v, (other, base))]
+        lines += ["", f"## {other} vs {base}: training loss", "", format_table(v, (other, base))]
+        if held_steps:  # NeMo's validation on the held-out split, one bucket per validation
+            hv = compare_pair(held[other], held[base], [(st, st) for st in held_steps], names=(other, base))
+            lines += ["", f"## {other} vs {base}: held-out loss", "", format_table(hv, (other, base))]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, "study.md"), "w") as f:
         f.write(text)

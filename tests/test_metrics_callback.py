@@ -132,3 +132,22 @@ def test_rank_layout_without_distributed(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     out = rank_layout()
     assert out["rank"] == 3 and out["world_size"] == 4 and out["tp_size"] == 1
+
+
+def test_heldout_loss_is_written_per_validation_by_rank0_only(tmp_path):
+    from nemo_ssa.nemo.callbacks import HELDOUT_CSV, MetricsCallback
+
+    cb = MetricsCallback(str(tmp_path), seq_length=8, global_batch_size=2, attention="ssa")
+    trainer = types.SimpleNamespace(global_step=0, callback_metrics={}, sanity_checking=True)
+    trainer.callback_metrics["val_loss"] = torch.tensor(9.0)
+    cb.on_validation_end(trainer, None)  # the sanity check before training: not a measurement
+    assert not (tmp_path / HELDOUT_CSV).exists()
+    trainer.sanity_checking = False
+    for step, val in ((100, 4.5), (200, 4.25)):
+        trainer.global_step = step
+        trainer.callback_metrics["val_loss"] = torch.tensor(val)
+        cb.on_validation_end(trainer, None)
+    assert (tmp_path / HELDOUT_CSV).read_text().splitlines() == ["step,val_loss", "100,4.5", "200,4.25"]
+    cb._main = False  # another rank
+    cb.on_validation_end(trainer, None)
+    assert len((tmp_path / HELDOUT_CSV).read_text().splitlines()) == 3

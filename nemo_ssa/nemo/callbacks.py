@@ -13,6 +13,9 @@ from lightning.pytorch.callbacks import Callback
 from nemo_ssa.metrics_log import MetricsWriter, TB_LOSS_TAG, rank_layout, write_rank_file
 from nemo_ssa.rng import preserved_rng
 
+#: the held-out loss per validation, beside metrics.csv (scripts/study.py reads it)
+HELDOUT_CSV = "heldout.csv"
+
 
 def _unwrap(pl_module):
     # NeMo's GPTModel holds the megatron model as ``module`` (possibly DDP/Float16 wrapped)
@@ -69,6 +72,22 @@ class MetricsCallback(Callback):
             torch.cuda.reset_peak_memory_stats()
         self._ssa = ssa_modules(_unwrap(pl_module))
         self._t_last = time.time()
+
+    def on_validation_end(self, trainer, pl_module):
+        """The held-out loss (NeMo's ``val_loss`` on the data module's validation split, which
+        no step trains on) -> ``heldout.csv`` (step, val_loss), global rank 0 only."""
+        if not self._main or getattr(trainer, "sanity_checking", False):
+            return
+        val = trainer.callback_metrics.get("val_loss")
+        if val is None:
+            return
+        path = os.path.join(self.run_dir, HELDOUT_CSV)
+        new = not os.path.isfile(path)
+        os.makedirs(self.run_dir, exist_ok=True)
+        with open(path, "a", newline="") as f:
+            if new:
+                f.write("step,val_loss\n")
+            f.write(f"{int(trainer.global_step)},{float(val):.6g}\n")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if not self._main:

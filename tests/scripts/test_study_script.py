@@ -58,6 +58,14 @@ def test_runs_seed_major_with_reuse_and_resume_flags(tmp_path, capsys):
     assert "[study] run 4/4: ssa-s1235" in printed and "s left" in printed
 
 
+def _write_heldout(run_dir, seed, offset):
+    band = random.Random(seed).gauss(0, 0.03)
+    with open(os.path.join(run_dir, "heldout.csv"), "w") as f:
+        f.write("step,val_loss\n")
+        for step in (100, 200):
+            f.write(f"{step},{3.5 + band + offset + random.Random(seed + step).gauss(0, 0.004):.5f}\n")
+
+
 @pytest.mark.parametrize("offset,detected", [(0.15, True), (0.0, False)])
 def test_summary_verdict(tmp_path, offset, detected):
     out = str(tmp_path)
@@ -65,12 +73,26 @@ def test_summary_verdict(tmp_path, offset, detected):
     for s in seeds:
         _write_run(study.run_dir_of(out, "softmax", s), s, 0.0)
         _write_run(study.run_dir_of(out, "ssa", s), s, offset)
+        _write_heldout(study.run_dir_of(out, "softmax", s), s, 0.0)
+        _write_heldout(study.run_dir_of(out, "ssa", s), s, offset)
     text = study.summarize(out, ["softmax", "ssa"], seeds, plot=True)
-    assert os.path.isfile(os.path.join(out, "study.png")) and "## ssa vs softmax" in text
+    assert os.path.isfile(os.path.join(out, "study.png"))
+    assert "## ssa vs softmax: training loss" in text and "## ssa vs softmax: held-out loss" in text
     last = [line for line in text.splitlines() if line.startswith("| 151-200 |")]
-    assert len(last) == 1
+    held = [line for line in text.splitlines() if line.startswith("| 200-200 |")]
+    assert len(last) == 1 and len(held) == 1
     assert ("softmax lower by" in last[0]) == detected, text
+    assert ("softmax lower by" in held[0]) == detected, text
     assert "| ssa | 3 |" in text
+
+
+def test_without_heldout_files_only_training_loss(tmp_path):
+    out = str(tmp_path)
+    for s in (1, 2):
+        _write_run(study.run_dir_of(out, "softmax", s), s, 0.0)
+        _write_run(study.run_dir_of(out, "ssa", s), s, 0.0)
+    text = study.summarize(out, ["softmax", "ssa"], [1, 2], plot=False)
+    assert ": training loss" in text and ": held-out loss" not in text
 
 
 def test_needs_two_attentions(tmp_path):
