@@ -133,7 +133,7 @@ def plan(part: str, scratch: str, cpu: bool, extra: Sequence[str] = ()) -> List[
     if part == "speed":
         # weak scaling on one machine: 1 GPU at the per-GPU work of a DP2 step (one micro
         # batch of 32, then the optimizer) against DP2 (global batch 64); softmax-dp2 also
-        # runs the whole schedule for its loss gate against the dp part's softmax-1gpu
+        # runs the whole schedule for its loss gate against the 1-GPU softmax-1gpu
         ref = [f"train.global_batch_size={2 if cpu else 32}", f"train.max_steps={stop}"]
         return [
             [Job("ssa-1gpu-b32", [run("ssa-1gpu-b32", 1, ssa, *ref)], "0"),
@@ -144,17 +144,19 @@ def plan(part: str, scratch: str, cpu: bool, extra: Sequence[str] = ()) -> List[
     if part == "tp_cp":
         tp = ["train.tensor_parallel=2", "train.sequence_parallel=true"]
         first = [f"stop_after={stop}", f"train.ckpt_every_n_steps={stop}"]
-        # the 1-GPU loss reference is the dp part's ssa-1gpu (same recipe, seed and data order);
-        # here, beside the TP2 resume, the checkpoint's copy resumes on one GPU
+        # the part carries its own 1-GPU loss reference (ssa-1gpu, as in the dp part), run beside
+        # the first TP2 launch (no speed is taken here); beside the TP2 resume, the
+        # checkpoint's copy resumes on one GPU
         return [
-            [Job("ssa-tp2sp", [run("ssa-tp2sp", 2, ssa, *tp, *first)], "0,1")],
+            [Job("ssa-tp2sp", [run("ssa-tp2sp", 2, ssa, *tp, *first)], "0,1"),
+             Job("ssa-1gpu", [run("ssa-1gpu", 1, ssa)], "0")],
             [Job("ssa-tp2sp", [run("ssa-tp2sp", 2, ssa, *tp, f"train.ckpt_every_n_steps={stop}", "resume=true")],
                  "0,1"),
              Job("ssa-tp2to1", [run("ssa-tp2to1", 1, ssa, f"train.ckpt_every_n_steps={stop}", "resume=true")], "1",
                  copy_from="ssa-tp2sp")],
             [Job("ssa-cp2", [run("ssa-cp2", 2, ssa, "train.context_parallel=2")], "0,1")],
         ]
-    raise SystemExit(f"unknown part {part!r}: dp or tp_cp")
+    raise SystemExit(f"unknown part {part!r}: one of {', '.join(PARTS)}")
 
 
 PARTS = ("dp", "tp_cp", "speed")
@@ -223,6 +225,11 @@ def run(args) -> int:
         shutil.rmtree(scratch)
     os.makedirs(scratch)
     os.makedirs(out, exist_ok=True)
+    # logs and collected files stay in the scratch directory; `out` receives two files at the
+    # end (the archive and runs.json), so a part cut off by its call leaves nothing half-written
+    # there, and several parts fit the device tool's few returned files
+    staging = os.path.join(scratch, "_returned")
+    os.makedirs(staging)
     data_dir = args.data_dir or (os.path.join(scratch, "corpus") if args.cpu_smoke else None)
     stages = plan(args.part, scratch, args.cpu_smoke, [f"data.dir={data_dir}"] if data_dir else [])
     if args.only:
@@ -251,7 +258,7 @@ def run(args) -> int:
                 env["CUDA_VISIBLE_DEVICES"] = job.gpus
             elif job.kill:  # the tiny CPU run is over in seconds: hold every rank after the kill step
                 env["NEMO_SSA_FAULT"] = f"step_end:{job.kill[1]}:120"
-            log = os.path.join(out, f"{job.label}.log")
+            log = os.path.join(staging, f"{job.label}.log")
             running.append((job, log, _start(job, env, log)))
         kills = [_watch_and_kill(job, log, [r[2] for r in running], grace=10 if args.cpu_smoke else 30)
                  for job, log, _ in running if job.kill]
@@ -266,9 +273,9 @@ def run(args) -> int:
             print(f"[two_gpu] {job.label}: rc {rc} in {seconds:.0f} s" + (" (expected to die)" if job.expect_fail
                                                                             else ""), flush=True)
     for run_label in sorted({j.run for stage in stages for j in stage}):
-        logs = [os.path.join(out, f"{j.label}.log") for stage in stages for j in stage if j.run == run_label]
-        _collect(os.path.join(scratch, run_label), os.path.join(out, run_label), logs)
-    with open(os.path.join(out, "runs.json"), "w") as f:
+        logs = [os.path.join(staging, f"{j.label}.log") for stage in stages for j in stage if j.run == run_label]
+        _collect(os.path.join(scratch, run_label), os.path.join(staging, run_label), logs)
+    with open(os.path.join(staging, "runs.json"), "w") as f:
         json.dump({"part": args.part, "cpu_smoke": args.cpu_smoke, "seconds": time.time() - t_start,
                    "max_steps": CPU_STEPS if args.cpu_smoke else STEPS,
                    "ckpt_every": CPU_STOP if args.cpu_smoke else STOP,
@@ -277,14 +284,11 @@ def run(args) -> int:
                               "kill": j.kill} for j in st] for st in stages]},
                   f, indent=1)
     tgz = os.path.join(out, f"two_gpu-{args.part}.tgz")
-    with tarfile.open(tgz, "w:gz") as tar:
-        for name in sorted(os.listdir(out)):
-            if not name.endswith(".tgz"):
-                tar.add(os.path.join(out, name), arcname=name)
-    for name in os.listdir(out):  # the device tool returns few files: keep the archive
-        path = os.path.join(out, name)
-        if not name.endswith(".tgz") and name != "runs.json":
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    with tarfile.open(tgz + ".part", "w:gz") as tar:
+        for name in sorted(os.listdir(staging)):
+            tar.add(os.path.join(staging, name), arcname=name)
+    os.replace(tgz + ".part", tgz)
+    shutil.copy2(os.path.join(staging, "runs.json"), os.path.join(out, "runs.json"))
     print("\n| job | rc | s |\n|---|---|---|")
     for row in table:
         print(f"| {row['label']} | {row['rc']}{' (expected to die)' if row.get('expect_fail') else ''} | "
