@@ -252,8 +252,9 @@ def main(argv=None) -> int:
             return f
 
         def legacy(fn):
-            """Marks the session-3 host path: custom-op autograd, JITFunction.run launches
-            (set for the whole fwd / fwd+bwd call, backward included)."""
+            """Marks the generic host path, with both fast paths off: custom-op autograd and
+            JITFunction.run launches (set for the whole fwd / fwd+bwd call, backward included),
+            so the fast paths' saving is measured in the same process."""
             fn.legacy = True
             return fn
 

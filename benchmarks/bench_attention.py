@@ -17,7 +17,7 @@ region and the row is marked ``*``). Columns: fwd and fwd+bwd median ms
 2.5x forward), peak extra memory of one fwd+bwd (MiB above the inputs), and the ratios to
 SDPA flash and cuDNN. Shapes: the recipe's training shape (B8 N1024 H24/8 D32), B32 N1024,
 B2 N4096, D64 (B2 N8192 H16/16), D128 (B2 N8192 H8/8); ``--sweep`` adds an N sweep. Targets
-(issue 13, H100/H200): softmax_triton fwd+bwd <= 1.1x SDPA cuDNN, ssa_triton fwd+bwd <= 1.5x
+(H100/H200): softmax_triton fwd+bwd <= 1.1x SDPA cuDNN, ssa_triton fwd+bwd <= 1.5x
 and fwd <= 1.3x SDPA cuDNN at every shape.
 """
 

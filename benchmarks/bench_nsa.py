@@ -14,7 +14,7 @@ with ``triton.testing.do_bench`` (median, ms), forward and forward+backward:
 
 and prints (last) a table with ms, tokens/s and the speedup of SDPA time over the
 row's time (``x_sdpa`` > 1: faster than SDPA-flash), plus the compressed/window
-per-token cost ratio. Targets (issue 6): nsa_layer fwd+bwd faster than SDPA from
+per-token cost ratio. Targets: nsa_layer fwd+bwd faster than SDPA from
 N=16K and >= 3x at 64K; compressed within 2x of window per token.
 
 Usage:

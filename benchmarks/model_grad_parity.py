@@ -24,7 +24,7 @@ exactly ``nemo_ssa.testing.assert_scalar_grad_close``. dn = sum over every (batc
 query, key) of ``dz * sgn(s) ln(1 + b|s|)`` (db alike): terms of both signs that cancel,
 so at initialisation (near-uniform attention) dn is a small remainder of O(1) terms and a
 relative error against it measures the cancellation, not the kernel -- the op tests bound
-it by the sum of |terms| instead (issue 16). Here sum|terms| is computed exactly, per
+it by the sum of |terms| instead. Here sum|terms| is computed exactly, per
 layer, from the fp64 pass: the core attention's q, k, v and the gradient dO of its
 output are captured (a wrapper on ``_call_op`` and a tensor hook) and handed to
 ``nemo_ssa.testing.ssa_scalar_grad_terms``; its signed sums must reproduce the fp64 dn /
@@ -32,8 +32,8 @@ db (a self-check that the capture saw the right tensors). The table shows, per s
 both relative errors, their ratio (the old rule), the absolute errors, sum|terms| and
 ``|dn| / sum|terms|`` (how much cancelled).
 
-GPU run (H100, ~2-4 minutes; report in $OUT; GPU result pending -- method, reading and
-the CPU smoke's findings in docs/gradient-parity.md)::
+GPU run (H100, ~2-4 minutes; report in $OUT; method, reading, results and the CPU
+smoke's findings in docs/gradient-parity.md)::
 
     python benchmarks/model_grad_parity.py --steps 150 --triton-fp32 --out $OUT/grad_parity.md
     python benchmarks/model_grad_parity.py --steps 0 --eager same-dtype --out $OUT/grad_parity_same_dtype.md
@@ -264,7 +264,7 @@ def scalar_terms(records, g_ref, ref_dtype):
     return out
 
 
-# Model level, n and b: the H100 run of 2026-11-25 (docs/gradient-parity.md) measured
+# Model level, n and b: the H100 run recorded in docs/gradient-parity.md measured
 # |err| <= 1.8e-4 x sum|terms| for Triton and eager alike, bf16, at init and after 150
 # steps; the op tests' SCALAR_GRAD_RTOL (1.6e-2 for bf16) would pass even a 10x wrong dn at
 # model level (|dn| is 1e-4..3e-3 of its sum|terms| there). 1e-3 keeps ~6x headroom over

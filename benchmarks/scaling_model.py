@@ -1,7 +1,7 @@
 """Scaling on paper: expected tokens/s per GPU of the 114M recipe at 8, 64 and 512 GPUs,
 from the step times measured on one and two H100s and Megatron's communication volumes.
 
-    python benchmarks/scaling_model.py                 # the table with the 2026-11-25 inputs
+    python benchmarks/scaling_model.py                 # the table with the measured inputs
     python benchmarks/scaling_model.py --json          # the same as JSON
 
 Model (every assumption is an argument; the defaults are the measured or stated values in
@@ -35,7 +35,7 @@ import json
 import sys
 from typing import Dict, List
 
-#: measured on H100s, 2026-11-25 (docs/results/2026-11-25-two-gpu): seconds per optimizer step
+#: measured on two H100s (docs/results/2026-11-25-two-gpu): seconds per optimizer step
 MEASURED = {
     "t1_b32": 32768 / 350_525,   # ssa_triton, 1 GPU, global batch 32 (one micro batch)
     "t_dp2": 65536 / 611_591,    # ssa_triton, DP2 over two launchers, distributed optimizer (before the kill)

@@ -52,7 +52,7 @@ DQ_CANDS = [(bm, bn, w, s) for bm in (32, 64, 128) for bn in (32, 64, 128) for w
 KV_CANDS = [(bm, bn, w, s) for bm in (16, 32, 64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (1, 2)]
 SINGLE_CANDS = [(bm, bn, w, s) for bm in (32, 64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (1, 2)]
 NSA_SHAPES = {
-    # label: (B, Hq, Hkv, N, D) -- issue 6's benchmark shapes at N = 32K
+    # label: (B, Hq, Hkv, N, D) -- bench_nsa's shapes at N = 32K
     "nsa-d32": (1, 24, 8, 32768, 32),
     "nsa-d128": (1, 24, 8, 32768, 128),
 }

@@ -295,7 +295,7 @@ def pretrain_recipe(
     # Checkpoints: keep the last, save on an interval if asked. Every checkpoint can be
     # resumed: NeMo saves the one at max_steps without optimizer state unless
     # save_optim_on_train_end (extending a finished run then failed with a KeyError for
-    # optimizer.state.exp_avg..., the "second-generation resume", H200 2026-11-22); and
+    # optimizer.state.exp_avg..., the "second-generation resume"); and
     # fresh and resumed runs share <dir>/<name>/checkpoints (NeMo's default puts a fresh
     # run under a <date-time> version directory that resume=true never looks in).
     ckpt = recipe.log.ckpt

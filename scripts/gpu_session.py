@@ -1,6 +1,6 @@
 """Run a planned list of GPU steps in one device command, each under its own time limit.
 
-Named presets (the GPU test plan, docs/gpu-tests.md)::
+Named presets (the GPU test plan; ``PRESETS`` below lists what each runs)::
 
     python scripts/gpu_session.py --preset quick  --out $OUT --commit <sha>   # after any kernel change, <= 4 min
     python scripts/gpu_session.py --preset full-1 --out $OUT --commit <sha>   # flash, flex, ELSA, extreme logits
@@ -55,7 +55,7 @@ GPU_FILES = ["tests/ops/test_ssa_flash_gpu.py", "tests/ops/test_ssa_flex_gpu.py"
 # name -> (what it runs, expected seconds on an H100 incl. start-up, budget, steps). A pytest
 # step is ("pytest", NAME, SECONDS, files, marker, per-test timeout); anything else is
 # ("cmd", NAME, SECONDS, command); a pytest step may end with its own worker count (1: alone on the GPU). Expected times are estimates from the known file timings
-# (issue 16) divided by the parallel compile; the budgets keep every command under 9 minutes.
+# divided by the parallel compile; the budgets keep every command under 9 minutes.
 PRESETS = {
     "quick": dict(
         about="gpu_quick cases of every kernel (flash fwd+bwd incl. GQA/causal/varlen/strided, flex, ELSA, "

@@ -102,8 +102,8 @@ class Job:
 
 
 # The protocol's batch and schedule, pinned here so every parity result stays comparable
-# when train=gpu_9min moves (it went to micro/global batch 32 on 2026-11-25; 1,000 steps of
-# that would take the unfused reference ~20 min). Overrides in --extra / per run still win.
+# when train=gpu_9min moves (at micro/global batch 32, 1,000 steps would take the unfused
+# reference ~20 min). Overrides in --extra / per run still win.
 PROTOCOL = ["train.micro_batch_size=8", "train.global_batch_size=8", "train.lr=3.0e-4", "train.min_lr=3.0e-5",
             "train.warmup_steps=75", "train.val_check_interval=500", "train.limit_val_batches=4"]
 

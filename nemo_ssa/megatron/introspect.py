@@ -29,7 +29,7 @@ def ssa_values(model: torch.nn.Module) -> Dict[str, Dict[int, float]]:
     mods = ssa_modules(model)
     if not mods:
         return out
-    # one device-to-host read for every layer's n and b (was two syncs per layer)
+    # one device-to-host read for every layer's n and b, instead of two syncs per layer
     vals = torch.cat([t.detach().float().reshape(-1)[:1] for _, m in mods for t in (m.n, m.b)]).tolist()
     for i, (layer, _) in enumerate(mods):
         out["n"][layer], out["b"][layer] = vals[2 * i], vals[2 * i + 1]

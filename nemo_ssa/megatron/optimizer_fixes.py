@@ -1,6 +1,6 @@
 """Plugin-side fixes for megatron-core 0.15.3's optimizers (no edits to the package).
 
-Two checkpointing gaps block what issue 15 asks (n in fp32 inside bf16 models; the
+Two checkpointing gaps block what training SSA needs (n in fp32 inside bf16 models; the
 distributed optimizer with save and resume). Both are fixed on the optimizer *instances*
 the training path builds — ``patch_megatron_optimizer`` is called by the CPU loop after
 ``get_megatron_optimizer`` and by NeMo through :class:`nemo_ssa.nemo.optim.
@@ -11,7 +11,7 @@ SSAMegatronOptimizerModule` (the recipe's ``optim``) — never on megatron's cla
    half-precision ones, while the optimizer's state ids count every parameter of every
    group: one fp32 parameter (SSA's ``n``) shifts every later id, and the checkpoint maps
    Adam moments to the wrong tensors ("Optimizer shape (1,) does not match model shape
-   (768,)", H200, docs/results/2026-11-22-gpu-proof.md). :func:`_float16_sharded_state_dict`
+   (768,)", recorded in docs/results/2026-11-22-gpu-proof.md). :func:`_float16_sharded_state_dict`
    enumerates the parameters in the optimizer's own order (each fp32 master copy stands
    for its half-precision model parameter, an fp32 parameter for itself). With no fp32
    parameter it produces exactly megatron's state dict (tested), so it is installed only

@@ -43,8 +43,8 @@ results to merge). A ring (``cp`` steps of partial attention merged with the
 log-sum-exp merge of ``nemo_ssa/ops/elsa``) overlaps communication with compute and keeps
 K/V memory at ``S/cp``; it pays off at long sequences and large ``cp``, where the
 all-gathered K/V no longer fit or the all-gather no longer hides. At the recipe's
-sequence lengths (1-16K) and cp = 2-4 the gathered K/V are a few MiB per layer; see
-docs/parallelism.md.
+sequence lengths (1-16K) and cp = 2-4 the gathered K/V are a few MiB per layer; CP's measured
+throughput is in docs/results/2026-11-25-two-gpu/cp.md.
 """
 
 from __future__ import annotations
