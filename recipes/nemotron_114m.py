@@ -86,7 +86,7 @@ def model(
         attention_options: SSA options (n, b, learnable_n, learnable_b,
             force_contiguous_qkv) for attentions with the SSA transform, under
             ``policy=pinned`` reset with a warning when they differ, plus the attention's
-            own options (``nemo_ssa.policy.KERNEL_OPTION_KEYS``, e.g. NSA's sizes).
+            own options (``nemo_ssa.config.attentions.KERNEL_OPTION_KEYS``, e.g. NSA's sizes).
         policy: ``pinned`` (seed 000's SSA policy) or ``free``.
         seq_length: training sequence length.
         vocab_size: padded vocabulary size; None derives it from the tokenizer
@@ -103,7 +103,7 @@ def model(
     from nemo.collections.llm.recipes import nemotron3_4b
 
     cfg = nemotron3_4b.model()
-    from nemo_ssa.config_check import check_fused_mlp
+    from nemo_ssa.config.check import check_fused_mlp
 
     check_fused_mlp(fused_mlp)
     _apply_arch(cfg.config, attention, attention_options, policy, seq_length, vocab_size, fused_mlp=fused_mlp)
@@ -222,7 +222,7 @@ def pretrain_recipe(
     recipe = nemotron3_4b.pretrain_recipe(**kwargs)
 
     # Parallelism: checked before anything is built (one line naming what is supported)
-    from nemo_ssa.config_check import check_fused_mlp, check_parallel
+    from nemo_ssa.config.check import check_fused_mlp, check_parallel
     from nemo_ssa.megatron.output_layer import check_fused_cross_entropy
 
     check_fused_cross_entropy(fused_cross_entropy, tensor_parallel, sequence_parallel)

@@ -20,7 +20,7 @@ Several GPUs / nodes / CPU ranks (README "Several GPUs"): ``train.num_gpus_per_n
 train.num_gpus_per_node=2 ...`` lets Lightning start the second process; ``torchrun
 --nproc-per-node=2 scripts/pretrain.py ...`` (or nemo-run's torchrun / Slurm executors)
 starts every rank itself -- the way to run the CPU loop on several processes. Every
-configuration is validated before anything is built (``nemo_ssa.config_check``); only
+configuration is validated before anything is built (``nemo_ssa.config.check``); only
 global rank 0 writes the run directory's own files.
 
 With ``compare_to=[a, b]`` (default ``[softmax]``) the launcher trains each of those
@@ -143,7 +143,7 @@ def _distributed_optimizer(train: DictConfig, cfg: DictConfig, run_dir: str, nam
 
 def build_recipe(cfg: DictConfig, train: DictConfig, prefix: str, tokenizer_dir: str, run_dir: str):
     from recipes import nemotron_114m
-    from nemo_ssa.policy import resolve_attention
+    from nemo_ssa.config.policy import resolve_attention
 
     options = {k: v for k, v in OmegaConf.to_container(cfg.attention.options).items() if v is not None}
     import torch
@@ -281,7 +281,7 @@ def _nemo_log_dirs(run_dir: str) -> tuple:
     """NeMo's per-attention log directories in ``run_dir`` (``<run_dir>/<name>/``, holding
     its checkpoints): set aside with the rest on a fresh run, or a ``resume=true`` would
     find a stale run's checkpoint there."""
-    from nemo_ssa.policy import ATTENTIONS
+    from nemo_ssa.config.attentions import ATTENTIONS
 
     return tuple(n for n in ATTENTIONS if os.path.isdir(os.path.join(run_dir, n)))
 
@@ -304,7 +304,7 @@ def _finished(run_dir: str, identity: str) -> bool:
 
 def _check_config(cfg: DictConfig, cuda: bool) -> None:
     """Every unsupported combination fails here, before any data or model is built."""
-    from nemo_ssa.config_check import check_run_config
+    from nemo_ssa.config.check import check_run_config
 
     resolved = OmegaConf.to_container(cfg, resolve=True)
     resolved["train"] = OmegaConf.to_container(_train_cfg(cfg, cuda), resolve=True)

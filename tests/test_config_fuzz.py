@@ -27,7 +27,7 @@ def test_negative_controls(monkeypatch, fake, want):
 
 def test_explicit_zero_parallel_size_is_refused():
     # the fuzz found it: tensor_parallel=0 was read as 1 (``or 1``) and accepted
-    from nemo_ssa.config_check import check_run_config
+    from nemo_ssa.config.check import check_run_config
 
     cfg = {"attention": {"name": "softmax"}, "policy": "pinned", "seed": 1,
            "train": {"tensor_parallel": 0, "precision": "32"}, "model": {}}

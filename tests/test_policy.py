@@ -1,4 +1,4 @@
-"""The pinned SSA policy (nemo_ssa.policy.resolve_attention)."""
+"""The pinned SSA policy (nemo_ssa.config.policy.resolve_attention)."""
 
 import json
 import logging
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from nemo_ssa.policy import (
+from nemo_ssa.config.policy import (
     ALIASES,
     ATTENTIONS,
     KERNEL_OPTION_KEYS,

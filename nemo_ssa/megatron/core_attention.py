@@ -50,6 +50,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+from nemo_ssa.config.attentions import ATTENTIONS
 from nemo_ssa.megatron.parallel import (
     cp_group_of,
     gather_sequence_chunks,
@@ -91,6 +92,9 @@ def _tp_size(pg_collection) -> int:
 class _TransformedSoftmaxAttention(MegatronModule):
     """Shared contract handling; subclasses choose the op (transform x implementation)."""
 
+    # attention_name, op_key, varlen_op_key, supported_head_dims and
+    # supports_fused_rope_layout come from the class's row of the attention table
+    # (nemo_ssa/config/attentions.py; _bind_attention_table below)
     #: name used in configs (``attention=<name>``)
     attention_name: str = ""
     #: (variant, impl) key into nemo_ssa.ops.registry
@@ -381,11 +385,8 @@ class _TransformedSoftmaxAttention(MegatronModule):
 class SoftmaxCoreAttention(_TransformedSoftmaxAttention):
     """``attention=softmax``: the baseline, torch SDPA (flash / cuDNN on GPU)."""
 
-    attention_name = "softmax"
-    op_key = ("softmax", "sdpa")
     # RoPE + layout in one Triton pass, then SDPA on the contiguous [b, h, s, d] it writes
     # (megatron's RoPE is several elementwise launches per tensor plus the layout copies)
-    supports_fused_rope_layout = True
     fused_rope_layout_needs_cuda = True
 
     def _call_op(self, q, k, v, *, causal, keep_mask, dropout_p, **out):
@@ -519,9 +520,6 @@ class SSACoreAttention(SSAScalars, _TransformedSoftmaxAttention):
 class SSAReferenceCoreAttention(SSACoreAttention):
     """``attention=ssa_reference``: unfused torch SSA, fp32 scores/softmax — the anchor."""
 
-    attention_name = "ssa_reference"
-    op_key = ("ssa", "reference")
-
 
 _TRITON_MASK_TYPES = (AttnMaskType.causal, AttnMaskType.no_mask)
 
@@ -534,23 +532,13 @@ class SSATritonCoreAttention(SSACoreAttention):
     no arbitrary mask input); packed THD batches go through the varlen kernel.
     """
 
-    attention_name = "ssa_triton"
-    op_key = ("ssa", "triton")
-    varlen_op_key = ("ssa", "triton_varlen")
     supported_mask_types = _TRITON_MASK_TYPES
-    supported_head_dims = (16, 256)
-    supports_fused_rope_layout = True
 
 
 class SoftmaxTritonCoreAttention(SoftmaxCoreAttention):
     """``attention=softmax_triton``: the same fused kernel with the identity transform."""
 
-    attention_name = "softmax_triton"
-    op_key = ("softmax", "triton")
-    varlen_op_key = ("softmax", "triton_varlen")
     supported_mask_types = _TRITON_MASK_TYPES
-    supported_head_dims = (16, 256)
-    supports_fused_rope_layout = True
     fused_rope_layout_needs_cuda = False
 
 
@@ -561,27 +549,37 @@ class SSAFlexCoreAttention(SSACoreAttention):
     separate deterministic pass. No dropout (FlexAttention has none).
     """
 
-    attention_name = "ssa_flex"
-    op_key = ("ssa", "flex")
     supports_dropout = False
 
 
 class ElsaCoreAttention(SoftmaxCoreAttention):
     """``attention=elsa`` (experimental): exact softmax attention as a two-pass scan."""
 
-    attention_name = "elsa"
-    op_key = ("softmax", "elsa")
-    supports_fused_rope_layout = False
     supported_mask_types = _TRITON_MASK_TYPES
-    supported_head_dims = (16, 256)
     supports_dropout = False
 
 
 class ElsaSSACoreAttention(SSACoreAttention):
     """``attention=elsa_ssa`` (experimental): the ELSA scan with the SSA transform."""
 
-    attention_name = "elsa_ssa"
-    op_key = ("ssa", "elsa")
     supported_mask_types = _TRITON_MASK_TYPES
-    supported_head_dims = (16, 256)
     supports_dropout = False
+
+
+def _bind_attention_table() -> None:
+    """Give each core attention its row of the attention table: its name, the ops registry
+    keys it calls, the head dims its kernel compiles for and whether it takes the fused
+    RoPE + layout pass (its ``fused_rope_layout`` option) -- declared there once."""
+    for info in ATTENTIONS.values():
+        module, cls_name = info.module_path
+        if module != __name__:
+            continue
+        cls = globals()[cls_name]
+        cls.attention_name = info.name
+        cls.op_key = tuple(info.op_key)
+        cls.varlen_op_key = tuple(info.varlen_op_key)
+        cls.supported_head_dims = info.head_dims
+        cls.supports_fused_rope_layout = "fused_rope_layout" in info.kernel_options
+
+
+_bind_attention_table()

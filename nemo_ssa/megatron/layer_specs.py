@@ -19,7 +19,7 @@ pinned policy marks experimental (NSA), which are not here. ``ALL`` maps each na
 from __future__ import annotations
 
 from nemo_ssa.megatron.spec import gpt_layer_spec
-from nemo_ssa.policy import ATTENTIONS
+from nemo_ssa.config.attentions import ATTENTIONS
 
 
 def _pinned():

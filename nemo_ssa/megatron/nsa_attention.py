@@ -4,7 +4,8 @@ NSA changes more than the core attention: every branch may have its own K/V
 projection (the paper's choice), the gates come from the layer's input hidden states, and
 the compressed branch has learnable compression MLPs. So this module takes the place of
 ``SelfAttention`` in a ``TransformerLayer`` spec (``submodules.self_attention``), with
-the same constructor keywords and forward signature, and calls ``nemo_ssa.ops.nsa``.
+the same constructor keywords and forward signature, and calls ``nemo_ssa.ops.nsa``
+through the ops registry (the attention table's ``op_key`` for nsa / nsa_ssa).
 
     hidden [s, b, h] --linear_qkv--> q [s,b,Hq,D], (k, v) per branch [s,b,Hkv,D]
                      --linear_gate--> gate logits [s,b,Hq,3]
@@ -53,8 +54,10 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from nemo_ssa.config.attentions import attention_for_module
 from nemo_ssa.megatron.core_attention import SSAScalars
-from nemo_ssa.ops.nsa import NSAConfig, PhiParams, nsa_attention
+from nemo_ssa.ops.nsa import NSAConfig, PhiParams
+from nemo_ssa.ops.registry import get_attention_fn
 
 __all__ = [
     "NSASelfAttention",
@@ -111,6 +114,11 @@ def _nsa_config(nsa: Union[None, NSAConfig, Dict[str, Any]]) -> NSAConfig:
     raise ValueError(f"nsa must be an NSAConfig, a dict of its fields or None, got {type(nsa).__name__}")
 
 
+def _table_row(transform: str):
+    """The attention table's row this module implements with ``transform`` (nsa / nsa_ssa)."""
+    return attention_for_module(f"{__name__}:NSASelfAttention", transform)
+
+
 class NSASelfAttention(SSAScalars, MegatronModule):
     """NSA self attention; drop-in for megatron's ``SelfAttention`` in a layer spec.
 
@@ -155,7 +163,10 @@ class NSASelfAttention(SSAScalars, MegatronModule):
         if transform not in ("softmax", "ssa"):
             raise ValueError(f"attention=nsa: transform must be one of ('softmax', 'ssa'), got {transform!r}")
         self.transform = transform
-        name = self.attention_name = "nsa_ssa" if transform == "ssa" else "nsa"
+        # name and op from the attention table's row for this module and transform
+        info = _table_row(transform)
+        name = self.attention_name = info.name
+        self._attend = get_attention_fn(*info.op_key)
         if not force_contiguous_qkv:
             raise NotImplementedError(
                 f"attention={name}: force_contiguous_qkv=False is not supported (supported: true; "
@@ -303,7 +314,7 @@ class NSASelfAttention(SSAScalars, MegatronModule):
         ssa = {}
         if self.transform == "ssa":
             ssa = dict(n=self.n, b=self.b)
-        out = nsa_attention(q, kvs[0], kvs[1], gates, self.nsa, **branch, **phi, transform=self.transform,
+        out = self._attend(q, kvs[0], kvs[1], gates, self.nsa, **branch, **phi, transform=self.transform,
                             **ssa, softmax_scale=self.softmax_scale, impl=self.impl)
         out = out.permute(2, 0, 1, 3).reshape(sq, bsz, self.num_heads * self.head_dim)
         return self.linear_proj(out)
@@ -340,9 +351,9 @@ def nsa_self_attention_spec(
             with ``transform="softmax"``, or ``b <= 0``.
     """
     cfg = _nsa_config(nsa)
-    name = "nsa_ssa" if transform == "ssa" else "nsa"
     if transform not in ("softmax", "ssa"):
         raise ValueError(f"attention=nsa: transform must be one of ('softmax', 'ssa'), got {transform!r}")
+    name = _table_row(transform).name
     params: Dict[str, Any] = {"attn_mask_type": AttnMaskType.causal, "nsa": cfg, "impl": impl, "transform": transform}
     ssa = {k: v for k, v in dict(ssa or {}).items() if v is not None}
     if ssa and transform != "ssa":

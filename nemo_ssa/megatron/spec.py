@@ -1,7 +1,7 @@
 """The GPT layer spec with our core attentions, for NeMo's ``transformer_layer_spec``.
 
 ``layer_spec(config, attention=...)`` returns megatron's local (non-TE) GPT layer with
- - the core attention chosen by name (``nemo_ssa.policy.ATTENTIONS``), or, for the NSA
+ - the core attention chosen by name (``nemo_ssa.config.attentions.ATTENTIONS``), or, for the NSA
    family (``nsa``, ``nsa_ssa``), ``NSASelfAttention`` as the whole self attention,
  - LayerNorm1P (zero-centred gamma) for the layer norms and the final norm, so the
    model keeps nemotron3_4b's architecture without Transformer Engine,
@@ -18,6 +18,7 @@ zero-centred gamma). Never combine with ``attention_backend=local``: NeMo then r
 from __future__ import annotations
 
 import copy
+import importlib
 from typing import Any, Dict, Optional
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -27,30 +28,25 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 
-from nemo_ssa.megatron.core_attention import (
-    ElsaCoreAttention,
-    ElsaSSACoreAttention,
-    SoftmaxTritonCoreAttention,
-    SSAFlexCoreAttention,
-    SSATritonCoreAttention,
-    SoftmaxCoreAttention,
-    SSAReferenceCoreAttention,
-)
+from nemo_ssa.config.attentions import ATTENTIONS, KERNEL_OPTION_KEYS, SSA_OPTION_KEYS
+from nemo_ssa.config.policy import resolve_attention
 from nemo_ssa.megatron.layernorm import LayerNorm1P
 from nemo_ssa.megatron.mlp import FusedReLU2MLP, use_fused_mlp
 from nemo_ssa.megatron.self_attention import FusedRopeSelfAttention
-from nemo_ssa.policy import ATTENTIONS, KERNEL_OPTION_KEYS, SSA_OPTION_KEYS, resolve_attention
 
-#: implementation name -> core attention class
-CORE_ATTENTIONS = {
-    "softmax": SoftmaxCoreAttention,
-    "ssa_reference": SSAReferenceCoreAttention,
-    "softmax_triton": SoftmaxTritonCoreAttention,
-    "ssa_triton": SSATritonCoreAttention,
-    "ssa_flex": SSAFlexCoreAttention,
-    "elsa": ElsaCoreAttention,
-    "elsa_ssa": ElsaSSACoreAttention,
-}
+
+def _core_attentions():
+    classes = {}
+    for name, info in ATTENTIONS.items():
+        if info.family == "nsa":  # replaces the whole self attention: nsa_self_attention_spec
+            continue
+        module, cls = info.module_path
+        classes[name] = getattr(importlib.import_module(module), cls)
+    return classes
+
+
+#: implementation name -> core attention class (the attention table's ``module``)
+CORE_ATTENTIONS = _core_attentions()
 
 
 def core_attention_spec(attention: str, options: Optional[Dict[str, Any]] = None) -> ModuleSpec:

@@ -68,7 +68,7 @@ def render_sbatch(nodes: int, gpus_per_node: int, overrides: Sequence[str], acco
         raise ValueError(f"nodes ({nodes}) and gpus_per_node ({gpus_per_node}) must be >= 1")
     overrides = [o for o in overrides if not o.startswith(("train.num_nodes=", "train.num_gpus_per_node="))]
     if check:
-        from nemo_ssa.config_check import check_parallel
+        from nemo_ssa.config.check import check_parallel
 
         check_parallel(attention=_override(overrides, "attention", "ssa"), world=int(nodes) * int(gpus_per_node),
                        tensor_parallel=int(_override(overrides, "train.tensor_parallel", 1)),

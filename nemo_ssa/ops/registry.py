@@ -7,6 +7,9 @@ in a config fails at build time instead of silently falling back to another atte
 Calling conventions (layout [B, H, S, D], all keyword options as in ``attention_naive``):
     ssa:     fn(q, k, v, n, b, *, causal, softmax_scale, keep_mask, dropout_p)
     softmax: fn(q, k, v, *, causal, softmax_scale, keep_mask, dropout_p)
+    nsa:     fn(q, k, v, gate_logits, config, *, k_slc, v_slc, k_win, v_win, phi_k, phi_v,
+                transform, n, b, softmax_scale, block_idx, return_aux, ...)
+             (``nsa_attention``; the score transform is an argument, not the variant)
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ ATTENTION_FNS: Dict[Tuple[str, str], Union[str, Callable]] = {
     ("ssa", "flex"): "nemo_ssa.ops.ssa.flex:ssa_attention_flex",
     ("softmax", "elsa"): "nemo_ssa.ops.elsa.scan:elsa_softmax_attention",
     ("ssa", "elsa"): "nemo_ssa.ops.elsa.scan:elsa_ssa_attention",
+    # each stage Triton or torch, chosen by the function's own ``impl`` argument
+    ("nsa", "staged"): "nemo_ssa.ops.nsa.layer:nsa_attention",
+    ("nsa", "reference"): "nemo_ssa.ops.nsa.naive:nsa_attention_naive",
 }
 
 

@@ -147,7 +147,7 @@ def test_option_values():
 
 
 def test_recipe_and_config_check_refuse_true_with_tensor_parallel():
-    from nemo_ssa.config_check import check_fused_mlp, check_run_config
+    from nemo_ssa.config.check import check_fused_mlp, check_run_config
 
     check_fused_mlp("true")
     check_fused_mlp("auto", tensor_parallel=2)

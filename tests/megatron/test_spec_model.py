@@ -21,7 +21,7 @@ from nemo_ssa.megatron.cpu import cpu_device_shims  # noqa: E402
 from nemo_ssa.megatron.introspect import no_weight_decay_cond  # noqa: E402
 from nemo_ssa.megatron.layernorm import LayerNorm1P  # noqa: E402
 from nemo_ssa.nemo.cpu_loop import TINY_ARCH, shrink_for_cpu  # noqa: E402
-from nemo_ssa.policy import PINNED  # noqa: E402
+from nemo_ssa.config.policy import PINNED  # noqa: E402
 
 TINY_VOCAB = 512
 FULL_VOCAB = 50304

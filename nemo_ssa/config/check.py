@@ -1,0 +1,206 @@
+"""Config-level checks: every unsupported combination fails before anything is built.
+
+``check_parallel`` validates a parallel layout against an attention and the model's
+shape; ``check_run_config`` validates a whole launcher configuration (``attention=``,
+``policy=``, ``train.*``, parallel sizes) and is what ``scripts/pretrain.py`` calls first.
+Each failure is one ``ValueError`` / ``NotImplementedError`` line naming the supported
+values. Pure Python (no torch / megatron import): cheap enough to fuzz
+(nemo_ssa/config_fuzz.py, tests/test_config_fuzz.py).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Mapping, Optional
+
+from nemo_ssa.config.policy import ATTENTIONS, resolve_attention
+
+#: attentions that replace the whole self attention (no core attention): TP/CP refused
+_NSA_FAMILY = tuple(n for n, a in ATTENTIONS.items() if a.family == "nsa")
+#: attentions with context parallel (all-gathered K/V, nemo_ssa/megatron/parallel.py)
+CP_ATTENTIONS = tuple(n for n in ATTENTIONS if n not in _NSA_FAMILY)
+#: attentions with tensor parallel (SSA's n/b gradients all-reduced over the TP group)
+TP_ATTENTIONS = CP_ATTENTIONS
+PRECISIONS = ("bf16-mixed", "16-mixed", "32")
+POLICIES = ("pinned", "free")
+
+
+def _int(name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
+    if int(value) < minimum:
+        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
+    return int(value)
+
+
+def _impl(attention: str) -> str:
+    """``ssa`` -> the family's name for the checks (both of its kernels support the same)."""
+    return "ssa_reference" if attention == "ssa" else attention
+
+
+def check_parallel(
+    *,
+    attention: str,
+    world: int,
+    tensor_parallel: int = 1,
+    context_parallel: int = 1,
+    sequence_parallel: bool = False,
+    pipeline_parallel: int = 1,
+    seq_length: Optional[int] = None,
+    micro_batch_size: Optional[int] = None,
+    global_batch_size: Optional[int] = None,
+    arch: Optional[Mapping[str, Any]] = None,
+) -> int:
+    """Validate a layout; returns the data-parallel size (``world / (tp * cp)``).
+
+    Raises ValueError (sizes that do not tile) or NotImplementedError (a combination the
+    attentions do not support), each naming what is supported.
+    """
+    name = _impl(attention)
+    if name not in ATTENTIONS:
+        raise ValueError(f"attention={attention!r} is unknown; known: {', '.join(sorted(ATTENTIONS) + ['ssa'])}")
+    world = _int("world size (num_nodes x num_gpus_per_node)", world)
+    tp = _int("tensor_parallel", tensor_parallel)
+    cp = _int("context_parallel", context_parallel)
+    pp = _int("pipeline_parallel", pipeline_parallel)
+    if not isinstance(sequence_parallel, bool):
+        raise ValueError(f"sequence_parallel={sequence_parallel!r} must be true or false")
+    if pp != 1:
+        raise NotImplementedError(f"pipeline_model_parallel_size={pp} is not supported with the nemo_ssa layer spec "
+                                  "(supported: 1; use tensor/context/data parallel)")
+    if world % (tp * cp):
+        raise ValueError(f"world size {world} is not a multiple of tensor_parallel x context_parallel = {tp * cp} "
+                         f"(supported: world = dp x tp x cp)")
+    dp = world // (tp * cp)
+    if tp > 1 and name not in TP_ATTENTIONS:
+        raise NotImplementedError(f"attention={attention}: tensor_parallel={tp} is not supported (supported: 1; "
+                                  f"tensor parallel runs {', '.join(TP_ATTENTIONS)})")
+    if cp > 1 and name not in CP_ATTENTIONS:
+        raise NotImplementedError(f"attention={attention}: context_parallel={cp} is not supported (supported: 1; "
+                                  f"context parallel runs {', '.join(CP_ATTENTIONS)})")
+    if sequence_parallel and tp == 1:
+        raise ValueError("sequence_parallel=true needs tensor_parallel > 1 (supported: sequence_parallel=false at TP 1)")
+    if arch:
+        heads = _int("num_attention_heads", arch.get("num_attention_heads", 1))
+        groups = _int("num_query_groups", arch.get("num_query_groups") or heads)
+        if heads % tp or groups % tp:
+            raise ValueError(f"tensor_parallel={tp} must divide num_attention_heads={heads} and num_query_groups="
+                             f"{groups} (supported: a common divisor, e.g. {math.gcd(heads, groups)})")
+    if seq_length is not None:
+        seq = _int("seq_length", seq_length)
+        if cp > 1 and seq % (2 * cp):
+            raise ValueError(f"seq_length={seq} must be a multiple of 2 x context_parallel = {2 * cp} "
+                             "(megatron's load-balanced split gives every rank two chunks)")
+        if sequence_parallel and (seq // cp) % tp:
+            raise ValueError(f"seq_length={seq} / context_parallel={cp} must be a multiple of tensor_parallel={tp} "
+                             "with sequence_parallel=true")
+    if micro_batch_size is not None and global_batch_size is not None:
+        mbs = _int("micro_batch_size", micro_batch_size)
+        gbs = _int("global_batch_size", global_batch_size)
+        if gbs % (mbs * dp):
+            raise ValueError(f"global_batch_size={gbs} must be a multiple of micro_batch_size x data parallel = "
+                             f"{mbs} x {dp} = {mbs * dp} (data parallel = world / (tp x cp))")
+    return dp
+
+
+FUSED_MLP_VALUES = ("auto", "true", "false")
+
+
+def check_fused_mlp(value: Any, tensor_parallel: Any = 1, sequence_parallel: bool = False) -> None:
+    """``model.fused_mlp``: auto / true / false (bools and None = auto accepted); ``true``
+    needs tensor parallel 1 (the fused MLP's GEMMs take whole weights). One-line ValueError."""
+    ok = value is None or isinstance(value, bool) or (
+        isinstance(value, str) and value.strip().lower() in FUSED_MLP_VALUES)
+    if not ok:
+        raise ValueError(f"model.fused_mlp={value!r} is not supported (supported: auto, true, false)")
+    on = value is True or (isinstance(value, str) and value.strip().lower() == "true")
+    tp = 1 if tensor_parallel is None else tensor_parallel
+    if on and (tp != 1 or sequence_parallel):
+        raise ValueError(f"model.fused_mlp=true needs tensor_parallel=1 without sequence parallel (got "
+                         f"tensor_parallel={tp}, sequence_parallel={sequence_parallel}); supported: fused_mlp=auto "
+                         "(megatron's MLP at tensor_parallel > 1) or false")
+
+
+_TRAIN_INTS = ("seq_length", "micro_batch_size", "global_batch_size", "max_steps", "log_every_n_steps")
+
+
+def check_run_config(cfg: Mapping[str, Any], *, cuda: bool, world: Optional[int] = None) -> Dict[str, Any]:
+    """Validate a resolved launcher config (``scripts/pretrain.py``'s) before training.
+
+    Args:
+        cfg: the resolved config as a plain dict (``attention``, ``policy``, ``seed``,
+            ``train`` resolved from ``train=auto``, ``model``, ``resume``, ``stop_after``).
+        cuda: whether the run takes the GPU path.
+        world: the world size (``None``: ``train.num_nodes x train.num_gpus_per_node``).
+
+    Returns:
+        ``{"attention": implementation name, "dp": data-parallel size}``.
+    """
+    policy = cfg.get("policy", "pinned")
+    if policy not in POLICIES:
+        raise ValueError(f"policy={policy!r} is not supported (supported: {', '.join(POLICIES)})")
+    att = cfg.get("attention") or {}
+    if not isinstance(att, Mapping) or not att.get("name"):
+        raise ValueError("attention=<name> is required (supported: " + ", ".join(sorted(ATTENTIONS) + ["ssa"]) + ")")
+    options = {k: v for k, v in dict(att.get("options") or {}).items() if v is not None}
+    resolved = resolve_attention(str(att["name"]), options, policy=policy, device="cuda" if cuda else "cpu")
+    train = dict(cfg.get("train") or {})
+    for key in _TRAIN_INTS:
+        if train.get(key) is not None:
+            _int(f"train.{key}", train[key])
+    if train.get("warmup_steps") is not None:
+        _int("train.warmup_steps", train["warmup_steps"], minimum=0)
+        if train.get("max_steps") is not None and int(train["warmup_steps"]) > int(train["max_steps"]):
+            raise ValueError(f"train.warmup_steps={train['warmup_steps']} must be <= train.max_steps={train['max_steps']}")
+    for key in ("lr", "min_lr"):
+        v = train.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or v != v):
+            raise ValueError(f"train.{key}={v!r} must be a number >= 0")
+    if train.get("lr") is not None and train.get("min_lr") is not None and train["min_lr"] > train["lr"]:
+        raise ValueError(f"train.min_lr={train['min_lr']} must be <= train.lr={train['lr']}")
+    for key in ("weight_decay", "clip_grad"):
+        v = train.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0):
+            raise ValueError(f"train.{key}={v!r} must be a number >= 0")
+    if train.get("ckpt_every_n_steps") is not None:
+        _int("train.ckpt_every_n_steps", train["ckpt_every_n_steps"])
+    precision = train.get("precision")
+    if precision is not None and str(precision) not in PRECISIONS:
+        raise ValueError(f"train.precision={precision!r} is not supported (supported: {', '.join(PRECISIONS)})")
+    if not cuda and precision is not None and str(precision) != "32":
+        raise ValueError(f"train.precision={precision!r} on the CPU path (supported there: '32'; the GPU path "
+                         f"takes {', '.join(PRECISIONS)})")
+    if cfg.get("stop_after") is not None:
+        stop = _int("stop_after", cfg["stop_after"])
+        if train.get("max_steps") is not None and stop > int(train["max_steps"]):
+            raise ValueError(f"stop_after={stop} must be <= train.max_steps={train['max_steps']}")
+    _int("seed", cfg.get("seed", 0), minimum=0)
+    nodes = _int("train.num_nodes", train.get("num_nodes") or 1)
+    gpus = _int("train.num_gpus_per_node", train.get("num_gpus_per_node") or 1)
+    if world is None:
+        world = nodes * gpus
+    model = dict(cfg.get("model") or {})
+    arch = dict(model.get("cpu_arch") or {}) if not cuda else {
+        "num_attention_heads": 24, "num_query_groups": 8, "hidden_size": 768}
+    dopt = train.get("distributed_optimizer")
+    if dopt is not None and dopt != "auto" and not isinstance(dopt, bool):
+        raise ValueError(f"train.distributed_optimizer={dopt!r} is not supported (supported: true, false, auto/null)")
+    dp = check_parallel(
+        attention=resolved.name, world=world,
+        # None = unset (1); an explicit 0 is refused by check_parallel, not read as 1
+        tensor_parallel=1 if train.get("tensor_parallel") is None else train["tensor_parallel"],
+        context_parallel=1 if train.get("context_parallel") is None else train["context_parallel"],
+        sequence_parallel=bool(train.get("sequence_parallel") or False), pipeline_parallel=1,
+        seq_length=train.get("seq_length"), micro_batch_size=train.get("micro_batch_size"),
+        global_batch_size=train.get("global_batch_size"), arch=arch,
+    )
+    check_fused_mlp(model.get("fused_mlp", "auto"), tensor_parallel=train.get("tensor_parallel"),
+                    sequence_parallel=bool(train.get("sequence_parallel") or False))
+    if arch.get("hidden_size") and arch.get("num_attention_heads"):
+        head_dim = int(arch["hidden_size"]) // int(arch["num_attention_heads"])
+        lo_hi = ATTENTIONS[resolved.name].head_dims
+        if lo_hi and not lo_hi[0] <= head_dim <= lo_hi[1]:
+            raise NotImplementedError(f"attention={resolved.name}: head dim {head_dim} (hidden_size / "
+                                      f"num_attention_heads) is not supported (supported: {lo_hi[0]}..{lo_hi[1]}; "
+                                      "use ssa_reference / softmax)")
+    return {"attention": resolved.name, "dp": dp}
