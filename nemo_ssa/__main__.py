@@ -24,7 +24,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "compare":
-        from nemo_ssa.compare import main as compare_main
+        from nemo_ssa.tools.compare import main as compare_main
 
         return compare_main(rest)
     if cmd == "slurm":

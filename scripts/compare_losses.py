@@ -1,4 +1,4 @@
-"""Compare loss curves of runs against a baseline (see nemo_ssa/compare.py for the rules).
+"""Compare loss curves of runs against a baseline (see nemo_ssa/tools/compare.py for the rules).
 
     python scripts/compare_losses.py runs/softmax-s1234 runs/ssa-s1234 --out runs/compare
     python scripts/compare_losses.py ref=runs/ssa_reference-s1234 tri=runs/ssa_triton-s1234 \
@@ -16,7 +16,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:] = [REPO] + [p for p in sys.path if os.path.abspath(p or ".") != REPO]
 
-from nemo_ssa.compare import main  # noqa: E402
+from nemo_ssa.tools.compare import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -81,7 +81,7 @@ PRESETS = {
                 ["tests/ops/test_nsa_gpu.py", "tests/ops/test_nsa.py", "tests/ops/test_elsa.py"], "not gpu_big", 170),
                ("pytest", "tests-full-2-big", 250, ["tests/ops/test_nsa_gpu.py"], "gpu_big", 200, 1),
                ("cmd", "ops-fuzz", 95,
-                "{py} -m nemo_ssa.ops_fuzz --device cuda --cases 3000 --time-budget 50 "
+                "{py} -m nemo_ssa.testing.ops_fuzz --device cuda --cases 3000 --time-budget 50 "
                 "--out {out}/ops-fuzz-cuda.md")]),
 }
 

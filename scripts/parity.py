@@ -300,7 +300,7 @@ def plan_comparison(labels: List[str]) -> Tuple[List[str], List[Tuple[str, str]]
 
 
 def compare(args) -> int:
-    from nemo_ssa.compare import main as compare_main
+    from nemo_ssa.tools.compare import main as compare_main
 
     runs = _runs_in(args.logs)
     if args.only:

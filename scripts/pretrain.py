@@ -135,7 +135,7 @@ def _distributed_optimizer(train: DictConfig, cfg: DictConfig, run_dir: str, nam
     if cuda:
         ckpt = nemo_resume_checkpoint(_nemo_checkpoint_dir(run_dir, name))
     else:
-        from nemo_ssa.nemo.cpu_loop import latest_checkpoint
+        from nemo_ssa.train.checkpoint_io import latest_checkpoint
 
         ckpt = latest_checkpoint(os.path.join(run_dir, "checkpoints"))
     return uses_distributed_optimizer(ckpt) if ckpt else None
@@ -197,7 +197,7 @@ def build_recipe(cfg: DictConfig, train: DictConfig, prefix: str, tokenizer_dir:
 def run_gpu(cfg, train, recipe, resolved, run_dir) -> None:
     import nemo_run as run
 
-    from nemo_ssa.metrics_log import flops_per_token
+    from nemo_ssa.tools.metrics_log import flops_per_token
     from nemo_ssa.nemo.callbacks import AttentionWarmupCallback, MetricsCallback
 
     callbacks = list(recipe.trainer.callbacks or [])
@@ -256,7 +256,8 @@ def _end_process_group() -> None:
 
 
 def run_cpu(cfg, train, recipe, run_dir) -> None:
-    from nemo_ssa.nemo.cpu_loop import shrink_for_cpu, train_on_cpu
+    from nemo_ssa.train.cpu_recipe import shrink_for_cpu
+    from nemo_ssa.train.loop import train_on_cpu
 
     shrink_for_cpu(recipe, arch=OmegaConf.to_container(cfg.model.cpu_arch))
     train_on_cpu(
@@ -401,7 +402,7 @@ def train_and_compare(cfg: DictConfig) -> None:
     """Train every attention in ``compare_to`` + ``attention`` (one process each), then compare."""
     from hydra.core.hydra_config import HydraConfig
 
-    from nemo_ssa.compare import main as compare_main
+    from nemo_ssa.tools.compare import main as compare_main
 
     if _launched_world() > 1:
         raise SystemExit("[pretrain] compare_to trains several runs one after another; under torchrun / Slurm "

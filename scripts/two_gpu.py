@@ -167,7 +167,7 @@ PARTS = ("dp", "tp_cp", "speed")
 def _checkpoint_of(run_dir: str) -> Optional[str]:
     """The newest complete checkpoint of a run: NeMo's ``-last`` (GPU) or the CPU loop's."""
     from nemo_ssa.megatron.checkpoints import nemo_resume_checkpoint
-    from nemo_ssa.nemo.cpu_loop import latest_checkpoint
+    from nemo_ssa.train.checkpoint_io import latest_checkpoint
 
     for d in sorted(glob.glob(os.path.join(run_dir, "*", "checkpoints"))):
         found = nemo_resume_checkpoint(d)
@@ -543,7 +543,7 @@ def check_ranks(run_dir: str) -> Tuple[bool, str]:
 
 
 def check(args) -> int:
-    from nemo_ssa.compare import main as compare_main
+    from nemo_ssa.tools.compare import main as compare_main
 
     os.makedirs(args.out, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="two_gpu_check_")

@@ -19,7 +19,7 @@
   controller writes the results, the workers their collection).
 - ``megatron_cpu``: torch.distributed over gloo (world size 1), megatron's parallel state
   (TP=1, PP=1) and the RNG tracker, set up exactly like the CPU training loop does
-  (``nemo_ssa.nemo.cpu_loop._init_distributed``) and torn down with its
+  (``nemo_ssa.train.process.init_distributed``) and torn down with its
   ``teardown_distributed`` at the end of the session.
 """
 
@@ -88,9 +88,9 @@ def pytest_collection_modifyitems(session, config, items):
 
 @pytest.fixture(scope="session")
 def megatron_cpu():
-    from nemo_ssa.nemo.cpu_loop import _init_distributed, teardown_distributed
+    from nemo_ssa.train.process import init_distributed, teardown_distributed
 
-    _init_distributed(seed=1234)
+    init_distributed(seed=1234)
     try:
         yield
     finally:

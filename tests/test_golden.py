@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from nemo_ssa import compare as cmp
+from nemo_ssa.tools import compare as cmp
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOLDEN = os.path.join(REPO, "tests", "golden", "cpu_smoke")

@@ -15,7 +15,8 @@ PKG = ROOT / "nemo_ssa"
 
 # nemo_ssa.<sub> trees that ops must not reach; third-party roots ops must not import
 OPS_FORBIDDEN_ROOTS = ("megatron", "nemo", "transformer_engine", "apex", "lightning", "hydra")
-OPS_FORBIDDEN_INTERNAL = ("nemo_ssa.megatron", "nemo_ssa.nemo", "recipes", "scripts")
+OPS_FORBIDDEN_INTERNAL = ("nemo_ssa.megatron", "nemo_ssa.nemo", "nemo_ssa.testing", "nemo_ssa.tools", "nemo_ssa.train",
+                          "recipes", "scripts")
 
 
 def _module_name(path: Path) -> str:
@@ -78,6 +79,7 @@ def test_checker_catches_violations():
     assert ops_violations("from ... import nemo", mod) == ["nemo_ssa.nemo"]
     assert ops_violations("import importlib\nimportlib.import_module('megatron.core')", mod)
     assert ops_violations("from . import naive", mod) == []
+    assert ops_violations("from nemo_ssa.testing import make_qkv", mod) == ["nemo_ssa.testing", "nemo_ssa.testing.make_qkv"]
     assert nemo_violations("import nemo_ssa.ops", "nemo_ssa.megatron.spec") == []
     assert nemo_violations("from nemo.lightning import Trainer", "nemo_ssa.megatron.spec")
 

@@ -7,7 +7,7 @@ import types
 import torch
 
 from nemo_ssa.megatron.core_attention import SSAScalars
-from nemo_ssa.metrics_log import TB_LOSS_TAG, device_peak_tflops, flops_per_token
+from nemo_ssa.tools.metrics_log import TB_LOSS_TAG, device_peak_tflops, flops_per_token
 from nemo_ssa.nemo.callbacks import MetricsCallback
 
 

@@ -10,8 +10,8 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from nemo_ssa.metrics_log import MetricsWriter, TB_LOSS_TAG, rank_layout, write_rank_file
-from nemo_ssa.rng import preserved_rng
+from nemo_ssa.tools.metrics_log import MetricsWriter, TB_LOSS_TAG, rank_layout, write_rank_file
+from nemo_ssa.train.rng import preserved_rng
 
 #: the held-out loss per validation, beside metrics.csv (scripts/study.py reads it)
 HELDOUT_CSV = "heldout.csv"
@@ -34,7 +34,7 @@ class MetricsCallback(Callback):
     median over steps is the steady rate). n per layer is also logged through Lightning
     (``ssa/n/layer_XX``) at flush steps. At the end, ``summary.json`` records the
     steady-state tokens/s (median over steps after the first 10), MFU (model FLOPs per
-    token x tokens/s / the GPU's dense bf16 peak; ``nemo_ssa.metrics_log.flops_per_token``
+    token x tokens/s / the GPU's dense bf16 peak; ``nemo_ssa.tools.metrics_log.flops_per_token``
     documents the formula), peak GPU memory and the losses; the flush rows print a
     progress line with the same figures.
 
@@ -143,7 +143,7 @@ class MetricsCallback(Callback):
         if self._writer is not None:
             self._writer.close()
         from nemo_ssa.megatron.introspect import ssa_modules
-        from nemo_ssa.metrics_log import device_peak_tflops
+        from nemo_ssa.tools.metrics_log import device_peak_tflops
 
         # one device-to-host read for every layer's n and b, for the rank file and the summary
         mods = ssa_modules(_unwrap(pl_module))
@@ -193,7 +193,7 @@ class AttentionWarmupCallback(Callback):
         self.restore_rng = restore_rng
 
     def on_train_start(self, trainer, pl_module: Any):
-        from nemo_ssa.nemo.cpu_loop import warmup_attention
+        from nemo_ssa.train.warmup import warmup_attention
 
         if trainer.global_step > 0:
             return  # resumed: the run's RNG state came from the checkpoint
@@ -224,7 +224,7 @@ class ProfilerCallback(Callback):
 
     Writes ``<run_dir>/profile/``: ``trace.json.gz`` (chrome://tracing / Perfetto; CPU ops,
     CUDA kernels and, with ``with_stack``, Python frames) and ``summary.txt`` (ops by self
-    CPU time and by CUDA time). ``python -m nemo_ssa.profile_summary <trace>`` turns a trace
+    CPU time and by CUDA time). ``python -m nemo_ssa.tools.profile_summary <trace>`` turns a trace
     into per-step wall time, GPU-busy time and the host functions that leave the GPU idle.
     Enable from the launcher with ``profile.start=40`` (``profile.steps``, ``profile.with_stack``).
     """

@@ -73,16 +73,6 @@ def test_policy_reads_the_table():
     assert KERNEL_OPTION_KEYS == {n: tuple(a.kernel_options) for n, a in ATTENTIONS.items() if a.kernel_options}
 
 
-def test_compat_paths_are_the_new_modules():
-    import nemo_ssa.config.check
-    import nemo_ssa.config_check
-    import nemo_ssa.policy
-
-    assert nemo_ssa.policy.resolve_attention is policy.resolve_attention
-    assert nemo_ssa.policy.ATTENTIONS is ATTENTIONS
-    assert nemo_ssa.config_check.check_run_config is nemo_ssa.config.check.check_run_config
-
-
 def test_nsa_option_keys_are_nsaconfig_fields():
     import dataclasses
 

@@ -320,7 +320,7 @@ def test_warmup_runs_nsa_without_touching_parameters(megatron_cpu):
     """The pre-step-0 warm-up (``warmup_attention``) also runs NSA self-attention (it has no
     core attention): forward+backward once per distinct (type, transform), parameters
     frozen meanwhile (no grad, so no DDP hook fires), requires_grad restored."""
-    from nemo_ssa.nemo.cpu_loop import warmup_attention
+    from nemo_ssa.train.warmup import warmup_attention
 
     model = gpt_from_layer_spec("nsa_ssa")
     before = {k: p.detach().clone() for k, p in model.named_parameters()}

@@ -20,7 +20,7 @@ from nemo_ssa.megatron.core_attention import (  # noqa: E402
 from nemo_ssa.megatron.cpu import cpu_device_shims  # noqa: E402
 from nemo_ssa.megatron.introspect import no_weight_decay_cond  # noqa: E402
 from nemo_ssa.megatron.layernorm import LayerNorm1P  # noqa: E402
-from nemo_ssa.nemo.cpu_loop import TINY_ARCH, shrink_for_cpu  # noqa: E402
+from nemo_ssa.train.cpu_recipe import TINY_ARCH, shrink_for_cpu  # noqa: E402
 from nemo_ssa.config.policy import PINNED  # noqa: E402
 
 TINY_VOCAB = 512
@@ -163,7 +163,7 @@ def test_ssa_adds_exactly_one_n_per_layer(full_models):
 
 # ------------------------------------------------------------------------ weight decay
 def test_optimizer_exempts_ssa_n_from_weight_decay(megatron_cpu, tmp_path_factory):
-    from nemo_ssa.nemo.cpu_loop import wrap_for_training
+    from nemo_ssa.train.ddp import wrap_for_training
 
     recipe, cfg, model = build_tiny(tmp_path_factory, "ssa")
     with cpu_device_shims():

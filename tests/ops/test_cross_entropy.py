@@ -60,7 +60,7 @@ def _tiny_gpt(tmp_path):
     from recipes.nemotron_114m import pretrain_recipe
 
     from nemo_ssa.megatron.cpu import cpu_device_shims
-    from nemo_ssa.nemo.cpu_loop import shrink_for_cpu
+    from nemo_ssa.train.cpu_recipe import shrink_for_cpu
 
     recipe = pretrain_recipe(dir=str(tmp_path), attention="softmax", max_steps=2)
     shrink_for_cpu(recipe)

@@ -30,7 +30,7 @@ def tiny_recipe(prefix, tokenizer_dir, *, attention="ssa_reference", max_steps=2
                 lr=2e-3, precision="32"):
     """The tests' tiny model (2 layers) on the tiny corpus, at a given parallel layout."""
     from recipes import nemotron_114m
-    from nemo_ssa.nemo.cpu_loop import shrink_for_cpu
+    from nemo_ssa.train.cpu_recipe import shrink_for_cpu
 
     recipe = nemotron_114m.pretrain_recipe(
         dir=run_dir, attention=attention, attention_options=attention_options, policy=policy,
@@ -45,7 +45,7 @@ def tiny_recipe(prefix, tokenizer_dir, *, attention="ssa_reference", max_steps=2
     recipe.model.config.hidden_dropout = dropout
     recipe.model.config.attention_dropout = dropout
     if precision == "bf16":
-        from nemo_ssa.nemo.cpu_loop import use_bf16_on_cpu
+        from nemo_ssa.train.cpu_recipe import use_bf16_on_cpu
 
         use_bf16_on_cpu(recipe)
     return recipe
@@ -58,7 +58,7 @@ def n_trajectory(run_dir):
 
 
 def run_job(corpus, job):
-    from nemo_ssa.nemo.cpu_loop import train_on_cpu
+    from nemo_ssa.train.loop import train_on_cpu
 
     job = dict(job)
     run_dir = job.pop("run_dir")

@@ -45,7 +45,7 @@ def corpus(tmp_path_factory):
 
 def _train_here(corpus, run_dir, train=None, **job):
     """A world-1 run in this process (the reference every layout must reproduce)."""
-    from nemo_ssa.nemo.cpu_loop import train_on_cpu
+    from nemo_ssa.train.loop import train_on_cpu
 
     job = {**BASE, **job}
     recipe = tiny_recipe(corpus["prefix"], corpus["tokenizer_dir"], run_dir=str(run_dir), **job)

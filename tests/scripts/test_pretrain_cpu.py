@@ -31,7 +31,7 @@ def tiny_corpus(tmp_path_factory):
 def _recipe(corpus, attention="ssa", max_steps=6, dropout=0.0, run_dir="/tmp/unused", hidden=32,
             attention_options=None, policy="pinned"):
     from recipes import nemotron_114m
-    from nemo_ssa.nemo.cpu_loop import shrink_for_cpu
+    from nemo_ssa.train.cpu_recipe import shrink_for_cpu
 
     recipe = nemotron_114m.pretrain_recipe(
         dir=run_dir, attention=attention, attention_options=attention_options, policy=policy,
@@ -47,7 +47,7 @@ def _recipe(corpus, attention="ssa", max_steps=6, dropout=0.0, run_dir="/tmp/unu
 
 
 def _train(corpus, run_dir, **kw):
-    from nemo_ssa.nemo.cpu_loop import train_on_cpu
+    from nemo_ssa.train.loop import train_on_cpu
 
     recipe_kw = {k: kw.pop(k) for k in ("attention", "dropout", "hidden", "attention_options", "policy") if k in kw}
     max_steps = kw.pop("max_steps", 6)
@@ -69,7 +69,7 @@ def test_warmup_restores_every_rng(tiny_corpus, tmp_path):
 def test_resume_continues_the_same_curve_bitwise(tiny_corpus, tmp_path):
     """Crashed after step 4 with the checkpoint at 3: the resume re-does step 4, and the
     compare tool's merged curve equals the uninterrupted run's bit for bit."""
-    from nemo_ssa.compare import load_run
+    from nemo_ssa.tools.compare import load_run
 
     full = _train(tiny_corpus, tmp_path / "full", max_steps=6)
     first = _train(tiny_corpus, tmp_path / "res", max_steps=6, stop_after=4, ckpt_every=3, save_at_end=False)
@@ -224,7 +224,7 @@ def test_fused_cross_entropy_trains_the_same_curve(tiny_corpus, tmp_path, monkey
     """model.fused_cross_entropy=true on the CPU loop (eager chunked output layer + loss, the
     loss mask as its weight-gradient row weight) follows megatron's loss path step for step."""
     import nemo_ssa.ops.cross_entropy as ce
-    from nemo_ssa.nemo.cpu_loop import train_on_cpu
+    from nemo_ssa.train.loop import train_on_cpu
 
     calls = []
     real = ce.linear_cross_entropy

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import csv
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -51,7 +50,7 @@ def _rows(run_dir):
 
 
 def test_sigkill_during_checkpoint_save_resumes_from_newest_complete(tiny_corpus, tmp_path):
-    from nemo_ssa.nemo.cpu_loop import latest_checkpoint
+    from nemo_ssa.train.checkpoint_io import latest_checkpoint
 
     run_dir = tmp_path / "killed"
     ckpts = run_dir / "checkpoints"
@@ -95,7 +94,7 @@ def test_sigkill_during_checkpoint_save_resumes_from_newest_complete(tiny_corpus
 
 def _recipe(corpus, run_dir, max_steps):
     from recipes import nemotron_114m
-    from nemo_ssa.nemo.cpu_loop import shrink_for_cpu
+    from nemo_ssa.train.cpu_recipe import shrink_for_cpu
 
     recipe = nemotron_114m.pretrain_recipe(dir=str(run_dir), attention="ssa", data_prefix=corpus.prefix,
                                            tokenizer_dir=corpus.tokenizer_dir, max_steps=max_steps,
@@ -108,7 +107,7 @@ def _recipe(corpus, run_dir, max_steps):
 
 
 def _train(corpus, run_dir, **kw):
-    from nemo_ssa.nemo.cpu_loop import train_on_cpu
+    from nemo_ssa.train.loop import train_on_cpu
 
     return train_on_cpu(_recipe(corpus, run_dir, 6), str(run_dir), max_steps=6, quiet=True, **kw)
 
@@ -116,7 +115,7 @@ def _train(corpus, run_dir, **kw):
 def test_second_generation_resume_continues_the_curve(tiny_corpus, tmp_path):
     """run (stopped after 2) -> resume (stopped after 4) -> resume again: the merged curve,
     the final n and the metrics segments equal the uninterrupted run's."""
-    from nemo_ssa.compare import load_run
+    from nemo_ssa.tools.compare import load_run
 
     full = _train(tiny_corpus, tmp_path / "full")
     d = tmp_path / "gen"
@@ -131,19 +130,3 @@ def test_second_generation_resume_continues_the_curve(tiny_corpus, tmp_path):
     merged, ref = load_run("gen", [str(d)]), load_run("full", [str(tmp_path / "full")])
     assert merged.steps == ref.steps == list(range(1, 7)) and merged.loss == ref.loss and merged.n == ref.n
     assert len(merged.segments) == 3
-
-
-def test_partial_checkpoint_is_never_resumed_from(tmp_path):
-    """The completion rule on its own (no training): a ``.partial`` copy of a whole
-    checkpoint is ignored; the same directory under the final name is picked."""
-    from nemo_ssa.nemo.cpu_loop import latest_checkpoint
-
-    root = tmp_path / "checkpoints"
-    (root / "step_0000002").mkdir(parents=True)
-    (root / "step_0000002" / "metadata.json").write_text("{}")
-    shutil.copytree(root / "step_0000002", root / "step_0000004.partial")
-    (root / "step_0000006").mkdir()  # a directory without metadata (not written by a save)
-    assert latest_checkpoint(str(root)).endswith("step_0000002")
-    os.replace(root / "step_0000004.partial", root / "step_0000004")  # what the save's rename does
-    assert latest_checkpoint(str(root)).endswith("step_0000004")
-

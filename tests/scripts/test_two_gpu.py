@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 import two_gpu  # noqa: E402
 
-from nemo_ssa.metrics_log import write_rank_file  # noqa: E402
+from nemo_ssa.tools.metrics_log import write_rank_file  # noqa: E402
 
 N = {1: 1.5123, 2: 1.4987}
 B = {1: 0.800000011920929, 2: 0.800000011920929}

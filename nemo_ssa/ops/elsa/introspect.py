@@ -158,8 +158,6 @@ def main(argv=None) -> int:
     """``python -m nemo_ssa.ops.elsa.introspect``: per-shape report + verification (GPU)."""
     import argparse
 
-    from nemo_ssa.testing import make_qkv
-
     p = argparse.ArgumentParser(description="ELSA two-pass structure check")
     p.add_argument("--ns", default="1000,4096,16384")
     p.add_argument("--dtypes", default="bf16,fp32")
@@ -171,7 +169,8 @@ def main(argv=None) -> int:
         for N in (int(x) for x in args.ns.split(",")):
             for shape in ((1, 16, 16, 64), (1, 24, 8, 32), (1, 4, 2, 64)):
                 B, Hq, Hkv, D = shape
-                q, k, v = make_qkv(B, Hq, Hkv, N, N, D, dtypes[dname], device=dev)
+                # ops/ imports nothing above it, so no nemo_ssa.testing.make_qkv here
+                q, k, v = (torch.randn(B, h, N, D).to(device=dev, dtype=dtypes[dname]) for h in (Hq, Hkv, Hkv))
                 for causal in (False, True):
                     st = elsa_structure(q, k, v, causal=causal, num_partitions=args.partitions).verify()
                     print(st.describe(), flush=True)

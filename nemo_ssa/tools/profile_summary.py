@@ -1,6 +1,6 @@
 """Summarise a torch.profiler chrome trace of training steps: where the GPU waits for the host.
 
-    python -m nemo_ssa.profile_summary runs/softmax-s1234/profile/trace.json.gz [--top 25]
+    python -m nemo_ssa.tools.profile_summary runs/softmax-s1234/profile/trace.json.gz [--top 25]
 
 For each ``ProfilerStep#N`` window (written by ``nemo_ssa.nemo.callbacks.ProfilerCallback``)
 it prints the step's wall time (start to the next step's start), the GPU-busy time (union

@@ -36,9 +36,9 @@ Not checked (documented caller contracts, checking them would need a device sync
 CLI (``--cases`` on ``--device cpu`` runs the kernels in the Triton interpreter; ``cuda``
 runs them on the GPU)::
 
-    TRITON_INTERPRET=1 python -m nemo_ssa.ops_fuzz --cases 600 --device cpu --out fuzz.md
-    python -m nemo_ssa.ops_fuzz --cases 3000 --device cuda --time-budget 90 --out fuzz-cuda.md
-    python -m nemo_ssa.ops_fuzz --device cpu --only 417        # re-run one case, full traceback
+    TRITON_INTERPRET=1 python -m nemo_ssa.testing.ops_fuzz --cases 600 --device cpu --out fuzz.md
+    python -m nemo_ssa.testing.ops_fuzz --cases 3000 --device cuda --time-budget 90 --out fuzz-cuda.md
+    python -m nemo_ssa.testing.ops_fuzz --device cpu --only 417        # re-run one case, full traceback
 
 Case ``i`` of seed ``s`` draws from ``random.Random(s * 1_000_003 + i)``: a case id
 reproduces alone.
@@ -1081,7 +1081,7 @@ def markdown(results: List[CaseResult], device: str, seed: int, cmd: str, second
         lines.append(f"| {k} | {t['tried']} | {t.get('correct', 0)} | {t.get('refused', 0)} | {t.get('failed', 0)} |")
     fails = [r for r in results if r.outcome == "failed"]
     if fails:
-        lines += ["", "## Failures (re-run one: `python -m nemo_ssa.ops_fuzz --device DEV --seed S --only IDX`)", ""]
+        lines += ["", "## Failures (re-run one: `python -m nemo_ssa.testing.ops_fuzz --device DEV --seed S --only IDX`)", ""]
         lines += [f"- case {r.idx} `{r.op}` {r.kind}: {r.detail} -- {r.desc}" for r in fails[:100]]
     return "\n".join(lines) + "\n"
 
@@ -1117,7 +1117,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     results = run_fuzz(args.cases, args.device, args.seed, args.time_budget, args.time_limit, ops, progress=True)
     secs = time.time() - t0
-    cmd = "python -m nemo_ssa.ops_fuzz " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = "python -m nemo_ssa.testing.ops_fuzz " + " ".join(argv if argv is not None else sys.argv[1:])
     md = markdown(results, args.device, args.seed, cmd, secs)
     print(md)
     if args.out:

@@ -1,4 +1,4 @@
-"""Config-level fuzz: random launcher configurations through ``nemo_ssa.config_check``.
+"""Config-level fuzz: random launcher configurations through ``nemo_ssa.config.check``.
 
 Every case is a resolved ``scripts/pretrain.py`` configuration (attention, policy, parallel
 sizes, world, batch sizes, precision, steps, learning rates, distributed optimizer, CPU or
@@ -12,8 +12,8 @@ as one of:
 - ``failed``: anything else -- another exception, a multi-line or uninformative refusal, or
   an accepted case the oracle knows is unsupported (the silent-acceptance bug a fuzz is for).
 
-``python -m nemo_ssa.config_fuzz --cases 2000 --out FILE`` writes the counts table;
-tests/test_config_fuzz.py runs a few hundred cases in CI.
+``python -m nemo_ssa.testing.config_fuzz --cases 2000 --out FILE`` writes the counts table;
+tests/testing/test_config_fuzz.py runs a few hundred cases in CI.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import argparse
 import random
 from typing import Any, Dict, List, Optional, Tuple
 
-from nemo_ssa.config_check import CP_ATTENTIONS, POLICIES, PRECISIONS, TP_ATTENTIONS, check_run_config
-from nemo_ssa.policy import ATTENTIONS
+from nemo_ssa.config.check import CP_ATTENTIONS, POLICIES, PRECISIONS, TP_ATTENTIONS, check_run_config
+from nemo_ssa.config.policy import ATTENTIONS
 
 _NAMES = sorted(ATTENTIONS) + ["ssa", "sigmoid", ""]
 
@@ -158,7 +158,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     counts, failures = run(args.cases, args.seed)
-    lines = [f"`python -m nemo_ssa.config_fuzz --cases {args.cases} --seed {args.seed}`", "",
+    lines = [f"`python -m nemo_ssa.testing.config_fuzz --cases {args.cases} --seed {args.seed}`", "",
              "| tried | accepted | refused | failed |", "|---|---|---|---|",
              f"| {counts['tried']} | {counts['accepted']} | {counts['refused']} | {counts['failed']} |"]
     lines += [f"- case {i}: {d}" for i, d in failures[:20]]

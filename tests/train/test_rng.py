@@ -1,4 +1,4 @@
-"""RNG snapshot/restore (nemo_ssa.rng)."""
+"""RNG snapshot/restore (nemo_ssa.train.rng)."""
 
 import random
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_ssa.rng import preserved_rng, restore_rng, snapshot_rng
+from nemo_ssa.train.rng import preserved_rng, restore_rng, snapshot_rng
 
 
 def draw():

@@ -5,7 +5,7 @@ kind is caught."""
 
 import pytest
 
-from nemo_ssa import config_fuzz
+from nemo_ssa.testing import config_fuzz
 
 
 def test_300_cases_accepted_or_refused_never_failed():

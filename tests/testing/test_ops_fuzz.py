@@ -1,8 +1,8 @@
-"""The ops fuzz (nemo_ssa/ops_fuzz.py): >= 500 seeded cases over the public attention ops,
+"""The ops fuzz (nemo_ssa/testing/ops_fuzz.py): >= 500 seeded cases over the public attention ops,
 each correct against the float64 reference by the 2x-eager rule or refused with a
 ValueError / NotImplementedError naming what is supported -- never a crash, a hang or a
 silently wrong result. Kernels run in the Triton interpreter (fp32/fp16, tiny shapes);
-``python -m nemo_ssa.ops_fuzz --device cuda --cases 3000`` is the GPU run.
+``python -m nemo_ssa.testing.ops_fuzz --device cuda --cases 3000`` is the GPU run.
 
 Negative controls: an op made silently wrong (output off by 1 %, a dropped sign in db),
 one that crashes, one that refuses without naming the supported set, and one that hangs
@@ -19,7 +19,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import nemo_ssa.ops_fuzz as fuzz  # noqa: E402
+import nemo_ssa.testing.ops_fuzz as fuzz  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CASES = 520
@@ -45,7 +45,7 @@ def fuzz_results():
 def test_every_case_is_correct_or_refused(fuzz_results):
     table = fuzz.summarize(fuzz_results)
     fails = [f"case {r.idx} {r.op} {r.kind}: {r.detail} -- {r.desc}" for r in fuzz_results if r.outcome == "failed"]
-    assert not fails, f"{len(fails)} failed (re-run one with python -m nemo_ssa.ops_fuzz --device {DEVICE} " \
+    assert not fails, f"{len(fails)} failed (re-run one with python -m nemo_ssa.testing.ops_fuzz --device {DEVICE} " \
                       f"--seed {_seed()} --only IDX):\n" + "\n".join(fails[:20])
     total = table["total"]
     assert total["tried"] >= 500

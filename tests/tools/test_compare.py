@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from nemo_ssa import compare as cmp
+from nemo_ssa.tools import compare as cmp
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _write_csv(path, rows, n_layers=0):
@@ -244,7 +244,7 @@ def test_pairs_are_shown_not_gated(tmp_path):
 
 
 def test_segment_column_splits_a_resume_without_overlap(tmp_path):
-    from nemo_ssa.metrics_log import MetricsWriter
+    from nemo_ssa.tools.metrics_log import MetricsWriter
 
     run = str(tmp_path / "run")
     for first, last in ((1, 5), (6, 9)):  # resumed exactly after the last logged step

@@ -136,8 +136,8 @@ def assert_within_2x_eager(
 
 # Scalar gradients (dn, db) are sums over every score of terms of both signs. Their value
 # may cancel to near zero while each term is O(1), so a bound relative to the value tests
-# the draw, not the kernel (issue 16: ``db: 5.28e-04 > 1e-4`` at db = -0.0014 on one draw
-# out of many). The bound below scales with the sum of |terms| instead -- the quantity
+# the draw, not the kernel (a correct db of -0.0014 fails a 1e-4 relative bound on an
+# unlucky draw). The bound below scales with the sum of |terms| instead -- the quantity
 # every term's rounding error is proportional to -- so it is as tight on every draw and
 # still fails a wrong formula (a dropped sign or factor moves the sum by a fraction of
 # sum|terms|, orders of magnitude above these tolerances; see the negative controls in

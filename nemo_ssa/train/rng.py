@@ -2,8 +2,7 @@
 
 Warm-up (kernel compilation, autotuning, allocator warm-up) must not change the run:
 it draws random inputs, and without a restore the dropout masks, data shuffles and any
-later initialisation of the run would shift (seed 000: "warm-up that snapshots and
-restores RNG state"). Covered: Python ``random``, NumPy's global generator, torch's CPU
+later initialisation of the run would shift. Covered: Python ``random``, NumPy's global generator, torch's CPU
 generator, every CUDA device's generator, and megatron's CUDA RNG tracker states (the
 streams dropout forks into), when megatron is importable and its tracker initialised.
 """
