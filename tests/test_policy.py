@@ -150,8 +150,16 @@ def test_transform_defaults_to_the_family():
 
 
 def _attention_table_rows():
+    """The rows of the README's first table (the one under its ``attention=`` header)."""
     with open(os.path.join(REPO, "README.md")) as f:
-        return [line for line in f if line.startswith("| `")]
+        lines = f.read().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| `attention=`"))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append(line)
+    return rows
 
 
 @pytest.mark.parametrize("name", sorted(list(ATTENTIONS) + list(ALIASES)))
