@@ -180,8 +180,8 @@ def build_recipe(cfg: DictConfig, train: DictConfig, prefix: str, tokenizer_dir:
         clip_grad=float(train.clip_grad),
         seed=int(cfg.seed),
         log_every_n_steps=int(train.log_every_n_steps),
-        val_check_interval=int(train.get("val_check_interval", train.max_steps)),
-        limit_val_batches=int(train.get("limit_val_batches", 1)),
+        val_check_interval=int(train.get("val_check_interval") or train.max_steps),
+        limit_val_batches=int(train.get("limit_val_batches") or 1),
         ckpt_every_n_steps=train.get("ckpt_every_n_steps"),
         vocab_size=cfg.model.get("vocab_size"),
         fused_cross_entropy=cfg.model.get("fused_cross_entropy", "auto"),
@@ -259,7 +259,8 @@ def run_cpu(cfg, train, recipe, run_dir) -> None:
     from nemo_ssa.train.cpu_recipe import shrink_for_cpu
     from nemo_ssa.train.loop import train_on_cpu
 
-    shrink_for_cpu(recipe, arch=OmegaConf.to_container(cfg.model.cpu_arch))
+    heldout_every = train.get("val_check_interval")
+    shrink_for_cpu(recipe, arch=OmegaConf.to_container(cfg.model.cpu_arch), heldout=bool(heldout_every))
     train_on_cpu(
         recipe, run_dir,
         max_steps=int(train.max_steps),
@@ -269,6 +270,8 @@ def run_cpu(cfg, train, recipe, run_dir) -> None:
         warmup=bool(cfg.warmup),
         seed=int(cfg.seed),
         stop_after=int(cfg.stop_after) if cfg.get("stop_after") else None,
+        heldout_every=int(heldout_every) if heldout_every else None,
+        heldout_batches=int(train.get("limit_val_batches") or 1),
     )
 
 

@@ -17,8 +17,10 @@ training loss (``study.png`` with bands), a table per step bucket (quarters of t
 schedule), and for each attention against the first one the verdict of
 :mod:`nemo_ssa.study.verdict` (difference, its 95 % interval over seeds, and whether it
 exceeds the seed spread) -> ``study.md``; the same verdict on the held-out loss where the
-runs recorded it (``heldout.csv``, written at each NeMo validation on the split no step
-trains on; the CPU loop has no validation, docs/study.md).
+runs recorded it (``heldout.csv``: each validation on the split no step trains on, NeMo's
+on a GPU, the CPU loop's every ``train.val_check_interval`` steps, which the study sets to
+``CPU_HELDOUT_EVERY`` on a machine without CUDA unless given). The plot has the training
+loss, the held-out loss and the final n per layer (SSA attentions), each mean ± sd over seeds.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:] = [REPO] + [p for p in sys.path if os.path.abspath(p or ".") != REPO]
 
 Curve = Tuple[List[int], List[float]]
+#: the CPU loop has no validation unless asked: the study asks every this many steps
+CPU_HELDOUT_EVERY = 20
 
 
 def run_dir_of(out: str, attention: str, seed: int) -> str:
@@ -86,6 +90,34 @@ def train_all(out: str, attentions: Sequence[str], seeds: Sequence[int], overrid
     return codes
 
 
+def final_n(run_dir: str) -> Dict[int, float]:
+    """{layer: n} at the last step of a run's metrics.csv (``n_layer_XX`` columns); {} without SSA."""
+    path = os.path.join(run_dir, "metrics.csv")
+    if not os.path.isfile(path):
+        return {}
+    last: Dict[str, str] = {}
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            last = row
+    out = {}
+    for k, v in last.items():
+        if k and k.startswith("n_layer_") and v not in ("", None):
+            try:
+                out[int(k[len("n_layer_"):])] = float(v)
+            except ValueError:
+                continue
+    return out
+
+
+def with_cpu_heldout(overrides: Sequence[str], cuda: bool) -> List[str]:
+    """The overrides, plus ``train.val_check_interval=CPU_HELDOUT_EVERY`` on a machine
+    without CUDA when they do not set it (NeMo's GPU configs validate on their own)."""
+    overrides = list(overrides)
+    if not cuda and not any(o.split("=", 1)[0].lstrip("+~") == "train.val_check_interval" for o in overrides):
+        overrides.append(f"train.val_check_interval={CPU_HELDOUT_EVERY}")
+    return overrides
+
+
 def summarize(out: str, attentions: Sequence[str], seeds: Sequence[int], plot: bool = True) -> str:
     from nemo_ssa.study.verdict import compare_pair, format_table
 
@@ -97,8 +129,8 @@ def summarize(out: str, attentions: Sequence[str], seeds: Sequence[int], plot: b
     buckets = [(1 + i * q, last if i == 3 else (i + 1) * q) for i in range(4)]
     lines = [f"# Study: {', '.join(attentions)} x seeds {', '.join(map(str, seeds))}", "",
              f"`{out}`; training loss per quarter of the schedule (mean ± sd over seeds; lower is better),"
-             " then the verdicts on training and, where the runs recorded it (heldout.csv: NeMo's validation"
-             " on the split no step trains on; the CPU loop has none), held-out loss.", "",
+             " then the verdicts on training and, where the runs recorded it (heldout.csv: the validation"
+             " split no step trains on), held-out loss.", "",
              "| attention | seeds | " + " | ".join(f"steps {a}-{b}" for a, b in buckets) + " |",
              "|---|---|" + "---|" * len(buckets)]
     from nemo_ssa.study.verdict import bucket_means
@@ -123,30 +155,88 @@ def summarize(out: str, attentions: Sequence[str], seeds: Sequence[int], plot: b
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, "study.md"), "w") as f:
         f.write(text)
+    n_final = {a: {s: n for s in seeds if (n := final_n(run_dir_of(out, a, s)))} for a in attentions}
+    n_layers = sorted({layer for runs in n_final.values() for n in runs.values() for layer in n})
+    if n_layers:
+        lines += ["", "## n per layer at the last step (mean ± sd over seeds)", "",
+                  "| attention | " + " | ".join(f"layer {layer}" for layer in n_layers) + " |",
+                  "|---|" + "---|" * len(n_layers)]
+        for a in attentions:
+            if not n_final[a]:
+                continue
+            cells = []
+            for layer in n_layers:
+                vals = [n[layer] for n in n_final[a].values() if layer in n]
+                cells.append(f"{statistics.fmean(vals):.3f}" + (f" ± {statistics.stdev(vals):.3f}" if len(vals) > 1 else "")
+                             if vals else "-")
+            lines.append(f"| {a} | " + " | ".join(cells) + " |")
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out, "study.md"), "w") as f:
+        f.write(text)
+    n_final = {a: {s: n for s in seeds if (n := final_n(run_dir_of(out, a, s)))} for a in attentions}
+    n_rows = []
+    for a in attentions:
+        if n_final[a]:
+            layers = sorted(set.intersection(*(set(n) for n in n_final[a].values())))
+            cells = []
+            for layer in layers:
+                vals = [n[layer] for n in n_final[a].values()]
+                cells.append(f"{statistics.fmean(vals):.3f}" + (f" ± {statistics.stdev(vals):.3f}" if len(vals) > 1 else ""))
+            n_rows.append(f"| {a} | " + " | ".join(f"{layer}: {c}" for layer, c in zip(layers, cells)) + " |")
+    if n_rows:
+        lines += ["", "## n per layer at the last step (mean ± sd over seeds)", "", "| attention | layers |", "|---|---|",
+                  *n_rows]
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out, "study.md"), "w") as f:
+        f.write(text)
     if plot:
-        _plot(curves, os.path.join(out, "study.png"))
+        _plot(curves, held, n_final, os.path.join(out, "study.png"))
     return text
 
 
-def _plot(curves: Dict[str, Dict[int, Curve]], path: str) -> None:
+def _band(ax, runs: Dict[int, Curve], label: str) -> None:
+    """Mean and ± sd over seeds on the steps every seed has."""
+    steps = sorted(set.intersection(*(set(c[0]) for c in runs.values())))
+    rows = [[dict(zip(*c))[s] for s in steps] for c in runs.values()]
+    mean = [statistics.fmean(col) for col in zip(*rows)]
+    sd = [statistics.stdev(col) if len(col) > 1 else 0.0 for col in zip(*rows)]
+    ax.plot(steps, mean, label=f"{label} ({len(runs)} seeds)", marker="o" if len(steps) < 20 else None)
+    ax.fill_between(steps, [m - s for m, s in zip(mean, sd)], [m + s for m, s in zip(mean, sd)], alpha=0.25)
+
+
+def _plot(curves: Dict[str, Dict[int, Curve]], held: Dict[str, Dict[int, Curve]],
+          n_final: Dict[str, Dict[int, Dict[int, float]]], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, (ax, axh, axn) = plt.subplots(1, 3, figsize=(16, 4.5))
     for a, runs in curves.items():
-        if not runs:
-            continue
-        steps = sorted(set.intersection(*(set(c[0]) for c in runs.values())))
-        rows = [[dict(zip(*c))[s] for s in steps] for c in runs.values()]
-        mean = [statistics.fmean(col) for col in zip(*rows)]
-        sd = [statistics.stdev(col) if len(col) > 1 else 0.0 for col in zip(*rows)]
-        ax.plot(steps, mean, label=f"{a} ({len(runs)} seeds)")
-        ax.fill_between(steps, [m - s for m, s in zip(mean, sd)], [m + s for m, s in zip(mean, sd)], alpha=0.25)
+        if runs:
+            _band(ax, runs, a)
+        if held.get(a):
+            _band(axh, held[a], a)
+    for a, per_seed in n_final.items():
+        if per_seed:
+            layers = sorted(set.intersection(*(set(n) for n in per_seed.values())))
+            vals = [[n[layer] for n in per_seed.values()] for layer in layers]
+            mean = [statistics.fmean(v) for v in vals]
+            sd = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in vals]
+            axn.errorbar(layers, mean, yerr=sd, marker="o", capsize=3, label=f"{a} ({len(per_seed)} seeds)")
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (mean ± sd over seeds)")
-    ax.legend()
+    axh.set_xlabel("step")
+    axh.set_ylabel("held-out loss (mean ± sd over seeds)")
+    if not any(held.values()):
+        axh.text(0.5, 0.5, "no heldout.csv in these runs", ha="center", va="center", transform=axh.transAxes)
+    axn.set_xlabel("layer")
+    axn.set_ylabel("n at the last step (mean ± sd over seeds)")
+    if not any(n_final.values()):
+        axn.text(0.5, 0.5, "no SSA attention in this study", ha="center", va="center", transform=axn.transAxes)
+    for a_ in (ax, axh, axn):
+        if a_.get_legend_handles_labels()[0]:
+            a_.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -171,7 +261,9 @@ def main(argv=None) -> int:
     seeds = [args.first_seed + i for i in range(args.seeds)]
     os.makedirs(args.out, exist_ok=True)
     if not args.summarize_only:
-        codes = train_all(args.out, attentions, seeds, overrides)
+        import torch
+
+        codes = train_all(args.out, attentions, seeds, with_cpu_heldout(overrides, torch.cuda.is_available()))
         failed = [k for k, v in codes.items() if v]
         if failed:
             print(f"[study] runs that failed (run the study again to resume them): {failed}", flush=True)

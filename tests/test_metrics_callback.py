@@ -135,7 +135,8 @@ def test_rank_layout_without_distributed(monkeypatch):
 
 
 def test_heldout_loss_is_written_per_validation_by_rank0_only(tmp_path):
-    from nemo_ssa.nemo.callbacks import HELDOUT_CSV, MetricsCallback
+    from nemo_ssa.nemo.callbacks import MetricsCallback
+    from nemo_ssa.tools.metrics_log import HELDOUT_CSV
 
     cb = MetricsCallback(str(tmp_path), seq_length=8, global_batch_size=2, attention="ssa")
     trainer = types.SimpleNamespace(global_step=0, callback_metrics={}, sanity_checking=True)

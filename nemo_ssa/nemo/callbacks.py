@@ -10,11 +10,10 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from nemo_ssa.tools.metrics_log import MetricsWriter, TB_LOSS_TAG, rank_layout, write_rank_file
+from nemo_ssa.tools.metrics_log import MetricsWriter, TB_LOSS_TAG, append_heldout, rank_layout, write_rank_file
 from nemo_ssa.train.rng import preserved_rng
 
 #: the held-out loss per validation, beside metrics.csv (scripts/study.py reads it)
-HELDOUT_CSV = "heldout.csv"
 
 
 def _unwrap(pl_module):
@@ -81,13 +80,7 @@ class MetricsCallback(Callback):
         val = trainer.callback_metrics.get("val_loss")
         if val is None:
             return
-        path = os.path.join(self.run_dir, HELDOUT_CSV)
-        new = not os.path.isfile(path)
-        os.makedirs(self.run_dir, exist_ok=True)
-        with open(path, "a", newline="") as f:
-            if new:
-                f.write("step,val_loss\n")
-            f.write(f"{int(trainer.global_step)},{float(val):.6g}\n")
+        append_heldout(self.run_dir, trainer.global_step, float(val))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if not self._main:

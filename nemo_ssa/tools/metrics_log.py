@@ -17,6 +17,21 @@ import os
 from typing import Any, Dict, Optional
 
 TB_LOSS_TAG = "reduced_train_loss"
+#: the held-out loss per evaluation (step, val_loss): the split no step trains on
+HELDOUT_CSV = "heldout.csv"
+
+
+def append_heldout(run_dir: str, step: int, val_loss: float) -> str:
+    """Append one held-out evaluation to ``run_dir/heldout.csv`` (header on first write).
+    Written by the NeMo callback and by the CPU loop, read by the study."""
+    path = os.path.join(run_dir, HELDOUT_CSV)
+    new = not os.path.isfile(path)
+    os.makedirs(run_dir, exist_ok=True)
+    with open(path, "a", newline="") as f:
+        if new:
+            f.write("step,val_loss\n")
+        f.write(f"{int(step)},{float(val_loss):.6g}\n")
+    return path
 
 
 class MetricsWriter:

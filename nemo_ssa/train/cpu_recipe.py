@@ -17,9 +17,17 @@ TINY_ARCH = dict(
 )
 
 
+#: train / validation / test percentages when the CPU loop evaluates a held-out loss
+HELDOUT_SPLIT = "90,10,0"
+
+
 def shrink_for_cpu(recipe, arch: Optional[Dict[str, Any]] = None, seq_length: Optional[int] = None,
-                   micro_batch_size: Optional[int] = None, global_batch_size: Optional[int] = None) -> None:
-    """Shrink a recipe in place for the CPU loop (fp32, CPU init, no fused CUDA paths)."""
+                   micro_batch_size: Optional[int] = None, global_batch_size: Optional[int] = None,
+                   heldout: bool = False) -> None:
+    """Shrink a recipe in place for the CPU loop (fp32, CPU init, no fused CUDA paths).
+
+    ``heldout``: keep a validation split (``HELDOUT_SPLIT``) for the loop's held-out loss;
+    off, every document trains (tiny corpora would give an empty validation split)."""
     cfg = recipe.model.config
     for key, value in (arch or TINY_ARCH).items():
         setattr(cfg, key, value)
@@ -43,10 +51,10 @@ def shrink_for_cpu(recipe, arch: Optional[Dict[str, Any]] = None, seq_length: Op
     cfg.apply_rope_fusion = False
     recipe.optim.config.bf16 = False
     recipe.optim.config.fp16 = False
-    # No validation/test in the CPU loop: tiny corpora would give empty splits, on which
-    # megatron's GPTDataset epoch count never terminates.
+    # No validation/test split unless asked for: tiny corpora would give empty splits, on
+    # which megatron's GPTDataset epoch count never terminates.
     if hasattr(recipe.data, "split"):
-        recipe.data.split = "100,0,0"
+        recipe.data.split = HELDOUT_SPLIT if heldout else "100,0,0"
     if hasattr(recipe.data, "num_workers"):
         recipe.data.num_workers = 0
     if hasattr(recipe.data, "pin_memory"):

@@ -42,7 +42,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from nemo_ssa.tools.metrics_log import MetricsWriter
+from nemo_ssa.tools.metrics_log import MetricsWriter, append_heldout
 from nemo_ssa.train.checkpoint_io import latest_checkpoint, load_checkpoint, save_checkpoint
 from nemo_ssa.train.ddp import ddp_config_for, no_decay_parameter_names, wrap_for_training
 from nemo_ssa.train.faults import fault_injection
@@ -74,6 +74,7 @@ class _Training:
     torch_opt: Any  # NeMo's adapter around it, what the scheduler wraps
     scheduler: Any
     dataset: Any
+    heldout_dataset: Any  # the validation split, or None when no held-out loss is asked for
     n_params: int
     micro_batch_size: int
     global_batch_size: int
@@ -94,6 +95,8 @@ def train_on_cpu(
     stop_after: Optional[int] = None,
     save_at_end: bool = True,
     quiet: bool = False,
+    heldout_every: Optional[int] = None,
+    heldout_batches: int = 1,
 ) -> CPUTrainResult:
     """Train ``recipe`` (already shrunk with :func:`~nemo_ssa.train.cpu_recipe.shrink_for_cpu`) on CPU.
 
@@ -119,6 +122,10 @@ def train_on_cpu(
         save_at_end: checkpoint at the last step run (False with ``stop_after`` simulates a
             crash: the resume restarts from the previous periodic checkpoint).
         quiet: print less.
+        heldout_every: every N steps (and at the last), the loss on ``heldout_batches``
+            global batches of the validation split -> ``heldout.csv``, as NeMo's validation
+            writes it on GPUs; needs a recipe shrunk with ``shrink_for_cpu(..., heldout=True)``.
+        heldout_batches: global batches per held-out evaluation (the same ones each time).
 
     Returns:
         :class:`CPUTrainResult` (the same on every rank: losses are reduced over the
@@ -152,7 +159,7 @@ def train_on_cpu(
         with cpu_device_shims():
             from megatron.core import parallel_state
 
-            tr = _build_training(recipe, layout, max_steps, say)
+            tr = _build_training(recipe, layout, max_steps, say, heldout_every, heldout_batches)
             dp_rank = parallel_state.get_data_parallel_rank()
 
             step = 0
@@ -205,6 +212,11 @@ def train_on_cpu(
                                  ssa_n=n_vals)
                 if step % log_every == 0 or step == end:
                     _say_step(say, step, max_steps, total, lr, tokens_per_step / dt, n_vals)
+                if heldout_every and (step % heldout_every == 0 or step == end):
+                    val = _heldout_loss(tr, layout, dp_rank, heldout_batches)
+                    if main:
+                        append_heldout(run_dir, step, val)
+                    say(f"held-out loss at step {step}: {val:.4f}")
                 if (ckpt_every and step % ckpt_every == 0) or (step == end and save_at_end):
                     last_ckpt = save_checkpoint(ckpt_root, step, tr.ddp, tr.optimizer, tr.scheduler, layout)
                 fault_injection("step_end", step)
@@ -226,7 +238,8 @@ def train_on_cpu(
             teardown_distributed()
 
 
-def _build_training(recipe, layout: ParallelLayout, max_steps: int, say: Callable[..., None]) -> _Training:
+def _build_training(recipe, layout: ParallelLayout, max_steps: int, say: Callable[..., None],
+                    heldout_every: Optional[int] = None, heldout_batches: int = 1) -> _Training:
     """Model, DDP, optimizer, LR scheduler and train dataset from the recipe, in the order
     NeMo builds them (model initialisation draws from the RNGs seeded just before).
     Call inside :func:`~nemo_ssa.megatron.cpu.cpu_device_shims`."""
@@ -272,10 +285,16 @@ def _build_training(recipe, layout: ParallelLayout, max_steps: int, say: Callabl
     if gbs % (mbs * layout.dp):
         raise ValueError(f"global_batch_size={gbs} must be a multiple of micro_batch_size x data parallel "
                          f"size = {mbs} x {layout.dp} ({layout.describe()})")
-    datamodule.build(trainer_max_steps=max_steps, trainer_val_check_interval=max_steps,
-                     trainer_limit_val_batches=0, trainer_limit_test_batches=0)
+    if heldout_every and str(getattr(recipe.data, "split", "")).split(",")[1:2] in (["0"], []):
+        raise ValueError(f"heldout_every={heldout_every}: the recipe has no validation split "
+                         f"(split={getattr(recipe.data, 'split', None)!r}); shrink it with "
+                         "shrink_for_cpu(..., heldout=True)")
+    datamodule.build(trainer_max_steps=max_steps, trainer_val_check_interval=heldout_every or max_steps,
+                     trainer_limit_val_batches=heldout_batches if heldout_every else 0,
+                     trainer_limit_test_batches=0)
     return _Training(cfg=cfg, ddp=ddp, optimizer=optimizer, torch_opt=torch_opt, scheduler=scheduler,
-                     dataset=datamodule._train_ds, n_params=n_params, micro_batch_size=mbs,
+                     dataset=datamodule._train_ds,
+                     heldout_dataset=datamodule._validation_ds if heldout_every else None, n_params=n_params, micro_batch_size=mbs,
                      global_batch_size=gbs, num_micro=gbs // (mbs * layout.dp))
 
 
@@ -314,6 +333,38 @@ def _train_step(tr: _Training, batches, layout: ParallelLayout):
         dist.all_reduce(t, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
         total = float(t[0]) / (layout.dp * layout.cp)
     return total, lr, grad_norm
+
+
+def _heldout_loss(tr: _Training, layout: ParallelLayout, dp_rank: int, batches: int) -> float:
+    """Mean loss over the first ``batches`` global batches of the validation split, in eval
+    mode without gradients, averaged over the data- and context-parallel ranks. The RNG
+    state is restored after it, so evaluating does not change the training run."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from nemo_ssa.nemo.trainer_parts import pretraining_batches
+
+    ddp = tr.ddp
+    total, count = 0.0, 0
+    with preserved_rng(True), torch.no_grad():
+        ddp.eval()
+        try:
+            it = pretraining_batches(tr.heldout_dataset, tr.micro_batch_size, tr.global_batch_size,
+                                     consumed_samples=0, dp_rank=dp_rank, dp_size=layout.dp)
+            for _ in range(batches * tr.num_micro):
+                batch = _cp_slice(next(it))
+                out = ddp(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                          loss_mask=batch["loss_mask"])
+                total += float(_loss_from_output(out, batch["loss_mask"]))
+                count += 1
+        finally:
+            ddp.train()
+    mean = total / max(count, 1)
+    if layout.dp * layout.cp > 1:
+        t = torch.tensor([mean], dtype=torch.float64)
+        dist.all_reduce(t, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        mean = float(t[0]) / (layout.dp * layout.cp)
+    return mean
 
 
 def _loss_from_output(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

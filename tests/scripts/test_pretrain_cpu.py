@@ -29,7 +29,7 @@ def tiny_corpus(tmp_path_factory):
 
 
 def _recipe(corpus, attention="ssa", max_steps=6, dropout=0.0, run_dir="/tmp/unused", hidden=32,
-            attention_options=None, policy="pinned"):
+            attention_options=None, policy="pinned", heldout=False):
     from recipes import nemotron_114m
     from nemo_ssa.train.cpu_recipe import shrink_for_cpu
 
@@ -40,7 +40,7 @@ def _recipe(corpus, attention="ssa", max_steps=6, dropout=0.0, run_dir="/tmp/unu
     )
     shrink_for_cpu(recipe, arch=dict(num_layers=2, hidden_size=hidden, ffn_hidden_size=64,
                                      num_attention_heads=4, num_query_groups=2),
-                   seq_length=32, micro_batch_size=2, global_batch_size=4)
+                   seq_length=32, micro_batch_size=2, global_batch_size=4, heldout=heldout)
     recipe.model.config.hidden_dropout = dropout
     recipe.model.config.attention_dropout = dropout
     return recipe
@@ -49,7 +49,8 @@ def _recipe(corpus, attention="ssa", max_steps=6, dropout=0.0, run_dir="/tmp/unu
 def _train(corpus, run_dir, **kw):
     from nemo_ssa.train.loop import train_on_cpu
 
-    recipe_kw = {k: kw.pop(k) for k in ("attention", "dropout", "hidden", "attention_options", "policy") if k in kw}
+    recipe_kw = {k: kw.pop(k) for k in ("attention", "dropout", "hidden", "attention_options", "policy", "heldout")
+                 if k in kw}
     max_steps = kw.pop("max_steps", 6)
     recipe = _recipe(corpus, max_steps=max_steps, run_dir=str(run_dir), **recipe_kw)
     return train_on_cpu(recipe, str(run_dir), max_steps=max_steps, quiet=True, **kw)
@@ -91,6 +92,25 @@ def test_resume_continues_the_same_curve_bitwise(tiny_corpus, tmp_path):
     merged_tb = load_run("res", [str(tmp_path / "res")], source="tb")
     assert merged_tb.steps == ref.steps and len(merged_tb.segments) == 2
     assert merged_tb.loss == pytest.approx(ref.loss, rel=1e-6)  # TB stores float32
+
+
+def test_heldout_loss_is_evaluated_without_changing_the_training_run(tiny_corpus, tmp_path):
+    """heldout_every writes heldout.csv (step, val_loss) at every N steps and the last, on
+    the validation split; evaluating leaves the training curve bit for bit as it was
+    (eval mode, no gradients, RNG restored: dropout would show any draw it consumed)."""
+    from nemo_ssa.tools.metrics_log import HELDOUT_CSV
+
+    plain = _train(tiny_corpus, tmp_path / "plain", heldout=True, dropout=0.2, max_steps=5)
+    held = _train(tiny_corpus, tmp_path / "held", heldout=True, dropout=0.2, max_steps=5, heldout_every=2)
+    assert held.losses == plain.losses
+    assert not (tmp_path / "plain" / HELDOUT_CSV).exists()
+    rows = list(csv.DictReader(open(tmp_path / "held" / HELDOUT_CSV)))
+    assert [int(r["step"]) for r in rows] == [2, 4, 5]
+    vals = [float(r["val_loss"]) for r in rows]
+    assert all(math.isfinite(v) and 0 < v < 10 for v in vals)
+    assert vals[0] != vals[-1]  # evaluated on the model at that step, not once
+    with pytest.raises(ValueError, match="no validation split"):
+        _train(tiny_corpus, tmp_path / "nosplit", max_steps=2, heldout_every=1)
 
 
 def test_softmax_and_ssa_differ_only_in_attention(tiny_corpus, tmp_path):

@@ -98,3 +98,50 @@ def test_without_heldout_files_only_training_loss(tmp_path):
 def test_needs_two_attentions(tmp_path):
     with pytest.raises(SystemExit, match="at least two"):
         study.main(["--attentions", "ssa", "--out", str(tmp_path), "--summarize-only"])
+
+
+def test_cpu_studies_ask_for_the_heldout_loss_unless_given():
+    assert study.with_cpu_heldout(["train.max_steps=8"], cuda=False) == [
+        "train.max_steps=8", f"train.val_check_interval={study.CPU_HELDOUT_EVERY}"]
+    assert study.with_cpu_heldout(["train.val_check_interval=3"], cuda=False) == ["train.val_check_interval=3"]
+    assert study.with_cpu_heldout([], cuda=True) == []  # the GPU configs validate on their own
+
+
+def test_n_per_layer_at_the_last_step_in_the_summary_and_plot(tmp_path):
+    out = str(tmp_path)
+    for s in (1, 2):
+        _write_run(study.run_dir_of(out, "softmax", s), s, 0.0)
+        d = study.run_dir_of(out, "ssa", s)
+        _write_run(d, s, 0.0)
+        rows = list(csv.reader(open(os.path.join(d, "metrics.csv"))))
+        rows[0] += ["n_layer_01", "n_layer_02"]
+        for i, r in enumerate(rows[1:], 1):
+            r += [f"{1.5 + 0.001 * i:.4f}", f"{1.4 + 0.1 * s:.4f}"]  # layer 2's last n: 1.5 / 1.6
+        with open(os.path.join(d, "metrics.csv"), "w", newline="") as f:
+            csv.writer(f).writerows(rows)
+    assert study.final_n(study.run_dir_of(out, "ssa", 1)) == {1: 1.7, 2: 1.5}
+    assert study.final_n(study.run_dir_of(out, "softmax", 1)) == {}
+    text = study.summarize(out, ["softmax", "ssa"], [1, 2], plot=True)
+    assert "| attention | layer 1 | layer 2 |" in text
+    assert "| ssa | 1.700 ± 0.000 | 1.550 ± 0.071 |" in text
+    assert "| softmax |" not in text.split("n per layer")[1]
+    assert os.path.getsize(os.path.join(out, "study.png")) > 10_000
+
+
+@pytest.mark.slow
+def test_cpu_study_end_to_end_records_heldout_and_n(tmp_path):
+    """Two attentions x two seeds through pretrain.py on CPU (tiny model, a few steps): every
+    run writes heldout.csv, and the summary has both verdicts and n per layer."""
+    out = str(tmp_path / "study")
+    rc = study.main(["--attentions", "softmax,ssa", "--seeds", "2", "--out", out, "--",
+                     "train.max_steps=4", "train.warmup_steps=1", "train.val_check_interval=2", "train.seq_length=32",
+                     "train.micro_batch_size=2", "train.global_batch_size=4", "train.log_every_n_steps=1",
+                     "model.cpu_arch.hidden_size=32", "model.cpu_arch.ffn_hidden_size=64",
+                     "data.vocab_size=512", f"data.dir={tmp_path / 'corpus'}", "data.max_bytes=400000"])
+    assert rc == 0
+    for a in ("softmax", "ssa"):
+        for s in (1234, 1235):
+            held = study.read_curve(study.run_dir_of(out, a, s), "heldout.csv", "val_loss")
+            assert held is not None and held[0] == [2, 4], (a, s)
+    text = open(os.path.join(out, "study.md")).read()
+    assert ": training loss" in text and ": held-out loss" in text and "n per layer" in text
