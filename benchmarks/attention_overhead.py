@@ -82,7 +82,7 @@ def wall_us(fn: Callable[[], None]) -> float:
 
 def host_profile(calls: int, dev, dt, H: int, HKV: int, D: int) -> int:
     """cProfile of the host path (Python and the C calls it makes, wall time per function)
-    and the bare costs it is built from: one Triton launch through ``attn_bwd.launch`` (cached
+    and the bare costs it is built from: one Triton launch through ``launch.launch`` (cached
     path), ``CompiledKernel.run`` with prepared arguments, ``launch_key``, a one-argument
     Triton kernel, one ``torch.empty`` and one small torch kernel."""
     import cProfile
@@ -91,7 +91,7 @@ def host_profile(calls: int, dev, dt, H: int, HKV: int, D: int) -> int:
     import triton
     import triton.language as tl
 
-    from nemo_ssa.ops.common import attn_bwd
+    from nemo_ssa.ops.common import launch as attn_bwd
     from nemo_ssa.ops.ssa import flash
 
     B, N = 1, 128
@@ -216,7 +216,8 @@ def main(argv=None) -> int:
         print("attention_overhead.py needs CUDA", file=sys.stderr)
         return 2
 
-    from nemo_ssa.ops.common import attn_bwd
+    from nemo_ssa.ops.common import bwd
+    from nemo_ssa.ops.common import launch as attn_bwd
     from nemo_ssa.ops.ssa import flash
 
     attn_bwd_fast = attn_bwd.FAST_LAUNCH
@@ -326,10 +327,10 @@ def main(argv=None) -> int:
             }
             o, M, _ = flash._flash_fwd(q.detach(), k.detach(), v.detach(), n.detach(), b, None, None, None, "ssa",
                                     True, scale, 0.0, N, N, "tf32", True)
-            layers["attention_bwd_direct"] = lambda: attn_bwd.attention_bwd(
+            layers["attention_bwd_direct"] = lambda: bwd.attention_bwd(
                 go, q.detach(), k.detach(), v.detach(), o, M, transform="ssa", n=n.detach(), b=b, causal=True,
                 scale=scale)
-            layers["attention_bwd_no_dparams"] = lambda: attn_bwd.attention_bwd(
+            layers["attention_bwd_no_dparams"] = lambda: bwd.attention_bwd(
                 go, q.detach(), k.detach(), v.detach(), o, M, transform="ssa", n=n.detach(), b=b, causal=True,
                 scale=scale, need_dparams=False)
             part = torch.randn(B, H, N, device=dev)

@@ -141,7 +141,7 @@ def sass_of(compiled) -> Tuple[str, int]:
 
 def capture_launches(fn) -> List[Tuple[object, tuple, tuple, dict]]:
     """Run ``fn`` with every kernel launch recorded instead of executed."""
-    import nemo_ssa.ops.common.attn_bwd as ab
+    import nemo_ssa.ops.common.bwd as ab
     import nemo_ssa.ops.ssa.flash as fl
     got = []
 
@@ -192,7 +192,7 @@ def kernel_report(name: str, compiled, meta: dict, dump: Optional[str]) -> Dict[
 
 def collect(transform: str, head_dim: int, causal: bool, dtype: torch.dtype, hq: int, hkv: int,
             params: str, bwd: str = "deterministic", bwd_cfg=None) -> List[Tuple[str, object, tuple, tuple, dict]]:
-    from nemo_ssa.ops.common.attn_bwd import attention_bwd
+    from nemo_ssa.ops.common.bwd import attention_bwd
     from nemo_ssa.ops.ssa.flash import _flash_fwd
     B, N, D = 1, 256, head_dim
     q = torch.zeros(B, hq, N, D, dtype=dtype)
@@ -214,8 +214,8 @@ def collect(transform: str, head_dim: int, causal: bool, dtype: torch.dtype, hq:
             o, q, k, v, o, M, transform=transform, n=n, b=b, causal=causal, input_precision=prec,
             fast_math=True, need_dparams=params != "none", need_db=params == "n,b",
             cstat=torch.zeros_like(M) if single else None, deterministic=not single, config=bwd_cfg)):
-        name = {"_attn_bwd_kernel_dq": "bwd_dq", "_attn_bwd_kernel_dkv": "bwd_dkv",
-                "_attn_bwd_preprocess": "bwd_pre"}.get(kern.__name__, kern.__name__)
+        name = {"attn_bwd_kernel_dq": "bwd_dq", "attn_bwd_kernel_dkv": "bwd_dkv",
+                "attn_bwd_preprocess": "bwd_pre"}.get(kern.__name__, kern.__name__)
         if meta.get("ATOMIC_DQ"):
             name = "bwd_dkv+dq"
         out.append((name, kern, grid, args, meta))
@@ -243,7 +243,7 @@ def main(argv=None) -> int:
     hq, hkv = (int(x) for x in args.heads.split("/"))
     bwd_cfg = None
     if args.bwd_config:
-        from nemo_ssa.ops.common.attn_bwd import BwdConfig
+        from nemo_ssa.ops.common.bwd_config import BwdConfig
         bwd_cfg = BwdConfig(*(int(x) for x in args.bwd_config.split(",")))
     rows = []
     for tr in args.transforms.split(","):

@@ -107,7 +107,7 @@ class _BadCase(Exception):
 def kernels_runnable_on(device: str) -> bool:
     if device == "cuda":
         return torch.cuda.is_available()
-    from nemo_ssa.ops.common.attn_bwd import is_interpreter
+    from nemo_ssa.ops.common.launch import is_interpreter
 
     return is_interpreter()
 

@@ -128,7 +128,7 @@ def _case_params():
 @pytest.mark.parametrize("attn,dtype", _case_params())
 def test_extreme_logits_finite_and_close(attn, dtype):
     if not CUDA:
-        from nemo_ssa.ops.common.attn_bwd import is_interpreter
+        from nemo_ssa.ops.common.launch import is_interpreter
 
         if not is_interpreter():
             pytest.skip("Triton kernels were built for GPU and there is no CUDA")

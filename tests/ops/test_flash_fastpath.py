@@ -1,4 +1,6 @@
-"""Eager fast path of the fused attention (issue 13, per-call cost).
+"""Eager fast path of the fused attention (per-call host cost).
+
+The cached launch itself is tested in ``tests/ops/common/test_launch.py``.
 
 Eager calls go through ``_FlashAttnFn`` (a plain autograd.Function); torch.compile traces
 the ``torch.library`` custom ops. Both must give bitwise-identical outputs and gradients
@@ -15,8 +17,9 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from nemo_ssa.ops.common import attn_bwd  # noqa: E402
-from nemo_ssa.ops.common.attn_bwd import is_interpreter  # noqa: E402
+from nemo_ssa.ops.common import alloc, bwd  # noqa: E402
+from nemo_ssa.ops.common import launch as launcher  # noqa: E402
+from nemo_ssa.ops.common.launch import is_interpreter  # noqa: E402
 from nemo_ssa.ops.ssa import flash as fl  # noqa: E402
 from nemo_ssa.testing import make_qkv  # noqa: E402
 
@@ -27,7 +30,7 @@ pytestmark = pytest.mark.skipif(not (is_interpreter() or torch.cuda.is_available
 
 @pytest.fixture(autouse=True)
 def _poison_outputs(monkeypatch):
-    monkeypatch.setattr(attn_bwd, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(alloc, "POISON_OUTPUTS", True)
     if not is_interpreter():
         # bitwise comparisons of two runs: on the GPU the single-pass backward's dq atomics
         # sum in a varying order, so these run the two-kernel backward there (the
@@ -115,7 +118,7 @@ def test_dn_db_single_reduction_bitwise_and_matches_separate_sums():
     n, b = _params(False, False)
     o, M = fl.flash_attention_fwd(q, k, v, n=n, b=b, causal=True)
     do = torch.randn_like(o)
-    runs = [attn_bwd.attention_bwd(do, q, k, v, o, M, n=n, b=b, causal=True) for _ in range(2)]
+    runs = [bwd.attention_bwd(do, q, k, v, o, M, n=n, b=b, causal=True) for _ in range(2)]
     for x, y in zip(*runs):
         assert torch.equal(x, y)
     dn, db = runs[0][3], runs[0][4]
@@ -125,216 +128,10 @@ def test_dn_db_single_reduction_bitwise_and_matches_separate_sums():
     # the non-contiguous-M fallback (separate partial buffers) gives the same numbers
     M_nc = M.transpose(1, 2).contiguous().transpose(1, 2)
     assert not M_nc.is_contiguous()
-    r = attn_bwd.attention_bwd(do, q, k, v, o, M_nc, n=n, b=b, causal=True)
+    r = bwd.attention_bwd(do, q, k, v, o, M_nc, n=n, b=b, causal=True)
     torch.testing.assert_close(r[3], dn, rtol=1e-6, atol=0)
     torch.testing.assert_close(r[4], db, rtol=1e-6, atol=0)
-    assert attn_bwd.attention_bwd(do, q, k, v, o, M, n=n, b=b, causal=True, need_dparams=False)[3] is None
-
-
-# ---- cached kernel launch (attn_bwd.launch); CPU tests use a stand-in kernel ----------
-
-
-def test_launch_key_separates_every_specialization():
-    base = torch.empty(64, dtype=torch.float32)
-    k0 = attn_bwd.launch_key("kern", 0, (base, 16, 1.5, None), {"BLOCK_M": 64, "num_warps": 4})
-    same = attn_bwd.launch_key("kern", 0, (torch.empty(64, dtype=torch.float32), 16, 2.5, None),
-                               {"num_warps": 4, "BLOCK_M": 64})
-    if base.data_ptr() % 16 == torch.empty(64).data_ptr() % 16:
-        assert k0 == same  # floats by type, dict order irrelevant
-    variants = [
-        ("kern", 1, (base, 16, 1.5, None), {"BLOCK_M": 64, "num_warps": 4}),          # device
-        ("other", 0, (base, 16, 1.5, None), {"BLOCK_M": 64, "num_warps": 4}),         # kernel
-        ("kern", 0, (base.half(), 16, 1.5, None), {"BLOCK_M": 64, "num_warps": 4}),   # dtype
-        ("kern", 0, (base[1:], 16, 1.5, None), {"BLOCK_M": 64, "num_warps": 4}),      # alignment
-        ("kern", 0, (base, 17, 1.5, None), {"BLOCK_M": 64, "num_warps": 4}),          # int %16
-        ("kern", 0, (base, 1, 1.5, None), {"BLOCK_M": 64, "num_warps": 4}),           # int == 1
-        ("kern", 0, (base, 2 ** 40, 1.5, None), {"BLOCK_M": 64, "num_warps": 4}),     # int64
-        ("kern", 0, (base, 16, 1.5, base), {"BLOCK_M": 64, "num_warps": 4}),          # None vs ptr
-        ("kern", 0, (base, 16, 1.5, None), {"BLOCK_M": 32, "num_warps": 4}),          # constexpr
-        ("kern", 0, (base, 16, 1.5, None), {"BLOCK_M": 64, "num_warps": 8}),          # option
-    ]
-    keys = {attn_bwd.launch_key(*v) for v in variants}
-    assert len(keys) == len(variants) and k0 not in keys
-    with pytest.raises(TypeError, match="unsupported"):
-        attn_bwd.launch_key("kern", 0, ("str",), {})
-
-
-class _Param:
-    def __init__(self, name, default):
-        self.name, self.default = name, default
-
-
-class _FakeCompiled:
-    function, packed_metadata = "fn", "meta"  # handles loaded (a real launch happened)
-
-    def __init__(self):
-        self.runs = []
-
-    def run(self, *a):
-        self.runs.append(a)
-
-
-class _FakeKernel:
-    """JITFunction stand-in: params (X, n, BLOCK, FLAG=True); records normal-path calls."""
-
-    def __init__(self):
-        import inspect
-        self.params = [_Param("X", inspect.Parameter.empty), _Param("n", inspect.Parameter.empty),
-                       _Param("BLOCK", inspect.Parameter.empty), _Param("FLAG", True)]
-        self.arg_names = [p.name for p in self.params]
-        self.slow = []
-
-    def __getitem__(self, grid):
-        def call(*args, **meta):
-            self.slow.append((grid, args, meta))
-            return _FakeCompiled()
-        return call
-
-
-def test_cached_launch_reuses_compiled_kernel_with_all_args(monkeypatch):
-    monkeypatch.setattr(attn_bwd, "_INTERPRETED", False)
-    monkeypatch.setattr(attn_bwd, "_LAUNCH_CACHE", {})
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(attn_bwd, "_current_stream", lambda dev: 1234)
-    kern = _FakeKernel()
-    x = torch.empty(32)
-    c1 = attn_bwd.launch(kern, (3, 2), (x, 16), {"BLOCK": 64, "num_warps": 4})
-    assert len(kern.slow) == 1 and c1.runs == []              # miss: normal path compiles+launches
-    c2 = attn_bwd.launch(kern, (5, 7), (x, 16), {"BLOCK": 64, "num_warps": 4})
-    assert c2 is c1 and len(kern.slow) == 1                   # hit: launcher called directly
-    (run,) = c1.runs
-    assert run[:7] == (5, 7, 1, 1234, "fn", "meta", None) and run[7:9] == (None, None)
-    assert run[9] is x and run[10:] == (16, 64, True)         # constexprs + defaults in order
-    attn_bwd.launch(kern, (5, 7), (x, 17), {"BLOCK": 64, "num_warps": 4})
-    assert len(kern.slow) == 2                                # new int value: new key
-    monkeypatch.setattr(attn_bwd, "FAST_LAUNCH", False)       # kill switch
-    attn_bwd.launch(kern, (5, 7), (x, 16), {"BLOCK": 64, "num_warps": 4})
-    assert len(kern.slow) == 3 and len(c1.runs) == 1
-    monkeypatch.setattr(attn_bwd, "FAST_LAUNCH", True)
-    monkeypatch.setattr(attn_bwd, "_INTERPRETED", True)       # interpreter: always normal path
-    attn_bwd.launch(kern, (5, 7), (x, 16), {"BLOCK": 64, "num_warps": 4})
-    assert len(kern.slow) == 4 and len(c1.runs) == 1
-
-
-class _FakeLauncher:
-    """CudaLauncher stand-in: the C ``launch`` plus the scratch sizes and flags."""
-
-    def __init__(self, scratch=0):
-        self.global_scratch_size, self.profile_scratch_size = scratch, 0
-        self.launch_cooperative_grid, self.launch_pdl = False, True
-        self.direct, self.calls = [], []
-
-        def launch(*a):
-            self.direct.append(a)
-        self.launch = launch
-
-    def __call__(self, *a):
-        self.calls.append(a)
-
-
-class _FakeCompiledDirect:
-    function, packed_metadata = "fn", "meta"
-
-    def __init__(self, scratch=0):
-        self.run = _FakeLauncher(scratch)
-
-
-class _FakeKernelDirect(_FakeKernel):
-    def __init__(self, scratch=0):
-        super().__init__()
-        self.scratch = scratch
-
-    def __getitem__(self, grid):
-        def call(*args, **meta):
-            self.slow.append((grid, args, meta))
-            return _FakeCompiledDirect(self.scratch)
-        return call
-
-
-def _fast_env(monkeypatch):
-    monkeypatch.setattr(attn_bwd, "_INTERPRETED", False)
-    monkeypatch.setattr(attn_bwd, "FAST_LAUNCH", True)
-    monkeypatch.setattr(attn_bwd, "_LAUNCH_CACHE", {})
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(attn_bwd, "_current_stream", lambda dev: 99)
-
-
-def test_fast_key_hits_only_identical_specializations(monkeypatch):
-    """launch(..., ntensors=k): tensors' dtype and 16-byte alignment, the scalar tail by
-    value, meta, kernel and device each make a new entry; identical ones hit."""
-    _fast_env(monkeypatch)
-    kern, other = _FakeKernelDirect(), _FakeKernelDirect()
-    x = torch.empty(64)
-    meta = {"BLOCK": 64, "num_warps": 4}
-    attn_bwd.launch(kern, (1, 1), (x, 16, 0.5), meta, 1)
-    attn_bwd.launch(kern, (2, 3), (torch.empty(64), 16, 0.5), dict(meta), 1)  # other buffer, same spec
-    aligned = torch.empty(64).data_ptr() % 16 == x.data_ptr() % 16
-    assert len(kern.slow) == (1 if aligned else 2)
-    seen = len(kern.slow)
-    for args, m in [((x.half(), 16, 0.5), meta),            # dtype
-                    ((x[1:], 16, 0.5), meta),               # alignment
-                    ((x, 17, 0.5), meta),                   # int value
-                    ((x, 16, 0.25), meta),                  # float value (a new entry, never a wrong one)
-                    ((x, 16, 0.5), {"BLOCK": 32, "num_warps": 4})]:  # constexpr
-        attn_bwd.launch(kern, (1, 1), args, m, 1)
-        seen += 1
-        assert len(kern.slow) == seen, args
-    attn_bwd.launch(other, (1, 1), (x, 16, 0.5), meta, 1)  # kernel
-    assert len(other.slow) == 1
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)  # device
-    attn_bwd.launch(kern, (1, 1), (x, 16, 0.5), meta, 1)
-    assert len(kern.slow) == seen + 1
-
-
-def test_fast_key_calls_the_c_launcher_directly(monkeypatch):
-    """A hit calls the driver's C launcher with what CudaLauncher.__call__ would pass (no
-    scratch, its cooperative-grid and PDL flags); a kernel that needs scratch memory keeps
-    CompiledKernel.run."""
-    _fast_env(monkeypatch)
-    kern, x = _FakeKernelDirect(), torch.empty(32)
-    c = attn_bwd.launch(kern, (3, 2), (x, 16), {"BLOCK": 64}, 1)
-    assert attn_bwd.launch(kern, (5, 7), (x, 16), {"BLOCK": 64}, 1) is c
-    (a,) = c.run.direct
-    assert a[:13] == (5, 7, 1, 99, "fn", False, True, None, None, "meta", None, None, None)
-    assert a[13] is x and a[14:] == (16, 64, True) and c.run.calls == []
-    kern2 = _FakeKernelDirect(scratch=128)
-    c2 = attn_bwd.launch(kern2, (1, 1), (x, 16), {"BLOCK": 64}, 1)
-    attn_bwd.launch(kern2, (4, 1), (x, 16), {"BLOCK": 64}, 1)
-    assert c2.run.direct == [] and len(c2.run.calls) == 1
-    assert c2.run.calls[0][:9] == (4, 1, 1, 99, "fn", "meta", None, None, None)
-
-
-@pytest.mark.parametrize("interpreted", [True, False])
-def test_fast_key_checks_the_tensor_scalar_split(monkeypatch, interpreted):
-    _fast_env(monkeypatch)
-    monkeypatch.setattr(attn_bwd, "_INTERPRETED", interpreted)
-    kern, x = _FakeKernelDirect(), torch.empty(32)
-    with pytest.raises(TypeError, match="must be a tensor"):
-        attn_bwd.launch(kern, (1, 1), (x, 16), {"BLOCK": 64}, 2)
-    with pytest.raises(TypeError, match="after the 1 tensors"):
-        attn_bwd.launch(kern, (1, 1), (x, x), {"BLOCK": 64}, 1)
-    with pytest.raises(TypeError, match="after the 1 tensors"):
-        attn_bwd.launch(kern, (1, 1), (x, "str"), {"BLOCK": 64}, 1)
-    assert kern.slow == []
-
-
-def test_cached_launch_steps_aside_for_launch_hooks(monkeypatch):
-    import triton
-    monkeypatch.setattr(attn_bwd, "_INTERPRETED", False)
-    monkeypatch.setattr(attn_bwd, "_LAUNCH_CACHE", {})
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(attn_bwd, "_current_stream", lambda dev: 0)
-    kern, x = _FakeKernel(), torch.empty(32)
-    attn_bwd.launch(kern, (1, 1), (x, 16), {"BLOCK": 64})
-    hook = lambda meta: None  # noqa: E731
-    triton.knobs.runtime.launch_enter_hook.add(hook)
-    try:
-        assert attn_bwd._launch_hooks_active()
-        attn_bwd.launch(kern, (1, 1), (x, 16), {"BLOCK": 64})
-        assert len(kern.slow) == 2
-    finally:
-        triton.knobs.runtime.launch_enter_hook.remove(hook)
-    assert not attn_bwd._launch_hooks_active()
+    assert bwd.attention_bwd(do, q, k, v, o, M, n=n, b=b, causal=True, need_dparams=False)[3] is None
 
 
 @pytest.mark.skipif(is_interpreter(), reason="the cached launch only exists on the GPU")
@@ -347,12 +144,12 @@ def test_cached_launch_bitwise_equals_normal_launch_gpu(monkeypatch):
         o = fl.ssa_attention_triton(q, k, v, n, b, causal=True)
         return (o,) + torch.autograd.grad(o, [q, k, v, n, b], go)
 
-    monkeypatch.setattr(attn_bwd, "FAST_LAUNCH", False)
+    monkeypatch.setattr(launcher, "FAST_LAUNCH", False)
     ref = once()
-    monkeypatch.setattr(attn_bwd, "FAST_LAUNCH", True)
-    monkeypatch.setattr(attn_bwd, "_LAUNCH_CACHE", {})
+    monkeypatch.setattr(launcher, "FAST_LAUNCH", True)
+    monkeypatch.setattr(launcher, "_LAUNCH_CACHE", {})
     once()  # fills the cache
-    assert len(attn_bwd._LAUNCH_CACHE) >= 3  # forward, dQ (+delta), dK/dV
+    assert len(launcher._LAUNCH_CACHE) >= 3  # forward, dQ (+delta), dK/dV
     for x, y in zip(once(), ref):
         assert torch.equal(x, y)
 

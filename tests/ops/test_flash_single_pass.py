@@ -21,8 +21,9 @@ import math  # noqa: E402
 
 import pytest  # noqa: E402
 
-from nemo_ssa.ops.common import attn_bwd  # noqa: E402
-from nemo_ssa.ops.common.attn_bwd import attention_bwd, is_interpreter  # noqa: E402
+from nemo_ssa.ops.common import alloc, bwd, bwd_config, bwd_kernels  # noqa: E402
+from nemo_ssa.ops.common.bwd import attention_bwd  # noqa: E402
+from nemo_ssa.ops.common.launch import is_interpreter  # noqa: E402
 from nemo_ssa.ops.ssa import flash as fl  # noqa: E402
 from nemo_ssa.ops.ssa.naive import attention_naive, ssa_transform  # noqa: E402
 from nemo_ssa.testing import assert_scalar_grad_close, case_id, make_qkv, rel_err, ssa_scalar_grad_terms  # noqa: E402
@@ -35,7 +36,7 @@ pytestmark = pytest.mark.skipif(not (is_interpreter() or torch.cuda.is_available
 
 @pytest.fixture(autouse=True)
 def _poison_and_mode(monkeypatch):
-    monkeypatch.setattr(attn_bwd, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(alloc, "POISON_OUTPUTS", True)
     monkeypatch.setenv("NEMO_SSA_BWD", "atomic")
 
 
@@ -58,7 +59,7 @@ def _ref(q, k, v, n, b, tr, go, **kw):
     return _grads(attention_naive, *up[:3], up[3], b.to(F64), tr, go.to(F64), **kw)
 
 
-_REAL_LAUNCH = (attn_bwd.launch, fl.launch)
+_REAL_LAUNCH = (bwd.launch, fl.launch)
 
 
 def _launched(monkeypatch):
@@ -70,7 +71,7 @@ def _launched(monkeypatch):
             got.append((getattr(kernel, "__name__", str(kernel)), dict(meta)))
             return real(kernel, grid, args, meta, ntensors)
         return rec
-    monkeypatch.setattr(attn_bwd, "launch", recorder(_REAL_LAUNCH[0]))
+    monkeypatch.setattr(bwd, "launch", recorder(_REAL_LAUNCH[0]))
     monkeypatch.setattr(fl, "launch", recorder(_REAL_LAUNCH[1]))
     return got
 
@@ -100,8 +101,8 @@ def test_single_pass_matches_fp64(monkeypatch, case):
     launches = _launched(monkeypatch)
     o, g = _grads(fl.flash_attention, q, k, v, n, b, tr, go, causal=causal)
     names = [x[0] for x in launches]
-    assert "_attn_bwd_kernel_dq" not in names and names.count("_attn_bwd_kernel_dkv") == 1, names
-    kv_meta = [m for nm, m in launches if nm == "_attn_bwd_kernel_dkv"][0]
+    assert "attn_bwd_kernel_dq" not in names and names.count("attn_bwd_kernel_dkv") == 1, names
+    kv_meta = [m for nm, m in launches if nm == "attn_bwd_kernel_dkv"][0]
     assert kv_meta["ATOMIC_DQ"] and kv_meta["DN_KV"] == (tr == "ssa")
     ref_o, g_ref = _ref(q, k, v, n, b, tr, go, causal=causal)
     assert rel_err(o, ref_o) <= 1e-5
@@ -208,29 +209,29 @@ def test_mode_selection(monkeypatch):
 
     monkeypatch.setenv("NEMO_SSA_BWD", "atomic")
     got = kernels()
-    assert ("_attn_fwd_kernel", True, None) in got and all(nm != "_attn_bwd_kernel_dq" for nm, _, _ in got), got
+    assert ("_attn_fwd_kernel", True, None) in got and all(nm != "attn_bwd_kernel_dq" for nm, _, _ in got), got
     monkeypatch.setenv("NEMO_SSA_BWD", "deterministic")
     got = kernels()
-    assert ("_attn_fwd_kernel", False, None) in got and any(nm == "_attn_bwd_kernel_dq" for nm, _, _ in got), got
+    assert ("_attn_fwd_kernel", False, None) in got and any(nm == "attn_bwd_kernel_dq" for nm, _, _ in got), got
     # auto: the single pass where it measured faster (SSA, head dim <= 32), never when torch's
     # deterministic-algorithms switch is on (Megatron's deterministic_mode)
     monkeypatch.setenv("NEMO_SSA_BWD", "auto")
-    assert attn_bwd.use_single_pass("ssa", 32) and attn_bwd.use_single_pass("ssa", 16)
-    assert not attn_bwd.use_single_pass("ssa", 64) and not attn_bwd.use_single_pass("softmax", 32)
+    assert bwd_config.use_single_pass("ssa", 32) and bwd_config.use_single_pass("ssa", 16)
+    assert not bwd_config.use_single_pass("ssa", 64) and not bwd_config.use_single_pass("softmax", 32)
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        assert not attn_bwd.use_single_pass("ssa", 32)
+        assert not bwd_config.use_single_pass("ssa", 32)
     finally:
         torch.use_deterministic_algorithms(False)
     monkeypatch.setenv("NEMO_SSA_BWD", "atomic")
-    assert attn_bwd.use_single_pass("softmax", 128)
+    assert bwd_config.use_single_pass("softmax", 128)
     # b learnable: db needs the dQ kernel's row sums -> two-kernel backward even in atomic mode
     monkeypatch.setenv("NEMO_SSA_BWD", "atomic")
     bl = b.detach().clone().requires_grad_()
     got = _launched(monkeypatch)
     o = fl.flash_attention(q, k, v, n=n, b=bl, causal=True)
     torch.autograd.grad(o.sum(), [q, n, bl])
-    assert any(nm == "_attn_bwd_kernel_dq" for nm, _ in got)
+    assert any(nm == "attn_bwd_kernel_dq" for nm, _ in got)
     monkeypatch.setenv("NEMO_SSA_BWD", "fast")
     with pytest.raises(ValueError, match="supported: auto, atomic, deterministic"):
         fl.flash_attention(q, k, v, n=n, b=b, causal=True)
@@ -271,7 +272,7 @@ _TAIL_DTYPES = [torch.float16, torch.float32] + ([] if is_interpreter() else [to
 @pytest.mark.parametrize("tr", ["ssa", "softmax"])
 @pytest.mark.parametrize("layout", ["bhsd", "sbhd-view", "packed-qkv-slice"])
 def test_postprocess_tail_casts_dq_and_sums_dn(monkeypatch, dtype, tr, layout):
-    """The backward's tail is one launch (issue 13: three torch launches before): dq's
+    """The backward's tail is one launch (not three torch ops): dq's
     fp32 accumulator cast to the input dtype (a flat cast: dq and the accumulator share
     q's dense layout) and dn's float64 sum. NaN-poisoned outputs: an element it misses
     fails; strided q (a permuted [S, B, H, D] view, a non-dense slice of a packed QKV
@@ -292,21 +293,21 @@ def test_postprocess_tail_casts_dq_and_sums_dn(monkeypatch, dtype, tr, layout):
     go = torch.randn(B, Hq, S, D, device=DEVICE).to(dtype)
     launches = _launched(monkeypatch)
     tail_args = []
-    rec = attn_bwd.launch
+    rec = bwd.launch
 
     def keep_tail(kernel, grid, args, meta, ntensors=None):
-        if kernel is attn_bwd._attn_bwd_postprocess:
+        if kernel is bwd_kernels.attn_bwd_postprocess:
             tail_args.append(args)
         return rec(kernel, grid, args, meta, ntensors)
-    monkeypatch.setattr(attn_bwd, "launch", keep_tail)
+    monkeypatch.setattr(bwd, "launch", keep_tail)
     kw = dict(n=n, b=b) if tr == "ssa" else {}
     o = fl.flash_attention(q, k, v, transform=tr, causal=True, **kw)
     leaves = [q, k, v] + ([n] if tr == "ssa" else [])
     g = torch.autograd.grad(o, leaves, go)
     names = [nm for nm, _ in launches]
     cast, dparams = dtype != torch.float32, tr == "ssa"
-    want = ["_attn_fwd_kernel", "_attn_bwd_preprocess", "_attn_bwd_kernel_dkv"]
-    want += ["_attn_bwd_postprocess"] if (cast or dparams) else []
+    want = ["_attn_fwd_kernel", "attn_bwd_preprocess", "attn_bwd_kernel_dkv"]
+    want += ["attn_bwd_postprocess"] if (cast or dparams) else []
     assert names == want, names
     if cast or dparams:
         meta = launches[-1][1]
@@ -326,6 +327,6 @@ def test_postprocess_tail_casts_dq_and_sums_dn(monkeypatch, dtype, tr, layout):
         assert_scalar_grad_close("dn", g[3], g_ref[3], tn, dtype)
         # the kernel's fp64 sum = torch's fp64 sum of the same per-key-block partials, to 1 fp32 ulp
         dnk, nk = tail_args[-1][2], tail_args[-1][4]
-        assert nk == B * Hkv * math.ceil(S / attn_bwd.single_config(D, dtype).block_n_kv)
+        assert nk == B * Hkv * math.ceil(S / bwd_config.single_config(D, dtype).block_n_kv)
         want = dnk[:2 * nk].view(torch.float64).sum().to(torch.float32)
         torch.testing.assert_close(g[3].reshape(()), want, rtol=1.2e-7, atol=0)

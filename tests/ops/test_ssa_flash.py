@@ -1,4 +1,4 @@
-"""Fused flash SSA/softmax kernel (nemo_ssa/ops/ssa/flash.py + ops/common/attn_bwd.py).
+"""Fused flash SSA/softmax kernel (nemo_ssa/ops/ssa/flash.py + ops/common/bwd*.py).
 
 Runs on CPU through the Triton interpreter (16x16 tiles, so N = 63 spans 4 query and 4 key
 blocks: unmasked blocks, the causal diagonal band and ragged tails are all exercised).
@@ -23,8 +23,9 @@ import math  # noqa: E402
 
 import pytest  # noqa: E402
 
-from nemo_ssa.ops.common import attn_bwd  # noqa: E402
-from nemo_ssa.ops.common.attn_bwd import attention_bwd, is_interpreter  # noqa: E402
+from nemo_ssa.ops.common import alloc, bwd, bwd_config  # noqa: E402
+from nemo_ssa.ops.common.bwd import attention_bwd  # noqa: E402
+from nemo_ssa.ops.common.launch import is_interpreter  # noqa: E402
 from nemo_ssa.ops.ssa.flash import (  # noqa: E402
     flash_attention,
     flash_attention_fwd,
@@ -54,7 +55,7 @@ pytestmark = needs_kernels
 @pytest.fixture(autouse=True)
 def _poison_outputs(monkeypatch):
     """Every kernel output (o, M, dq, dk, dv, dn/db partials) starts as NaN."""
-    monkeypatch.setattr(attn_bwd, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(alloc, "POISON_OUTPUTS", True)
 
 
 def test_kernels_are_interpreted_on_cpu():
@@ -588,7 +589,7 @@ def test_varlen_gpu_block_sizes(monkeypatch, dtype):
     from nemo_ssa.ops.ssa import flash as flash_mod
 
     monkeypatch.setattr(flash_mod, "INTERPRETER_FWD_CONFIG", flash_mod.FWD_CONFIGS[(64, True, "16bit")])
-    monkeypatch.setattr(attn_bwd, "INTERPRETER_BWD_CONFIG", attn_bwd.BWD_CONFIGS[(64, True, "16bit")])
+    monkeypatch.setattr(bwd_config, "INTERPRETER_BWD_CONFIG", bwd_config.BWD_CONFIGS[(64, True, "16bit")])
     torch.manual_seed(0)
     lens = [1, 63, 150, 70]
     Hq, Hkv, D = 4, 2, 64
@@ -623,7 +624,7 @@ def test_traced_host_code_touches_no_triton_kernel():
     dynamo fail with "TritonKernelVariable() has no type" under inductor."""
     import triton
 
-    from nemo_ssa.ops.common import attn_bwd as ab
+    from nemo_ssa.ops.common import device, launch
     from nemo_ssa.ops.ssa import flash as fl
     from nemo_ssa.ops.ssa import naive as nv
 
@@ -634,8 +635,8 @@ def test_traced_host_code_touches_no_triton_kernel():
     traced = [fl.flash_attention, fl.flash_attention_varlen, fl.ssa_attention_triton, fl.softmax_attention_triton,
               fl.ssa_attention_triton_varlen, fl.softmax_attention_triton_varlen, fl._validate_flash,
               fl._resolve, fl._fwd_setup_context, fl._fwd_backward, fl._flash_apply, fl._grads_from_bwd,
-              ab.make_rng_state, ab.is_interpreter,
-              ab.use_fast_math, ab.default_input_precision, nv._check_scalar_param]
+              device.make_rng_state, launch.is_interpreter,
+              launch.use_fast_math, launch.default_input_precision, nv._check_scalar_param]
     for fn in traced:
         fn = getattr(fn, "__wrapped__", fn)
         for name in fn.__code__.co_names:
@@ -761,13 +762,13 @@ def test_dkv_even_q_flag_only_for_whole_blocks(monkeypatch, sq, d, even):
     """The dK/dV kernel drops its load masks (EVEN_Q) only when every query block is whole
     and the head dim fills BLOCK_D; CASES above run both paths against fp64."""
     seen = []
-    real = attn_bwd.launch
+    real = bwd.launch
 
     def spy(kernel, grid, args, meta, ntensors=None):
         seen.append(dict(meta))
         return real(kernel, grid, args, meta, ntensors)
 
-    monkeypatch.setattr(attn_bwd, "launch", spy)
+    monkeypatch.setattr(bwd, "launch", spy)
     q, k, v = make_qkv(1, 2, 1, sq, sq, d, torch.float32, device=DEVICE)
     o, M = flash_attention_fwd(q, k, v, transform="softmax", causal=True)
     attention_bwd(torch.randn_like(q), q, k, v, o, M, transform="softmax", causal=True)

@@ -27,7 +27,7 @@ import math
 import pytest
 import torch
 
-from nemo_ssa.ops.common.attn_bwd import is_interpreter
+from nemo_ssa.ops.common.launch import is_interpreter
 from nemo_ssa.ops.ssa.flash import flash_attention, flash_attention_varlen, ssa_attention_triton
 from nemo_ssa.ops.ssa.naive import attention_naive
 from nemo_ssa.testing import (

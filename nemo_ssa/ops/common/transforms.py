@@ -42,10 +42,10 @@ pure elementwise maps.
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
+
+from nemo_ssa.ops.common import env
 
 __all__ = [
     "TRANSFORM_SOFTMAX",
@@ -208,7 +208,7 @@ def log2_fast(x, FAST: tl.constexpr):
 def poly_log2_enabled() -> bool:
     """``NEMO_SSA_POLY_LOG2=1``: split the SSA ``log2`` between MUFU and a polynomial
     (A/B switch for GPU timing; read at every launch, fwd and bwd must agree)."""
-    return os.environ.get("NEMO_SSA_POLY_LOG2", "0") not in ("", "0")
+    return env.poly_log2()
 
 
 def log2_mode(fast_math: bool, poly: bool = None) -> int:
@@ -267,7 +267,7 @@ def score_fwd_smag(qk, c0, c1, TRANSFORM: tl.constexpr, FAST_LOG2: tl.constexpr 
     """``(z2, smag)``: ``z2`` exactly as ``score_fwd_hoisted`` (the same operations) and,
     for SSA, ``smag = sgn(s) * log2(1 + b|s|)`` as ``score_bwd_parts`` returns it. A
     forward that also accumulates the row mean of ``smag`` under ``p`` uses it (the
-    single-pass backward's ``dn``, ``attn_bwd``); softmax: ``smag`` is a placeholder."""
+    single-pass backward's ``dn``, ``bwd_kernels``); softmax: ``smag`` is a placeholder."""
     if TRANSFORM == 1:
         mag = log2_fast(abs_fast(qk, FAST_LOG2) * c0 + 1.0, FAST_LOG2)
         smag = flip_sign(mag, qk, FAST_LOG2)

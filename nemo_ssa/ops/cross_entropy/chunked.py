@@ -39,11 +39,12 @@ docs/fused-layers.md.
 
 from __future__ import annotations
 
-import os
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
+
+from nemo_ssa.ops.common import env
 
 #: tokens per chunk: at 32,768 tokens on an H100 8,192 ran 16.3 ms fwd+bwd (1.8 GiB extra) vs 17.1
 #: (1.0 GiB) for 4,096 and 18.2 for the loss-only path (bench_linear_ce.py, 2026-11-25)
@@ -53,6 +54,8 @@ DEFAULT_CHUNK = 8192
 CONTRACT_RTOL = 1e-4
 
 _COMPILED: Dict[bool, Callable] = {}
+
+from nemo_ssa.ops.common import env
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -83,7 +86,7 @@ def _chunk_body(h: Tensor, w: Tensor, labels: Tensor, row_weight: Tensor, with_g
 def compile_enabled(device: torch.device) -> bool:
     """torch.compile on CUDA (``NEMO_SSA_CE_COMPILE=0`` turns it off); eager on CPU, where the
     compile time would dominate the CPU loop and CI."""
-    return device.type == "cuda" and os.environ.get("NEMO_SSA_CE_COMPILE", "1") not in ("", "0")
+    return device.type == "cuda" and env.ce_compile()
 
 
 def _body_for(device: torch.device, dtype: torch.dtype) -> Callable:

@@ -21,12 +21,12 @@ runs (the CPU loop and CI).
 
 from __future__ import annotations
 
-import os
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
+from nemo_ssa.ops.common import env
 from nemo_ssa.ops.cross_entropy.naive import lm_cross_entropy_naive
 
 _COMPILED: Optional[Callable] = None
@@ -42,7 +42,7 @@ def _ce_body(logits: Tensor, labels: Tensor) -> Tensor:
 
 
 def compile_enabled(device: torch.device) -> bool:
-    return device.type == "cuda" and os.environ.get("NEMO_SSA_CE_COMPILE", "1") not in ("", "0")
+    return device.type == "cuda" and env.ce_compile()
 
 
 def lm_cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:

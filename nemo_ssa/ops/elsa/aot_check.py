@@ -27,6 +27,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from nemo_ssa.ops.common.launch import is_interpreter
 from nemo_ssa.ops.elsa import routing
 from nemo_ssa.ops.elsa.scan import elsa_forward
 
@@ -113,7 +114,7 @@ def main(argv=None) -> int:
     p.add_argument("--arch", type=int, default=90)
     args = p.parse_args(argv)
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    if routing.interpreting():
+    if is_interpreter():
         print("unset TRITON_INTERPRET: the compile check needs the real Triton frontend", file=sys.stderr)
         return 2
     bad = 0

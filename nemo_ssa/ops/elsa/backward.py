@@ -2,7 +2,7 @@
 
 The forward saves only ``M = m + log2(l)`` per row (fp32 ``[B, Hq, Sq]``, log2 domain,
 ``+inf`` for rows that see no key). That is the contract of
-``nemo_ssa.ops.common.attn_bwd.attention_bwd``, the schedule-independent backward shared
+``nemo_ssa.ops.common.bwd.attention_bwd``, the schedule-independent backward shared
 with the flash kernels: it recomputes ``p = 2^(z2 - M)`` tile by tile (no attention matrix,
 no online-softmax recurrence) and returns ``dq, dk, dv, dn, db``. ELSA adds nothing of its
 own here; this module only wraps that call in a ``torch.library`` custom op (so
@@ -17,7 +17,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from nemo_ssa.ops.common.attn_bwd import attention_bwd, use_fast_math
+from nemo_ssa.ops.common.bwd import attention_bwd
+from nemo_ssa.ops.common.launch import use_fast_math
 
 __all__ = ["elsa_bwd_op", "fast_log2"]
 

@@ -27,7 +27,7 @@ import torch
 from nemo_ssa.ops.common.transforms import transform_id
 from nemo_ssa.ops.elsa.monoid import finalize_partials, merge_partials
 from nemo_ssa.ops.elsa.routing import ElsaPlan, make_plan
-from nemo_ssa.ops.elsa.scan import _validate_elsa, allocate_summaries, elsa_forward, launch
+from nemo_ssa.ops.elsa.scan import _validate_elsa, allocate_summaries, elsa_forward, run_specs
 
 __all__ = ["ElsaStructure", "elsa_structure"]
 
@@ -142,7 +142,7 @@ def elsa_structure(q, k, v, *, transform: str = "softmax", n=None, b=None, causa
             q, k, v, n, b, transform=transform_id(transform), causal=causal, scale=scale,
             num_partitions=plan.num_partitions, fp32_precision=fp32_precision, two_pass=True, summaries=bufs,
             _collect=specs)
-        launch(specs, q.device)  # recorded first, so the report shows the grid really launched
+        run_specs(specs, q.device)  # recorded first, so the report shows the grid really launched
     assert plan2 == plan
     P = plan.num_partitions
     live = [plan.live_partitions(qb, Sq, Sk, causal) for qb in range(plan.n_q_blocks)]

@@ -7,7 +7,7 @@ Everything a GPU tuning pass should touch lives here, as plain tables:
 * ``MERGE_TILES``: phase-2 ``(BLOCK_M, num_warps)`` per ``BLOCK_D``;
 * ``ROUTING``: the constants of :func:`num_partitions`.
 
-(The backward's tiles live with the shared backward, ``nemo_ssa/ops/common/attn_bwd.py``.)
+(The backward's tiles live with the shared backward, ``nemo_ssa/ops/common/bwd_config.py``.)
 
 Under ``TRITON_INTERPRET=1`` (CPU tests) small tiles are used instead, so tiny shapes
 still exercise several query blocks, key tiles and partitions.
@@ -16,10 +16,11 @@ still exercise several query blocks, key tiles and partitions.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
+
+from nemo_ssa.ops.common.launch import is_interpreter
 
 __all__ = [
     "FWD_TILES",
@@ -28,7 +29,6 @@ __all__ = [
     "TILE_OVERRIDE",
     "ROUTING",
     "ElsaPlan",
-    "interpreting",
     "sm_count",
     "block_d",
     "make_plan",
@@ -37,9 +37,8 @@ __all__ = [
 
 # ---------------------------------------------------------------------------------------
 # Tunables. (BLOCK_M, BLOCK_N, num_warps, num_stages), keyed by dtype class, then BLOCK_D.
-# 16-bit 32/64/128: measured winners of benchmarks/tune_tiles.py (H100, bf16, causal SSA,
-# one partition, 2026-11-22; docs/results/2026-11-22-tuning), 1.12-1.36x over the
-# compile-time estimates they replace (16 follows 32). 256 and fp32: offline sm_90a
+# 16-bit 32/64/128: measured winners of benchmarks/tune_tiles.py (bf16, causal SSA, one
+# partition; results in docs/results) (16 follows 32). 256 and fp32: offline sm_90a
 # compiles (ptxas -v), configs without register spills for softmax *and* SSA, not timed.
 FWD_TILES = {
     "16bit": {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 128, 4, 3),
@@ -67,10 +66,6 @@ ROUTING = dict(
 )
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 @functools.lru_cache(maxsize=None)
 def _sm_count_cuda(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).multi_processor_count)
@@ -80,7 +75,7 @@ def _sm_count_cuda(index: int) -> int:
 def sm_count(device) -> int:
     """Streaming multiprocessors of ``device`` (CUDA), else ``ROUTING['default_sms']``."""
     device = torch.device(device)
-    if device.type == "cuda" and not interpreting():
+    if device.type == "cuda" and not is_interpreter():
         return _sm_count_cuda(device.index if device.index is not None else torch.cuda.current_device())
     return int(ROUTING["default_sms"])
 
@@ -97,7 +92,7 @@ def _dtype_class(dtype: torch.dtype) -> str:
 def fwd_tiles(dtype: torch.dtype, d: int):
     if TILE_OVERRIDE is not None:
         return TILE_OVERRIDE
-    if interpreting():
+    if is_interpreter():
         return INTERPRET_TILES
     return FWD_TILES[_dtype_class(dtype)][block_d(d)]
 
@@ -105,7 +100,7 @@ def fwd_tiles(dtype: torch.dtype, d: int):
 def merge_tiles(d: int):
     if TILE_OVERRIDE is not None:
         return TILE_OVERRIDE[0], TILE_OVERRIDE[2]
-    if interpreting():
+    if is_interpreter():
         return INTERPRET_TILES[0], INTERPRET_TILES[2]
     return MERGE_TILES[block_d(d)]
 

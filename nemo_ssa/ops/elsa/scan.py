@@ -34,7 +34,7 @@ Differences from the reference (``nemo_ssa.ops.ssa.naive``): no ``keep_mask`` an
 dropout (both rejected with ValueError); ``softmax_scale`` must be positive.
 
 Backward is exact recompute from ``M`` through the shared
-``nemo_ssa.ops.common.attn_bwd.attention_bwd`` (``backward.py``). The math, the merge,
+``nemo_ssa.ops.common.bwd.attention_bwd`` (``backward.py``). The math, the merge,
 causal skipping and the routing rule are in ``README.md``.
 """
 
@@ -48,6 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nemo_ssa.ops.common.launch import is_interpreter as kernels_interpreted
 from nemo_ssa.ops.common.transforms import score_fwd_hoisted, transform_consts, transform_id
 from nemo_ssa.ops.elsa.backward import elsa_bwd_op, fast_log2
 from nemo_ssa.ops.elsa.routing import ElsaPlan, block_d, make_plan, merge_tiles
@@ -398,11 +399,11 @@ def elsa_forward(
     if _collect is not None:
         _collect.extend(specs)
         return o, lse, plan, summaries
-    launch(specs, q.device)
+    run_specs(specs, q.device)
     return o, lse, plan, summaries
 
 
-def launch(specs, device) -> None:
+def run_specs(specs, device) -> None:
     """Run recorded ``(kernel, grid, args, kwargs)`` launches on ``device`` (``_collect`` output)."""
     with torch.cuda.device(device) if torch.device(device).type == "cuda" else contextlib.nullcontext():
         for kernel, grid, args, kwargs in specs:
@@ -506,22 +507,6 @@ _elsa_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 # ======================================================================================
 # Public functions
 # ======================================================================================
-
-
-def _interpreted_at_import() -> bool:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(_elsa_fwd_partial_kernel, InterpretedFunction)
-
-
-# a module constant, not an isinstance() per call: torch.compile(fullgraph=True) cannot
-# trace isinstance() on a Triton kernel object (H100, 2026-11-24)
-_KERNELS_INTERPRETED = _interpreted_at_import()
-
-
-def kernels_interpreted() -> bool:
-    """True when the kernels were built by the Triton interpreter (decided at import time)."""
-    return _KERNELS_INTERPRETED
 
 
 def _validate_elsa(q, k, v, *, transform, n, b, causal, softmax_scale, keep_mask, dropout_p,
@@ -671,5 +656,5 @@ def merge_finalize_partials(
     # partition p "starts at key p" of P keys: every partition is live for every row
     spec = _merge_spec(m, l, acc, o, lse, sk=P, n_tiles=P, key_tile=1, causal=False,
                        block_m=block_m, num_warps=warps)
-    launch([spec], m.device)
+    run_specs([spec], m.device)
     return o, lse

@@ -43,7 +43,6 @@ Fixed tiles rather than autotuning: a run pays every autotune at start-up.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
@@ -52,11 +51,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from nemo_ssa.ops.common import env
+from nemo_ssa.ops.common.launch import is_interpreter
 from nemo_ssa.ops.mlp.naive import mlp_relu2_naive
-
-
-#: Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. at this module's import
-_KERNELS_INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -158,15 +155,14 @@ class Tile:
             raise ValueError(f"tile {text!r}: expected BMxBNxBK/stages/warps, e.g. 128x128x64/4/4") from e
 
 
-#: the fastest of benchmarks/bench_mlp.py --tiles at 32,768 tokens on an H100, 2026-11-25
-#: (fwd 0.311 ms, bwd 0.356 ms; cuBLAS's plain GEMMs of the same shapes 0.218 / 0.238)
+#: the fastest of benchmarks/bench_mlp.py --tiles at 32,768 tokens (timings in docs/results)
 DEFAULT_TILES: Dict[str, Tile] = {"fwd": Tile(128, 128, 64, 8, 3, 4), "bwd": Tile(128, 256, 32, 8, 4, 8)}
 
 
 def tiles() -> Dict[str, Tile]:
     """The tiles in use: DEFAULT_TILES overridden by ``NEMO_SSA_MLP_TILES``."""
     out = dict(DEFAULT_TILES)
-    spec = os.environ.get("NEMO_SSA_MLP_TILES", "").strip()
+    spec = env.mlp_tiles()
     for part in filter(None, (p.strip() for p in spec.split(","))):
         key, _, value = part.partition("=")
         if key not in out:
@@ -293,12 +289,10 @@ def triton_available(device: torch.device, dtype: torch.dtype) -> bool:
     it stores bf16 as uint16, so bf16 is checked on the GPU, tests/ops/test_mlp_gpu.py)."""
     if device.type == "cuda":
         return dtype in SUPPORTED_DTYPES
-    return device.type == "cpu" and dtype == torch.float16 and _KERNELS_INTERPRETED
+    return device.type == "cpu" and dtype == torch.float16 and is_interpreter()
 
 
-def kernels_interpreted() -> bool:
-    """True when the kernels were decorated under ``TRITON_INTERPRET=1`` (read at import)."""
-    return _KERNELS_INTERPRETED
+kernels_interpreted = is_interpreter  # this family's name for the one interpreter check
 
 
 def check_shapes(x: Tensor, w1: Tensor, w2: Tensor) -> Tuple[int, int, int]:

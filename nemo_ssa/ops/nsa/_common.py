@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-import os
-
-
 import torch
 
+from nemo_ssa.ops.common.launch import is_interpreter, next_pow2
 from nemo_ssa.ops.common.transforms import transform_id
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
-
-
-def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def next_pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
 
 
 def block_d(d: int) -> int:
@@ -46,7 +35,7 @@ def check_kernel_tensors(name_to_tensor) -> None:
             )
         if t.dtype != ref.dtype or t.device != ref.device:
             raise ValueError(f"all inputs must share dtype and device; `{name}` is {t.dtype} on {t.device}")
-    if not (ref.is_cuda or interpreting()):
+    if not (ref.is_cuda or is_interpreter()):
         raise ValueError(
             "NSA Triton kernels need a CUDA tensor (or TRITON_INTERPRET=1 on CPU); "
             "use impl='torch' for the CPU reference path"

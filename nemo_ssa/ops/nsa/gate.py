@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nemo_ssa.ops.nsa._common import interpreting
+from nemo_ssa.ops.common.launch import is_interpreter
 
 __all__ = ["gate_combine"]
 
@@ -61,7 +61,7 @@ def _gate_bwd_kernel(DO, OC, OS, OW, G, DOC, DOS, DOW, DG, ROWS, D,
 
 def _launch_cfg(d: int):
     block_d = max(16, triton.next_power_of_2(d))
-    block_r = 16 if interpreting() else max(1, 4096 // block_d)
+    block_r = 16 if is_interpreter() else max(1, 4096 // block_d)
     return block_r, block_d
 
 

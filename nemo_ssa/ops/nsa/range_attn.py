@@ -41,12 +41,12 @@ import torch
 import triton
 import triton.language as tl
 
+from nemo_ssa.ops.common.launch import is_interpreter
 from nemo_ssa.ops.common.transforms import score_bwd, score_bwd_params, score_fwd
 from nemo_ssa.ops.nsa._common import (
     block_d,
     check_kernel_tensors,
     dot_precision,
-    interpreting,
     ssa_scalars,
 )
 
@@ -283,11 +283,10 @@ def _blocks(d: int, kind: str) -> Tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). Small tiles in the interpreter (speed)."""
     if kind in TILE_OVERRIDE:
         return TILE_OVERRIDE[kind]
-    if interpreting():
+    if is_interpreter():
         return 16, 16, 1, 1
-    # measured winners, benchmarks/tune_tiles.py (H100, bf16, N=32K, compressed + window
-    # branches timed together; docs/results/2026-11-22-tuning): bwd D128 1.74x over the
-    # old (32, 32, 4, 1), the rest within 5 % of the old entries
+    # measured winners, benchmarks/tune_tiles.py (bf16, N=32K, compressed + window
+    # branches timed together; results in docs/results)
     if kind == "fwd":
         return (64, 32, 4, 3) if d <= 64 else (64, 32, 4, 2)
     return (128, 64, 4, 2) if d <= 64 else (64, 64, 4, 2)

@@ -33,7 +33,8 @@ import triton
 import triton.language as tl
 
 from nemo_ssa.ops.common.transforms import score_fwd
-from nemo_ssa.ops.nsa._common import block_d, check_kernel_tensors, dot_precision, interpreting, next_pow2, ssa_scalars
+from nemo_ssa.ops.common.launch import is_interpreter, next_pow2
+from nemo_ssa.ops.nsa._common import block_d, check_kernel_tensors, dot_precision, ssa_scalars
 from nemo_ssa.ops.nsa.naive import NSAConfig, num_select_blocks
 
 __all__ = ["importance_scores", "topn_blocks", "select_blocks_triton"]
@@ -91,7 +92,7 @@ def _importance_kernel(
                 vis = ((offs_c * CSTRIDE + CLEN - 1)[None, :] <= offs_m[:, None]) & (offs_c < NC)[None, :]
                 # mask the exponent, not the result: an invisible (future) block can score
                 # far above the row's lse, and exp2 of that overflows to inf (harmless under
-                # the where today, NaN as soon as anything multiplies it; issue 16, seed 004)
+                # the where, NaN as soon as anything multiplies it)
                 p = tl.exp2(tl.where(vis, z2 - lse[:, None], float("-inf")))
                 # overlap fraction of compressed block c inside selection block s: [BLOCK_C, BLOCK_S]
                 cs = (offs_c * CSTRIDE)[:, None]
@@ -165,13 +166,13 @@ def importance_scores(q, k_cmp, lse_cmp, config: NSAConfig, *, transform="softma
     shape = (bsz, hkv, t1 - t0, ns)
     if fill_future:
         imp = torch.zeros(shape, device=q.device, dtype=torch.float32)
-    elif interpreting():
+    elif is_interpreter():
         imp = torch.full(shape, math.nan, device=q.device, dtype=torch.float32)
     else:
         imp = torch.empty(shape, device=q.device, dtype=torch.float32)
     tid, n_t, b_t = ssa_scalars(transform, n, b, q.device)
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    bm, bc, bs = (16, 16, 16) if interpreting() else (64, 32, 16)
+    bm, bc, bs = (16, 16, 16) if is_interpreter() else (64, 32, 16)
     grid = (triton.cdiv(t1 - t0, bm), bsz * hkv)
     _importance_kernel[grid](
         q, k_cmp, lse_cmp.contiguous(), imp, n_t, b_t,
@@ -179,7 +180,7 @@ def importance_scores(q, k_cmp, lse_cmp, config: NSAConfig, *, transform="softma
         hq, hkv, n_tok, nc, ns, d, hq // hkv, t0, t1,
         scale, config.stride, config.block_len, config.select_block,
         TRANSFORM=tid, PREC=dot_precision(q.dtype),
-        BLOCK_M=bm, BLOCK_C=bc, BLOCK_S=bs, BLOCK_D=block_d(d), num_warps=4 if not interpreting() else 1,
+        BLOCK_M=bm, BLOCK_C=bc, BLOCK_S=bs, BLOCK_D=block_d(d), num_warps=4 if not is_interpreter() else 1,
     )
     return imp
 
@@ -204,12 +205,12 @@ def topn_blocks(importance: torch.Tensor, config: NSAConfig, t0: int = 0,
         width = min(ns, (t0 + r0) // sblk + 1)  # candidates of the range's first row
         bs = max(16, next_pow2(width))
         r1 = rows if bs >= ns else min(rows, bs * sblk - t0)  # last row whose blocks fit in bs
-        bm = 4 if interpreting() else max(1, min(64, 8192 // bs))
+        bm = 4 if is_interpreter() else max(1, min(64, 8192 // bs))
         grid = (triton.cdiv(r1 - r0, bm), bsz * hkv)
         _topn_kernel[grid](
             importance, out, *importance.stride(), *out.stride(),
             hkv, ns, t0, r0, r1, config.select_block,
-            TOPN=config.top_n, BLOCK_M=bm, BLOCK_S=bs, num_warps=1 if interpreting() else 4,
+            TOPN=config.top_n, BLOCK_M=bm, BLOCK_S=bs, num_warps=1 if is_interpreter() else 4,
         )
         r0 = r1
     return out

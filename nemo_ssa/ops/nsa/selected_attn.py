@@ -41,7 +41,8 @@ import triton
 import triton.language as tl
 
 from nemo_ssa.ops.common.transforms import score_bwd, score_bwd_params, score_fwd
-from nemo_ssa.ops.nsa._common import block_d, check_kernel_tensors, dot_precision, interpreting, next_pow2, ssa_scalars
+from nemo_ssa.ops.common.launch import is_interpreter, next_pow2
+from nemo_ssa.ops.nsa._common import block_d, check_kernel_tensors, dot_precision, ssa_scalars
 
 __all__ = ["selected_attention", "build_worklist", "WorkList"]
 
@@ -221,13 +222,13 @@ TILE_OVERRIDE: dict = {}
 
 
 def _num_warps() -> int:
-    return 1 if interpreting() else TILE_OVERRIDE.get("num_warps", 4)
+    return 1 if is_interpreter() else TILE_OVERRIDE.get("num_warps", 4)
 
 
 def _block_q(d: int) -> int:
     if "block_q" in TILE_OVERRIDE:
         return TILE_OVERRIDE["block_q"]
-    if interpreting():
+    if is_interpreter():
         return 16
     return 64 if d <= 64 else 32
 

@@ -10,7 +10,7 @@ the log2 domain (``z2 = z * log2 e`` from ``ops.common.transforms``, ``exp2`` on
 ``pow``); key blocks that every row of the query block may see run unmasked, only the
 causal diagonal band and the ragged tail of ``Sk`` run with masks; masked entries weigh
 exactly 0. It stores ``M = m2 + log2(l)`` per row (fp32) -- ``+inf`` for rows that see no
-key, whose output is 0 -- and the backward (``ops.common.attn_bwd.attention_bwd``,
+key, whose output is 0 -- and the backward (``ops.common.bwd.attention_bwd``,
 shared with the ELSA scan) recomputes ``p = exp2(z2 - M)``.
 
 Layouts: dense ``q [B, Hq, Sq, D]``, ``k, v [B, Hkv, Sk, D]`` with **arbitrary strides on
@@ -49,37 +49,33 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from nemo_ssa.ops.common.attn_bwd import (
-    MAX_HEAD_DIM,
-    MIN_HEAD_DIM,
-    SUPPORTED_DTYPES,
-    _autotuned,
-    _d_bucket,
-    _param_ptrs,
-    _stat_strides,
-    _zhsd,
-    attention_bwd,
-    autotune_enabled,
-    use_single_pass,
-    cdiv,
-    default_input_precision,
+from nemo_ssa.ops.common.alloc import new_cstat, new_output, new_output_like
+from nemo_ssa.ops.common.bwd import MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES, attention_bwd
+from nemo_ssa.ops.common.bwd_config import d_bucket, use_single_pass
+from nemo_ssa.ops.common.device import (
     dropout_keep,
     dropout_rng_layout,
     dropout_state,
-    is_interpreter,
     kv_range_for_q_block,
-    launch,
     load_kv_tile,
     load_params,
     make_rng_state,
     mask_scores,
-    new_cstat,
-    new_output,
-    new_output_like,
-    next_pow2,
     seq_info,
     tile_ptrs,
+)
+from nemo_ssa.ops.common.launch import (
+    autotune_enabled,
+    autotuned,
+    cdiv,
+    default_input_precision,
+    is_interpreter,
+    launch,
+    next_pow2,
+    param_ptrs,
+    stat_strides,
     use_fast_math,
+    zhsd_strides,
 )
 from nemo_ssa.ops.common.transforms import (
     log2_mode,
@@ -244,14 +240,13 @@ class FwdConfig(NamedTuple):
 
 
 # (BLOCK_D bucket, causal, "16bit" | "fp32") -> FwdConfig. 16-bit rows 32/64/128: measured
-# winners of benchmarks/tune_tiles.py (H100, bf16, causal SSA, 2026-11-22;
-# docs/results/2026-11-22-tuning), 1.25-1.36x over the compile-time estimates they replace
-# (D=32: best for both B4 N4K and N=16K; D=32/64 re-tuned after the SSA instruction diet,
-# 2026-11-25, docs/results/2026-11-25-attention-bwd). 256 and fp32: compile-time estimates (largest
-# tiles without spills; fp32 runs IEEE dots on FMA units, exactness tests only, small
-# tiles). Tune with NEMO_SSA_AUTOTUNE=1 (candidates: _FWD_TUNE).
-_FWD_16 = {32: FwdConfig(64, 64, 4, 2),     # re-tuned 2026-11-25 (B4 N4K and B32 N1K, SSA and softmax)
-           64: FwdConfig(64, 128, 4, 3),    # re-tuned 2026-11-25 (B1 N16K H16), 1.02x
+# winners of benchmarks/tune_tiles.py (bf16, causal SSA; results in docs/results)
+# (D=32: best for both B4 N4K and N=16K; D=32/64 re-tuned after the SSA instruction diet).
+# 256 and fp32: compile-time estimates (largest tiles without spills; fp32 runs IEEE dots
+# on FMA units, exactness tests only, small tiles). Tune with NEMO_SSA_AUTOTUNE=1
+# (candidates: _FWD_TUNE).
+_FWD_16 = {32: FwdConfig(64, 64, 4, 2),     # tuned on B4 N4K and B32 N1K, SSA and softmax
+           64: FwdConfig(64, 128, 4, 3),    # tuned on B1 N16K H16
            128: FwdConfig(64, 64, 4, 3),
            256: FwdConfig(64, 32, 8, 2)}   # estimate: 181 regs
 _FWD_32 = {32: FwdConfig(64, 32, 4, 2), 64: FwdConfig(32, 32, 4, 2),
@@ -272,7 +267,7 @@ def fwd_config(head_dim: int, causal: bool, dtype: torch.dtype, interpret: Optio
     if interpret:
         return INTERPRETER_FWD_CONFIG
     kind = "fp32" if dtype == torch.float32 else "16bit"
-    return FWD_CONFIGS[(_d_bucket(head_dim), bool(causal), kind)]
+    return FWD_CONFIGS[(d_bucket(head_dim), bool(causal), kind)]
 
 
 def _flash_fwd(
@@ -286,7 +281,7 @@ def _flash_fwd(
     by the caller): the tensor ``o`` is written into, any strides. ``save_c`` (SSA only;
     else ``C`` is None): also write ``C_i = sum_j p_ij smag_ij`` (fp32, ``M``'s layout),
     the row mean of ``dz/dn`` the single-pass backward needs for ``dn``
-    (``attn_bwd.attention_bwd(cstat=C)``)."""
+    (``bwd.attention_bwd(cstat=C)``)."""
     varlen = cu_seqlens_q is not None
     tid = transform_id(transform)
     dev = q.device
@@ -306,7 +301,7 @@ def _flash_fwd(
     has_dropout = dropout_p > 0.0
     # pointers a constexpr branch never dereferences get M as a placeholder (no allocation)
     rng = rng_state if has_dropout else M
-    n_ptr, b_ptr = _param_ptrs(n, b, M) if tid == 1 else (M, M)
+    n_ptr, b_ptr = param_ptrs(n, b, M) if tid == 1 else (M, M)
     cu_q = cu_seqlens_q if varlen else M
     cu_k = cu_seqlens_k if varlen else M
     # unused without dropout (constexpr branch): zeros keep them out of the launch key
@@ -315,14 +310,15 @@ def _flash_fwd(
     save_c = bool(save_c) and tid == 1
     cstat = new_cstat(M) if save_c else None
     args = (q, k, v, o, M, cstat if save_c else M, n_ptr, b_ptr, rng, cu_q, cu_k,
-            *_zhsd(q, varlen), *_zhsd(k, varlen), *_zhsd(v, varlen), *_zhsd(o, varlen),
-            *_stat_strides(M, varlen), hq, hq // hkv, sq, sk, float(scale), float(dropout_p), rz, rh, rs)
+            *zhsd_strides(q, varlen), *zhsd_strides(k, varlen), *zhsd_strides(v, varlen),
+            *zhsd_strides(o, varlen),
+            *stat_strides(M, varlen), hq, hq // hkv, sq, sk, float(scale), float(dropout_p), rz, rh, rs)
     meta = dict(HEAD_DIM=d, BLOCK_D=block_d, TRANSFORM=tid, CAUSAL=bool(causal), VARLEN=varlen,
                 HAS_DROPOUT=has_dropout, INPUT_PRECISION=input_precision,
                 FAST_LOG2=log2_mode(fast_math) if tid == 1 else int(bool(fast_math)), SAVE_C=save_c)
     if config is None and autotune_enabled():
-        kern = _autotuned("fwd", _attn_fwd_kernel, _FWD_TUNE, ("BLOCK_M", "BLOCK_N"),
-                          ["HQ", "GROUP", "SEQ_Q", "SEQ_K", "HEAD_DIM", "TRANSFORM", "CAUSAL", "VARLEN", "HAS_DROPOUT"])
+        kern = autotuned("fwd", _attn_fwd_kernel, _FWD_TUNE, ("BLOCK_M", "BLOCK_N"),
+                         ["HQ", "GROUP", "SEQ_Q", "SEQ_K", "HEAD_DIM", "TRANSFORM", "CAUSAL", "VARLEN", "HAS_DROPOUT"])
         kern[lambda m: (triton.cdiv(sq, m["BLOCK_M"]), bz * hq)](*args, **meta)
     else:
         cfg = config or fwd_config(d, causal, q.dtype)
@@ -423,7 +419,7 @@ _flash_attn_fwd_op.register_autograd(_fwd_backward, setup_context=_fwd_setup_con
 
 
 # ----------------------------------------------------------------------------------------
-# Eager fast path: a plain autograd.Function (issue 13, per-call cost)
+# Eager fast path: a plain autograd.Function (per-call host cost)
 # ----------------------------------------------------------------------------------------
 
 
@@ -445,9 +441,9 @@ def _param_grad(p, g, needed):
 class _FlashAttnFn(torch.autograd.Function):
     """Eager autograd path calling ``_flash_fwd`` / ``attention_bwd`` directly.
 
-    The ``torch.library`` custom ops cost ~0.6 ms of host time per fwd+bwd on an H100
-    (schema dispatch, the generated autograd wrapper, a materialised zero gradient for the
-    unused ``M`` output, zero ``dn``/``db`` tensors for softmax). Eager calls do not need
+    The ``torch.library`` custom ops cost host time on every fwd+bwd (schema dispatch,
+    the generated autograd wrapper, a materialised zero gradient for the unused ``M``
+    output, zero ``dn``/``db`` tensors for softmax). Eager calls do not need
     any of it; ``torch.compile`` does (fake impls, opaque op), so ``_flash_call`` takes
     this path only when ``torch.compiler.is_compiling()`` is False. Only ``o`` is an
     output (``M`` is saved, never returned), and ``set_materialize_grads(False)`` lets an
@@ -701,7 +697,7 @@ def flash_attention_fwd(
 ) -> Tuple[Tensor, Tensor]:
     """Forward only, no autograd: returns ``(o, M)`` with ``M`` fp32 ``[B, Hq, Sq]``
     (``m2 + log2 l``, ``+inf`` for rows without a visible key) -- the statistic
-    ``ops.common.attn_bwd.attention_bwd`` consumes. ``rng_state`` from ``make_rng_state``."""
+    ``ops.common.bwd.attention_bwd`` consumes. ``rng_state`` from ``make_rng_state``."""
     _validate_flash(q, k, v, transform=transform, n=n, b=b, keep_mask=None, dropout_p=dropout_p,
                     softmax_scale=softmax_scale, varlen=False, input_precision=input_precision)
     scale, prec, fast = _resolve(q, q.shape[-1], softmax_scale, input_precision, fast_math)

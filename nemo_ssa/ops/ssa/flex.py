@@ -65,7 +65,7 @@ With ``dz = p (dp - delta)``, ``dp_ij = do_i . v_j``, ``delta_i = do_i . o_i``:
   ``atomic_add`` within a row, so non-deterministic. Kept for the benchmark.
 
 Also considered, not used: (i) feeding flex's ``(o, lse * log2 e)`` to the shared fused
-backward ``nemo_ssa.ops.common.attn_bwd.attention_bwd`` (dq, dk, dv, dn, db in one pass)
+backward ``nemo_ssa.ops.common.bwd.attention_bwd`` (dq, dk, dv, dn, db in one pass)
 -- that is the flash path's backward with flex's forward: it drops flex's backward and
 its mask support, the reason to use this path; (ii) a 0-d captured ``n`` (fails to
 compile); (iii) bf16 for the ``flex`` weight call (``dn`` is a difference of two

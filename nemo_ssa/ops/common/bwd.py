@@ -1,0 +1,379 @@
+"""Fused attention backward shared by every single-softmax schedule (flash, ELSA scan).
+
+Given the forward's output ``o`` and its per-row statistic ``M`` (the log2-domain
+log-sum-exp of the transformed scores, see ``attention_bwd``'s *M contract*), this
+backward is independent of how the forward was scheduled: a single-pass online softmax
+(flash), a two-pass scan over key partitions (ELSA), or split-K all produce the same
+``(o, M)`` and can call ``attention_bwd``. It recomputes ``p = exp2(z2 - M)`` tile by
+tile, never materialising ``[Sq, Sk]``; the kernels and their math are in
+``bwd_kernels``, the tile tables and the choice of backward in ``bwd_config``.
+
+Two host paths share one argument builder (``_BwdCall`` and the ``_*_args`` helpers):
+the two-kernel backward (dQ kernel, then dK/dV kernel; every gradient bit-identical run
+to run) and the single pass (``use_single_pass``: one dK/dV kernel that also adds ``dq``
+with fp32 atomics).
+
+Layouts: dense ``[B, H, S, D]`` with arbitrary strides on all four dims (views such as
+Megatron's ``[s, b, h, d]`` permuted to ``[b, h, s, d]`` work without copies), or packed
+THD ``[T, H, D]`` with ``cu_seqlens``. All addressing of rows uses int64.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+import triton
+
+from nemo_ssa.ops.common.alloc import new_output, new_output_like
+from nemo_ssa.ops.common.bwd_config import (
+    BWD_TUNE_DQ,
+    BWD_TUNE_KV,
+    BwdConfig,
+    bwd_config,
+    fused_delta,
+    single_config,
+    use_single_pass,
+)
+from nemo_ssa.ops.common.bwd_kernels import (
+    attn_bwd_kernel_dkv,
+    attn_bwd_kernel_dq,
+    attn_bwd_postprocess,
+    attn_bwd_preprocess,
+)
+from nemo_ssa.ops.common.device import dropout_rng_layout
+from nemo_ssa.ops.common.launch import (
+    autotune_enabled,
+    autotuned,
+    cdiv,
+    default_input_precision,
+    is_interpreter,
+    launch,
+    next_pow2,
+    param_ptrs,
+    stat_strides,
+    use_fast_math,
+    zhsd_strides,
+)
+from nemo_ssa.ops.common.transforms import TRANSFORM_SSA, log2_mode, transform_id
+
+__all__ = ["attention_bwd", "SUPPORTED_DTYPES", "MIN_HEAD_DIM", "MAX_HEAD_DIM"]
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+
+
+def attention_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    M: torch.Tensor,
+    *,
+    transform: str = "ssa",
+    n: Optional[torch.Tensor] = None,
+    b: Optional[torch.Tensor] = None,
+    causal: bool = False,
+    scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+    rng_state: Optional[torch.Tensor] = None,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+    input_precision: Optional[str] = None,
+    fast_math: Optional[bool] = None,
+    need_dparams: bool = True,
+    config: Optional[BwdConfig] = None,
+    need_db: bool = True,
+    cstat: Optional[torch.Tensor] = None,
+    deterministic: Optional[bool] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Backward of ``o = dropout(softmax(transform(scale * q k^T) + mask)) @ v``.
+
+    Schedule-independent: any forward that returns ``o`` and ``M`` under the contract
+    below (flash single pass, ELSA two-pass scan, split-K) can use it.
+
+    **M contract.** ``M[z, h, i] = m2 + log2(l)`` (fp32), where ``z2_ij`` is the score in
+    the log2 domain exactly as ``transforms.score_fwd(qk, scale, n, b, TRANSFORM,
+    FAST_LOG2=fast_math)`` computes it (``qk`` = fp32 ``q_i . k_j`` from ``tl.dot``),
+    ``m2 = max_j z2_ij`` over visible keys and ``l = sum_j exp2(z2_ij - m2)`` -- i.e.
+    ``M = log2 sum_j exp2(z2_ij)``, so ``p_ij = exp2(z2_ij - M_i)``. Rows with no visible
+    key store ``M = +inf`` (and ``o = 0``): the recomputed ``p`` is then exactly 0, never
+    NaN. ``l`` is the *undropped* normaliser; dropout multiplies ``p`` afterwards.
+
+    **Masking.** Causal is bottom-right aligned (row i sees key j iff
+    ``j <= i + Sk - Sq``, per sequence when packed); masked entries weigh exactly 0.
+
+    **Dropout.** If ``dropout_p > 0`` the keep-mask is regenerated from ``rng_state``
+    (int64 ``[2]`` = seed, offset; see ``make_rng_state``) with ``dropout_keep`` and the
+    counter layout ``dropout_rng_layout``; the forward must have used the same.
+
+    Args:
+        do, q, o: ``[B, Hq, Sq, D]`` (or packed ``[T_q, Hq, D]``); any strides.
+        k, v: ``[B, Hkv, Sk, D]`` (or ``[T_k, Hkv, D]``), ``Hq % Hkv == 0``; any strides.
+        M: fp32 ``[B, Hq, Sq]`` (packed: ``[Hq, T_q]``).
+        transform: ``"ssa"`` or ``"softmax"``.
+        n, b: SSA parameters (1-element tensors); ignored for softmax.
+        causal, scale: as in the forward (``scale`` defaults to ``1/sqrt(D)``).
+        dropout_p, rng_state: dropout on ``p`` (see above).
+        cu_seqlens_q/k, max_seqlen_q/k: packed (THD) layout; int32 cumulative lengths.
+        input_precision: ``tl.dot`` precision; default ``"ieee"`` for fp32 inputs.
+        fast_math: PTX ``lg2.approx`` for the SSA log; must match the forward. Default:
+            on for CUDA, off under the interpreter.
+        need_dparams: compute ``dn``/``db`` (SSA only).
+        need_db: with ``need_dparams``, also ``db`` (False: ``db`` is None and the dQ
+            kernel skips its two row sums -- ``b`` is fixed under the pinned policy).
+        config: override the block-size table (``BwdConfig``).
+        cstat: the forward's ``C_i = sum_j p_ij smag_ij`` (fp32, ``M``'s layout; SSA), which
+            lets the single-pass backward compute ``dn`` from key-block partials.
+        deterministic: ``False``: single pass -- the dK/dV kernel also accumulates ``dq``
+            in an fp32 buffer with atomics (no dQ kernel; ``dq`` not bit-identical run to
+            run). Used when ``b`` needs no gradient and, with ``dn``, ``cstat`` is given;
+            otherwise the two-kernel path runs. ``True``: always the two-kernel path.
+            ``None``: ``not use_single_pass(transform, D)`` (env ``NEMO_SSA_BWD``).
+
+    Returns:
+        ``(dq, dk, dv, dn, db)``: ``dq/dk/dv`` with the dtype and (dense) layout of
+        ``q/k/v`` (``empty_like``); ``dn``, ``db`` fp32 ``[1]`` (summed in float64 over a
+        fixed-size buffer of partials -- per query row (two kernels) or per key block
+        (single pass) -- in a fixed order, bit-identical run to run), or ``None`` for
+        softmax / ``need_dparams=False``.
+    """
+    varlen = cu_seqlens_q is not None
+    tid = transform_id(transform)
+    is_ssa = tid == TRANSFORM_SSA
+    dparams = bool(need_dparams and is_ssa)
+    want_db = dparams and bool(need_db)
+    if varlen:
+        _, hq, d = q.shape
+        hkv = k.shape[1]
+        bz = cu_seqlens_q.numel() - 1
+        sq, sk = int(max_seqlen_q), int(max_seqlen_k)
+        total_q = q.shape[0]
+    else:
+        bz, hq, sq, d = q.shape
+        hkv, sk = k.shape[1], k.shape[2]
+        total_q = None
+    m_shape = (hq, q.shape[0]) if varlen else (bz, hq, sq)
+    if do.shape != q.shape or o.shape != q.shape:
+        raise ValueError(f"do {tuple(do.shape)} and o {tuple(o.shape)} must have q's shape {tuple(q.shape)}")
+    if M.dtype != torch.float32 or tuple(M.shape) != m_shape:
+        raise ValueError(f"M must be fp32 of shape {m_shape}, got {M.dtype} {tuple(M.shape)}")
+    if k.shape != v.shape or k.shape[-1] != d or hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"bad k/v shapes {tuple(k.shape)}, {tuple(v.shape)} for q {tuple(q.shape)}: k, v must "
+                         f"match, share q's head dim, and Hq must be a multiple of Hkv")
+    if scale is None:
+        scale = d ** -0.5
+    if input_precision is None:
+        input_precision = default_input_precision(q.dtype)
+    if fast_math is None:
+        fast_math = use_fast_math(q.device)
+    has_dropout = dropout_p > 0.0
+    if has_dropout and rng_state is None:
+        raise ValueError("dropout_p > 0 needs the forward's rng_state (int64 [2] seed, offset)")
+    # pointers a constexpr branch never dereferences get M as a placeholder (no allocation)
+    rng = rng_state if has_dropout else M
+    # unused without dropout (constexpr branch): zeros keep them out of the launch key
+    rz, rh, rs = dropout_rng_layout(hq, sq, sk, varlen, total_q) if has_dropout else (0, 0, 0)
+    n_ptr, b_ptr = param_ptrs(n, b, M) if is_ssa else (M, M)
+    block_d = max(16, next_pow2(d))
+    call = _BwdCall(
+        varlen=varlen, is_ssa=is_ssa, bz=bz, hq=hq, hkv=hkv, sq=sq, sk=sk, d=d, block_d=block_d,
+        scale=float(scale), dropout_p=float(dropout_p), rng=rng, rng_strides=(rz, rh, rs), n_ptr=n_ptr, b_ptr=b_ptr,
+        cu_q=cu_seqlens_q if varlen else M, cu_k=cu_seqlens_k if varlen else M, ms=stat_strides(M, varlen),
+        meta=dict(HEAD_DIM=d, BLOCK_D=block_d, TRANSFORM=tid, CAUSAL=bool(causal), VARLEN=varlen,
+                  HAS_DROPOUT=has_dropout, INPUT_PRECISION=input_precision,
+                  FAST_LOG2=log2_mode(fast_math) if is_ssa else int(bool(fast_math))))
+    tune = config is None and autotune_enabled()
+    if deterministic is None:
+        deterministic = not use_single_pass(transform, d)
+    if not deterministic and not tune and not want_db and (not dparams or cstat is not None):
+        return _attention_bwd_single(call, do, q, k, v, o, M, cstat if dparams else None,
+                                     config or single_config(d, q.dtype))
+    return _attention_bwd_two_kernels(call, do, q, k, v, o, M, config or bwd_config(d, causal, q.dtype),
+                                      dparams=dparams, want_db=want_db, tune=tune)
+
+
+class _BwdCall(NamedTuple):
+    """What both backward paths pass to the kernels, resolved once per call."""
+
+    varlen: bool
+    is_ssa: bool
+    bz: int
+    hq: int
+    hkv: int
+    sq: int
+    sk: int
+    d: int
+    block_d: int
+    scale: float
+    dropout_p: float
+    rng: torch.Tensor
+    rng_strides: Tuple[int, int, int]
+    n_ptr: torch.Tensor
+    b_ptr: torch.Tensor
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    ms: Tuple[int, int, int]
+    meta: dict  # the constexprs the dQ and dK/dV kernels share
+
+
+_NO_STRIDES4 = (0, 0, 0, 0)
+
+
+def _preprocess(c: _BwdCall, o, do, delta, M, dqa=None) -> None:
+    """``attn_bwd_preprocess``: ``delta``, and (``dqa`` given) the fp32 dq accumulator zeroed."""
+    pre_bm = _pre_block_m(c.block_d)
+    meta = dict(HEAD_DIM=c.d, BLOCK_D=c.block_d, BLOCK_M=pre_bm, VARLEN=c.varlen)
+    if dqa is not None:
+        meta["ZERO_DQ"] = True
+    az = zhsd_strides(dqa, c.varlen) if dqa is not None else _NO_STRIDES4
+    launch(attn_bwd_preprocess, (cdiv(c.sq, pre_bm), c.bz * c.hq),
+           (o, do, delta, c.cu_q, M if dqa is None else dqa, *zhsd_strides(o, c.varlen),
+            *zhsd_strides(do, c.varlen), *c.ms, *az, c.hq, c.sq),
+           meta, 5)
+
+
+def _dq_args(c: _BwdCall, q, k, v, do, o, dq, M, delta, dn_part, db_part) -> tuple:
+    """Positional arguments of ``attn_bwd_kernel_dq`` (its first 15 are tensors)."""
+    z = c.varlen
+    return (q, k, v, do, o, dq, M, delta, c.n_ptr, c.b_ptr, c.rng, c.cu_q, c.cu_k, dn_part, db_part,
+            *zhsd_strides(q, z), *zhsd_strides(k, z), *zhsd_strides(v, z), *zhsd_strides(do, z),
+            *zhsd_strides(o, z), *zhsd_strides(dq, z), *c.ms, c.hq, c.hq // c.hkv, c.sq, c.sk,
+            c.scale, c.dropout_p, *c.rng_strides)
+
+
+def _dkv_args(c: _BwdCall, q, k, v, do, dk, dv, M, delta, dqa=None, cstat=None, dnk=None,
+              dn_strides=(0, 0, 0)) -> tuple:
+    """Positional arguments of ``attn_bwd_kernel_dkv`` (its first 16 are tensors). The
+    single pass's ``dqa`` (atomic dq), ``cstat`` and ``dnk`` (dn partials) are M, a pointer
+    never dereferenced, and zero strides in the two-kernel backward."""
+    z = c.varlen
+    az = zhsd_strides(dqa, z) if dqa is not None else _NO_STRIDES4
+    return (q, k, v, do, dk, dv, M, delta, c.n_ptr, c.b_ptr, c.rng, c.cu_q, c.cu_k,
+            M if dqa is None else dqa, M if cstat is None else cstat, M if dnk is None else dnk,
+            *zhsd_strides(q, z), *zhsd_strides(k, z), *zhsd_strides(v, z), *zhsd_strides(do, z),
+            *zhsd_strides(dk, z), *zhsd_strides(dv, z), *c.ms, *az, *dn_strides, c.hkv, c.hq // c.hkv,
+            c.sq, c.sk, c.scale, c.dropout_p, *c.rng_strides)
+
+
+def _even_q(c: _BwdCall, cfg: BwdConfig) -> bool:
+    """Whole query blocks in the dK/dV kernel's unmasked loop: its loads drop their masks."""
+    return (not c.varlen) and c.sq % cfg.block_m_kv == 0 and c.d == c.block_d
+
+
+def _attention_bwd_two_kernels(c: _BwdCall, do, q, k, v, o, M, cfg: BwdConfig, *, dparams: bool,
+                               want_db: bool, tune: bool):
+    """dQ kernel (with the per-row dn/db partials), then the dK/dV kernel; every
+    gradient bit-identical run to run."""
+    dq = new_output_like(q)
+    dk = new_output_like(k)
+    dv = new_output_like(v)
+    delta = new_output_like(M)
+    stacked = None
+    if dparams and M.is_contiguous():
+        # one partial per query row (M's layout), written by the dQ kernel; dn and db
+        # partials share one buffer so a single fp64 reduction launch sums both
+        stacked = new_output((1 + want_db,) + tuple(M.shape), torch.float32, q.device)
+        dn_part = stacked[0]
+        db_part = stacked[1] if want_db else dn_part  # never written without DB
+    elif dparams:
+        dn_part = new_output_like(M)
+        db_part = new_output_like(M) if want_db else dn_part
+    else:
+        dn_part = db_part = M  # never written (DPARAMS is off)
+
+    # delta = rowsum(o * do): folded into the dQ kernel for softmax (one launch fewer);
+    # SSA keeps the separate pass (see ``fused_delta``)
+    fused = fused_delta(c.is_ssa)
+    if not fused:
+        _preprocess(c, o, do, delta, M)
+    dq_args = _dq_args(c, q, k, v, do, o, dq, M, delta, dn_part, db_part)
+    if tune:
+        kern = autotuned("dq", attn_bwd_kernel_dq, BWD_TUNE_DQ, ("BLOCK_M", "BLOCK_N"),
+                         ["HQ", "GROUP", "SEQ_Q", "SEQ_K", "HEAD_DIM", "TRANSFORM", "DPARAMS", "DB", "CAUSAL",
+                          "VARLEN", "HAS_DROPOUT"])
+        kern[lambda meta: (triton.cdiv(c.sq, meta["BLOCK_M"]), c.bz * c.hq)](
+            *dq_args, DPARAMS=dparams, DB=want_db, FUSED_DELTA=fused, **c.meta)
+    else:
+        launch(attn_bwd_kernel_dq, (cdiv(c.sq, cfg.block_m_dq), c.bz * c.hq), dq_args,
+               dict(BLOCK_M=cfg.block_m_dq, BLOCK_N=cfg.block_n_dq, DPARAMS=dparams, DB=want_db,
+                    FUSED_DELTA=fused,
+                    num_warps=cfg.warps_dq, num_stages=cfg.stages_dq, **c.meta), 15)
+    kv_args = _dkv_args(c, q, k, v, do, dk, dv, M, delta)
+    if tune:
+        kern = autotuned("dkv", attn_bwd_kernel_dkv, BWD_TUNE_KV, ("BLOCK_M", "BLOCK_N"),
+                         ["HKV", "GROUP", "SEQ_Q", "SEQ_K", "HEAD_DIM", "TRANSFORM", "CAUSAL", "VARLEN",
+                          "HAS_DROPOUT"])
+        kern[lambda meta: (triton.cdiv(c.sk, meta["BLOCK_N"]), c.bz * c.hkv)](*kv_args, **c.meta)
+    else:
+        launch(attn_bwd_kernel_dkv, (cdiv(c.sk, cfg.block_n_kv), c.bz * c.hkv), kv_args,
+               dict(BLOCK_M=cfg.block_m_kv, BLOCK_N=cfg.block_n_kv, EVEN_Q=_even_q(c, cfg),
+                    num_warps=cfg.warps_kv, num_stages=cfg.stages_kv, **c.meta), 16)
+    if stacked is not None:
+        # fixed-size buffer, fixed order, accumulated in float64 (sum's dtype= casts each
+        # element before accumulating, no fp64 copy): bit-identical run to run
+        both = stacked.sum(dim=tuple(range(1, stacked.dim())), dtype=torch.float64)
+        # two casts, not one cast + views: callers' custom ops (ELSA) return dn and db,
+        # and custom-op outputs must not alias each other
+        dn = both[0:1].to(torch.float32)
+        db = both[1:2].to(torch.float32) if want_db else None
+    elif dparams:
+        # fixed-size buffer, fixed order, float64: bit-identical run to run
+        dn = dn_part.to(torch.float64).sum().to(torch.float32).reshape(1)
+        db = db_part.to(torch.float64).sum().to(torch.float32).reshape(1) if want_db else None
+    else:
+        dn = db = None
+    return dq, dk, dv, dn, db
+
+
+# elements per program of attn_bwd_postprocess (dq cast; also the dn sum's block)
+_POST_BLOCK, _POST_BLOCK_INTERP = 4096, 1024
+
+
+def _pre_block_m(block_d: int) -> int:
+    """Rows per program of ``attn_bwd_preprocess``."""
+    return 16 if is_interpreter() else max(16, min(128, 8192 // block_d))
+
+
+def _attention_bwd_single(c: _BwdCall, do, q, k, v, o, M, cstat, cfg: BwdConfig):
+    """Single-pass backward (``attention_bwd(deterministic=False)``): one preprocess launch
+    (delta, and the fp32 dq accumulator zeroed), one dK/dV launch that also adds ``dq``
+    with atomics and (``cstat`` given) writes one float64 ``dn`` partial per key block, and
+    one tail launch (``attn_bwd_postprocess``: dq cast, dn sum) unless dq is fp32 and
+    there is no dn."""
+    dparams = cstat is not None
+    dqa = new_output_like(q, dtype=torch.float32)  # zeroed by the preprocess kernel
+    cast = q.dtype != torch.float32
+    dq = new_output_like(q) if cast else dqa  # same dense strides as dqa: a flat cast
+    dk = new_output_like(k)
+    dv = new_output_like(v)
+    delta = new_output_like(M)
+    if dparams:
+        if cstat.dtype != torch.float32 or cstat.shape != M.shape or cstat.stride() != M.stride():
+            raise ValueError(f"cstat must be fp32 with M's shape {tuple(M.shape)} and strides {M.stride()}, "
+                             f"got {cstat.dtype} {tuple(cstat.shape)} {cstat.stride()}")
+        # one float64 dn partial per key block ([B, Hkv, cdiv(Sk, BLOCK_N)], B = sequences
+        # when packed) and, after them, the fp32 total the postprocess kernel writes: one
+        # fp32 allocation (the partials are read through a float64 pointer), dn a view.
+        # Per block, not per key row: the postprocess kernel's single-program sum stays short
+        nblk = cdiv(c.sk, cfg.block_n_kv)
+        nk = c.bz * c.hkv * nblk
+        dnk = new_output((2 * nk + 1,), torch.float32, q.device)
+        ns = (c.hkv * nblk, nblk, 1)
+    else:
+        nk, dnk, ns = 0, None, (0, 0, 0)
+    _preprocess(c, o, do, delta, M, dqa=dqa)
+    kv_args = _dkv_args(c, q, k, v, do, dk, dv, M, delta, dqa=dqa, cstat=cstat, dnk=dnk, dn_strides=ns)
+    launch(attn_bwd_kernel_dkv, (cdiv(c.sk, cfg.block_n_kv), c.bz * c.hkv), kv_args,
+           dict(BLOCK_M=cfg.block_m_kv, BLOCK_N=cfg.block_n_kv, EVEN_Q=_even_q(c, cfg), ATOMIC_DQ=True,
+                DN_KV=dparams, num_warps=cfg.warps_kv, num_stages=cfg.stages_kv, **c.meta), 16)
+    if cast or dparams:
+        # dq's cast and dn's fixed-order float64 sum: one launch
+        numel = dqa.numel() if cast else 0
+        pb = _POST_BLOCK_INTERP if is_interpreter() else _POST_BLOCK
+        launch(attn_bwd_postprocess, (cdiv(numel, pb) + int(dparams),), (dqa, dq, dnk if dparams else M, numel, nk),
+               dict(BLOCK=pb, DN_BLOCK=pb, CAST=cast, DPARAMS=dparams, num_warps=4), 3)
+    return dq, dk, dv, (dnk[2 * nk:] if dparams else None), None

@@ -1,0 +1,150 @@
+"""Tile choice of the attention backward and which backward a call takes.
+
+* ``BwdConfig`` and the static tables ``BWD_CONFIGS`` (two-kernel backward) and
+  ``SINGLE_CONFIGS`` (single pass), keyed by the head-dim bucket ``d_bucket`` (the padded
+  ``BLOCK_D``, which the forward's table shares), causal and dtype kind; small tiles
+  under the interpreter; candidate lists for ``NEMO_SSA_AUTOTUNE=1``.
+* ``use_single_pass``: single-pass (atomic ``dq``) or two-kernel (deterministic)
+  backward, from ``NEMO_SSA_BWD`` and ``single_pass_pays``.
+* ``fused_delta``: whether the dQ kernel computes ``delta`` itself.
+The measurements behind the tables and choices are in docs/results.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, NamedTuple, Optional, Tuple
+
+import torch
+
+from nemo_ssa.ops.common import env
+from nemo_ssa.ops.common.env import BWD_MODES
+from nemo_ssa.ops.common.launch import is_interpreter, next_pow2
+from nemo_ssa.ops.common.transforms import TRANSFORM_SSA
+
+__all__ = [
+    "BwdConfig",
+    "BWD_CONFIGS",
+    "SINGLE_CONFIGS",
+    "INTERPRETER_BWD_CONFIG",
+    "BWD_TUNE_DQ",
+    "BWD_TUNE_KV",
+    "BWD_MODES",
+    "d_bucket",
+    "bwd_config",
+    "single_config",
+    "single_pass_pays",
+    "use_single_pass",
+    "fused_delta",
+]
+
+
+class BwdConfig(NamedTuple):
+    """Block sizes / launch params of the two backward kernels."""
+
+    block_m_dq: int
+    block_n_dq: int
+    warps_dq: int
+    stages_dq: int
+    block_m_kv: int
+    block_n_kv: int
+    warps_kv: int
+    stages_kv: int
+
+
+def d_bucket(head_dim: int) -> int:
+    """Config bucket = the padded ``BLOCK_D`` (16 shares 32's row)."""
+    return max(32, next_pow2(head_dim))
+
+
+# (BLOCK_D bucket, causal, "16bit" | "fp32") -> BwdConfig(dq: BM, BN, warps, stages,
+# dkv: BM, BN, warps, stages). 16-bit rows 32/64/128: the measured winners of
+# benchmarks/tune_tiles.py (bf16, causal SSA; results in docs/results). The D=32 row is
+# the best for both the model shape (B4 N4K) and N=16K. 256 and fp32 are still
+# compile-time estimates (largest tiles without spills; fp32 uses IEEE dots on FMA units,
+# hence small tiles). NEMO_SSA_AUTOTUNE=1 tunes instead.
+_BWD_16 = {32: BwdConfig(64, 32, 4, 2, 64, 64, 4, 2),
+           64: BwdConfig(64, 128, 4, 2, 64, 64, 4, 2),
+           128: BwdConfig(64, 64, 4, 2, 32, 64, 4, 2),
+           256: BwdConfig(32, 32, 4, 2, 32, 32, 8, 2)}    # estimate: regs 235 / 247
+_BWD_32 = {32: BwdConfig(32, 32, 4, 2, 32, 32, 8, 2),
+           64: BwdConfig(32, 32, 4, 2, 16, 16, 4, 2),
+           128: BwdConfig(32, 32, 8, 2, 16, 16, 4, 2),
+           256: BwdConfig(16, 16, 8, 2, 16, 16, 8, 2)}
+BWD_CONFIGS: Dict[Tuple[int, bool, str], BwdConfig] = {}
+for _causal in (False, True):
+    for _bd in (32, 64, 128, 256):
+        BWD_CONFIGS[(_bd, _causal, "16bit")] = _BWD_16[_bd]
+        BWD_CONFIGS[(_bd, _causal, "fp32")] = _BWD_32[_bd]
+INTERPRETER_BWD_CONFIG = BwdConfig(16, 16, 1, 1, 16, 16, 1, 1)
+
+# The single-pass backward's dK/dV(+dQ) kernel: (BLOCK_D bucket, "16bit" | "fp32") ->
+# (BLOCK_M, BLOCK_N, warps, stages); it carries the dq tile and (SSA) the dn sums on top
+# of the dK/dV kernel's registers, so it gets its own row (16-bit rows 32/64/128 measured
+# with benchmarks/tune_tiles.py bwd_single, results in docs/results; 256 and fp32: estimates).
+_SINGLE_16 = {32: (64, 64, 4, 2),
+              64: (64, 64, 4, 2),
+              128: (32, 128, 8, 2),
+              256: (32, 32, 8, 2)}    # estimate
+_SINGLE_32 = {32: (32, 32, 8, 2), 64: (16, 16, 4, 2), 128: (16, 16, 4, 2), 256: (16, 16, 8, 2)}
+SINGLE_CONFIGS: Dict[Tuple[int, str], Tuple[int, int, int, int]] = {}
+for _bd in (32, 64, 128, 256):
+    SINGLE_CONFIGS[(_bd, "16bit")] = _SINGLE_16[_bd]
+    SINGLE_CONFIGS[(_bd, "fp32")] = _SINGLE_32[_bd]
+
+# candidates when autotuning (GPU only; NEMO_SSA_AUTOTUNE=1)
+BWD_TUNE_DQ = [(bm, bn, w, s) for bm in (64, 128) for bn in (32, 64) for w in (4, 8) for s in (2, 3)]
+BWD_TUNE_KV = [(bm, bn, w, s) for bm in (16, 32, 64) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
+
+
+def bwd_config(head_dim: int, causal: bool, dtype: torch.dtype, interpret: Optional[bool] = None) -> BwdConfig:
+    """Look up the backward block sizes (small 16x16 blocks under the interpreter)."""
+    if interpret is None:
+        interpret = is_interpreter()
+    if interpret:
+        return INTERPRETER_BWD_CONFIG
+    kind = "fp32" if dtype == torch.float32 else "16bit"
+    return BWD_CONFIGS[(d_bucket(head_dim), bool(causal), kind)]
+
+
+def single_config(head_dim: int, dtype: torch.dtype, interpret: Optional[bool] = None) -> BwdConfig:
+    """Tiles of the single-pass backward (the dK/dV fields of a ``BwdConfig``; the dQ
+    fields are unused there)."""
+    if interpret is None:
+        interpret = is_interpreter()
+    if interpret:
+        return INTERPRETER_BWD_CONFIG
+    kind = "fp32" if dtype == torch.float32 else "16bit"
+    return BwdConfig(0, 0, 0, 0, *SINGLE_CONFIGS[(d_bucket(head_dim), kind)])
+
+
+def single_pass_pays(transform: str, head_dim: int) -> bool:
+    """Where the single-pass backward is the faster one (measured, bf16, causal; results
+    in docs/results): SSA at head dim <= 32, whose dQ kernel spends many instructions per
+    score recomputing what the dK/dV loop already has. Softmax's dQ loop is cheap and the
+    fp32 atomics (``D / BLOCK_N`` per score, per-thread ``red`` into L2) cost more than
+    it: single pass measured slower there; so did D >= 64 for both."""
+    return transform in ("ssa", TRANSFORM_SSA) and d_bucket(int(head_dim)) == 32
+
+
+def use_single_pass(transform: str, head_dim: int) -> bool:
+    """Which backward a call takes. ``NEMO_SSA_BWD`` = ``auto`` (default): the two-kernel
+    backward when ``torch.are_deterministic_algorithms_enabled()`` (e.g. Megatron's
+    ``deterministic_mode``), else the single pass where it is measured faster
+    (``single_pass_pays``); ``atomic``: the single pass always (the dK/dV kernel also adds
+    ``dq`` with fp32 atomics, FA2-style: ``dq`` is then not bit-identical run to run;
+    ``dk``, ``dv``, ``dn`` still are); ``deterministic``: the two-kernel backward always
+    (a dQ kernel recomputes ``p``; every gradient bit-identical run to run)."""
+    mode = env.bwd_mode()
+    if mode == "auto":
+        return (not torch.are_deterministic_algorithms_enabled()) and single_pass_pays(transform, head_dim)
+    return mode == "atomic"
+
+
+def fused_delta(is_ssa: bool) -> bool:
+    """Fold the delta pass into the dQ kernel? Softmax yes, SSA no: SSA's dQ kernel, with
+    the dn/db partials on top, measured slower with the extra o tile.
+    ``NEMO_SSA_FUSED_DELTA=0|1`` forces either for A/B runs."""
+    forced = env.fused_delta()
+    if forced is not None:
+        return forced
+    return not is_ssa

@@ -1,0 +1,114 @@
+"""Environment variables the ops read: debugging and A/B overrides, all in one table.
+
+Every variable is optional; unset (or empty) gives the default behaviour. They exist to
+check a kernel (poisoned outputs), to time one choice against another on a GPU, or to
+turn a fast path off when it is suspected of a bug -- not to configure training runs,
+which choose through function arguments.
+
+``ENV_VARS`` lists ``(name, default, meaning)``; each has one accessor below, and no other
+module in ``nemo_ssa.ops`` reads ``os.environ``. Accessors read the variable when called;
+the callers that turn one into a module constant (poison, fast launch) say so.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Tuple
+
+__all__ = [
+    "ENV_VARS",
+    "BWD_MODES",
+    "poison_outputs",
+    "fast_launch",
+    "autotune",
+    "bwd_mode",
+    "fused_delta",
+    "poly_log2",
+    "mlp_tiles",
+    "ce_compile",
+]
+
+BWD_MODES = ("auto", "atomic", "deterministic")
+
+#: (name, default, meaning) of every variable read under ``nemo_ssa.ops``.
+ENV_VARS: Tuple[Tuple[str, str, str], ...] = (
+    ("NEMO_SSA_POISON", "0",
+     "1: allocate every kernel output NaN-filled, so an element a kernel forgets to write "
+     "shows up as NaN (read once, when ops.common.alloc is imported)"),
+    ("NEMO_SSA_FAST_LAUNCH", "1",
+     "0: every Triton launch goes through JITFunction.run instead of the cached launcher "
+     "(read once, when ops.common.launch is imported)"),
+    ("NEMO_SSA_AUTOTUNE", "0",
+     "1: triton.autotune over candidate tiles instead of the static tables (GPU only)"),
+    ("NEMO_SSA_BWD", "auto",
+     "attention backward: auto (single pass where it pays, two kernels when torch is "
+     "deterministic), atomic (single pass always), deterministic (two kernels always)"),
+    ("NEMO_SSA_FUSED_DELTA", "",
+     "0 or 1: force the delta = rowsum(o * do) pass out of / into the dQ kernel "
+     "(default: fused for softmax, separate for SSA)"),
+    ("NEMO_SSA_POLY_LOG2", "0",
+     "1: split the SSA log2 between MUFU and a polynomial (forward and backward alike)"),
+    ("NEMO_SSA_MLP_TILES", "",
+     "fused MLP tiles, e.g. fwd=128x256x64/3/8,bwd=128x128x64/4/4 (default: DEFAULT_TILES)"),
+    ("NEMO_SSA_CE_COMPILE", "1",
+     "0: the chunked/fused cross entropy runs eagerly instead of under torch.compile on CUDA"),
+)
+
+
+def _get(name: str) -> str:
+    return os.environ.get(name, "")
+
+
+def _flag(name: str, default: bool) -> bool:
+    """Unset -> ``default``; ``""`` or ``"0"`` -> False; anything else -> True."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    return raw not in ("", "0")
+
+
+def poison_outputs() -> bool:
+    """``NEMO_SSA_POISON``: NaN-fill every kernel output."""
+    return _flag("NEMO_SSA_POISON", False)
+
+
+def fast_launch() -> bool:
+    """``NEMO_SSA_FAST_LAUNCH``: the cached launch path (on unless set to ``0`` or empty)."""
+    return _flag("NEMO_SSA_FAST_LAUNCH", True)
+
+
+def autotune() -> bool:
+    """``NEMO_SSA_AUTOTUNE``: autotune instead of the static tile tables."""
+    return _flag("NEMO_SSA_AUTOTUNE", False)
+
+
+def bwd_mode() -> str:
+    """``NEMO_SSA_BWD``: one of ``BWD_MODES`` (unset or empty: ``auto``)."""
+    mode = _get("NEMO_SSA_BWD") or "auto"
+    if mode not in BWD_MODES:
+        raise ValueError(f"NEMO_SSA_BWD={mode!r}; supported: {', '.join(BWD_MODES)}")
+    return mode
+
+
+def fused_delta() -> Optional[bool]:
+    """``NEMO_SSA_FUSED_DELTA``: True/False when set to ``1``/``0``, else None (the
+    default choice applies)."""
+    forced = _get("NEMO_SSA_FUSED_DELTA")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return None
+
+
+def poly_log2() -> bool:
+    """``NEMO_SSA_POLY_LOG2``: the MUFU + polynomial SSA ``log2``."""
+    return _flag("NEMO_SSA_POLY_LOG2", False)
+
+
+def mlp_tiles() -> str:
+    """``NEMO_SSA_MLP_TILES``: the raw tile spec (stripped; ``""`` = defaults)."""
+    return _get("NEMO_SSA_MLP_TILES").strip()
+
+
+def ce_compile() -> bool:
+    """``NEMO_SSA_CE_COMPILE``: torch.compile the cross entropy on CUDA (on by default)."""
+    return _flag("NEMO_SSA_CE_COMPILE", True)

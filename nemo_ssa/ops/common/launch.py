@@ -1,0 +1,268 @@
+"""Host-side launching of Triton kernels: interpreter check, cached launch, tiling ints.
+
+* ``is_interpreter``: THE check for Triton's CPU interpreter (``TRITON_INTERPRET=1``) in
+  ``nemo_ssa.ops``, decided when this module is imported.
+* ``launch``: ``kernel[grid](*args, **meta)`` with the compiled kernel cached per launch
+  key, skipping ``JITFunction.run``'s per-call host work; it relies on Triton driver
+  internals (``CompiledKernel.run``'s launcher) and falls back to the normal path
+  wherever those are missing, under the interpreter, with a launch hook (profilers) or
+  with ``NEMO_SSA_FAST_LAUNCH=0``.
+* ``autotuned`` / ``autotune_enabled``: the ``NEMO_SSA_AUTOTUNE=1`` alternative to the
+  static tile tables.
+* ``cdiv``, ``next_pow2``, stride and pointer helpers the attention launchers share.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Dict, Optional, Tuple
+
+import torch
+import triton
+
+from nemo_ssa.ops.common import env
+
+__all__ = [
+    "is_interpreter",
+    "launch",
+    "launch_key",
+    "FAST_LAUNCH",
+    "use_fast_math",
+    "default_input_precision",
+    "cdiv",
+    "next_pow2",
+    "autotune_enabled",
+    "autotuned",
+    "zhsd_strides",
+    "stat_strides",
+    "param_ptrs",
+]
+
+
+@triton.jit
+def _probe():
+    """Never launched: decorated only to see which ``JITFunction`` class Triton builds."""
+    pass
+
+
+# Evaluated once at import, as a plain bool: ``is_interpreter()`` runs in code that
+# torch.compile traces (validation in ``flash_attention``), and dynamo must never see a
+# Triton kernel object there (it fails with "TritonKernelVariable() has no type").
+_INTERPRETED: bool = type(_probe).__name__ == "InterpretedFunction"
+
+
+def is_interpreter() -> bool:
+    """True when the kernels in this process are built for ``TRITON_INTERPRET=1``.
+
+    Triton reads ``TRITON_INTERPRET`` when ``@triton.jit`` decorates a function, i.e. when
+    a kernel module is first imported; this answer is taken when this module is, so the
+    env var must be set before any ``nemo_ssa.ops`` kernel module is imported.
+    """
+    return _INTERPRETED
+
+
+# ----------------------------------------------------------------------------------------
+# Cached kernel launch: per-call host cost
+# ----------------------------------------------------------------------------------------
+
+# NEMO_SSA_FAST_LAUNCH=0 turns the cached launch off (every call goes through JITFunction.run)
+FAST_LAUNCH: bool = env.fast_launch()
+_LAUNCH_CACHE: dict = {}
+_LAUNCH_CACHE_MAX = 512
+_I32 = (-(2 ** 31), 2 ** 31 - 1)
+
+
+def _current_stream(device_index: int):
+    """The stream handle JITFunction.run would launch on."""
+    return triton.runtime.driver.active.get_current_stream(device_index)
+
+
+def _launch_hooks_active() -> bool:
+    """Triton launch hooks (e.g. proton / the profiler) need JITFunction.run's metadata."""
+    rt = triton.knobs.runtime
+    hooks = (rt.launch_enter_hook, rt.launch_exit_hook)
+    return any(h is not None and getattr(h, "calls", True) for h in hooks)
+
+
+def launch_key(kernel, device_index: int, args: tuple, meta: dict) -> tuple:
+    """Cache key of one launch, at least as fine as Triton's own specialization: every
+    tensor's dtype and 16-byte alignment of its pointer, every int's exact value (finer
+    than Triton's int32/int64 / ==1 / %16 classes, so a hit can never pick a kernel built
+    for other values), floats by type only (Triton never specializes them), ``None``, every
+    constexpr and launch option (``meta``), the kernel and the device."""
+    parts = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            parts.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif isinstance(a, bool):
+            parts.append(("b", a))
+        elif isinstance(a, int):
+            parts.append(a)
+        elif isinstance(a, float):
+            parts.append(float)
+        elif a is None:
+            parts.append(None)
+        else:
+            raise TypeError(f"launch_key: unsupported kernel argument type {type(a).__name__}")
+    return (id(kernel), device_index, tuple(parts), tuple(sorted(meta.items())))
+
+
+def _full_args(kernel, args: tuple, meta: dict):
+    """Positional values of every kernel parameter (constexprs included, in signature
+    order), as ``JITFunction.run`` hands them to ``CompiledKernel.run``; None if a
+    parameter has neither a value nor a default."""
+    names = kernel.arg_names
+    out = list(args)
+    for p in kernel.params[len(args):]:
+        if p.name in meta:
+            out.append(meta[p.name])
+        elif p.default is not inspect.Parameter.empty:
+            out.append(p.default)
+        else:
+            return None
+    return out if len(out) == len(names) else None
+
+
+def _check_split(args: tuple, ntensors: int) -> None:
+    """The contract of ``launch(..., ntensors=k)``: tensors first, then plain Python scalars."""
+    for i, a in enumerate(args):
+        is_t = isinstance(a, torch.Tensor)
+        if i < ntensors and not is_t:
+            raise TypeError(f"launch: argument {i} must be a tensor (ntensors={ntensors}), got {type(a).__name__}")
+        if i >= ntensors and (is_t or not (a is None or isinstance(a, (int, float)))):
+            raise TypeError(f"launch: argument {i} after the {ntensors} tensors must be an int, float, bool or "
+                            f"None, got {type(a).__name__}")
+
+
+def _cache_entry(compiled, kernel, args: tuple, meta: dict):
+    """``(callable, prefix, tail)`` for the hit path, or None when the compiled kernel does
+    not expose what a direct launch needs. ``callable(gx, gy, gz, stream, *prefix, *args,
+    *tail)`` launches: the driver's C launcher itself where the kernel needs no global or
+    profile scratch (what ``CudaLauncher.__call__`` would pass then: no scratch, the
+    cooperative-grid and PDL flags), else ``CompiledKernel.run``."""
+    full = _full_args(kernel, args, meta)
+    if full is None or getattr(compiled, "function", None) is None or not hasattr(compiled, "packed_metadata"):
+        return None
+    tail = tuple(full[len(args):])  # the constexpr/default tail depends only on meta (part of the key)
+    run = compiled.run
+    direct = getattr(run, "launch", None)
+    if (callable(direct) and getattr(run, "global_scratch_size", None) == 0
+            and getattr(run, "profile_scratch_size", None) == 0
+            and hasattr(run, "launch_cooperative_grid") and hasattr(run, "launch_pdl")):
+        pre = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+               compiled.packed_metadata, None, None, None)
+        return direct, pre, tail
+    return run, (compiled.function, compiled.packed_metadata, None, None, None), tail
+
+
+def launch(kernel, grid: tuple, args: tuple, meta: dict, ntensors: Optional[int] = None):
+    """``kernel[grid](*args, **meta)`` with the compiled kernel cached per launch key.
+
+    A hit skips ``JITFunction.run``'s binder, option parsing and cache-key hashing and
+    calls the launcher ``JITFunction.run`` itself ends with, with the same arguments. A
+    miss (or the interpreter, a launch hook such as the profiler's, ``FAST_LAUNCH`` off)
+    takes the normal path, which compiles if needed; its ``CompiledKernel`` is stored.
+
+    ``ntensors=k`` (every call site in this package): ``args[:k]`` are tensors and the rest
+    ints, floats, bools or None, each position keeping its Python type from call to call.
+    The key is then built in C loops (``launch_key``'s per-argument Python cost was most
+    of a launch's host time): each tensor's dtype and 16-byte alignment, the scalar tail
+    by value (floats too: a new ``scale`` is a new entry, never a wrong one), ``meta`` in
+    insertion order, kernel and device. The split
+    is checked on every normal-path call (the interpreter's CPU tests cover each call
+    site). ``ntensors=None``: ``launch_key`` (any argument order)."""
+    if _INTERPRETED or not FAST_LAUNCH or _launch_hooks_active():
+        if ntensors is not None:
+            _check_split(args, ntensors)
+        return kernel[grid](*args, **meta)
+    dev = torch.cuda.current_device()
+    if ntensors is None:
+        key = launch_key(kernel, dev, args, meta)
+    else:
+        try:
+            key = (id(kernel), dev, tuple(meta.items()),
+                   tuple([(t.dtype, not t.data_ptr() & 15) for t in args[:ntensors]]), args[ntensors:])
+        except AttributeError:
+            _check_split(args, ntensors)  # raises the TypeError that names the argument
+            raise
+    hit = _LAUNCH_CACHE.get(key)
+    if hit is None:
+        if ntensors is not None:
+            _check_split(args, ntensors)
+        compiled = kernel[grid](*args, **meta)
+        entry = _cache_entry(compiled, kernel, args, meta)
+        if entry is not None:
+            if len(_LAUNCH_CACHE) >= _LAUNCH_CACHE_MAX:
+                _LAUNCH_CACHE.clear()
+            _LAUNCH_CACHE[key] = entry + (compiled,)
+        return compiled
+    fn, pre, tail, compiled = hit
+    if len(grid) == 2:
+        fn(grid[0], grid[1], 1, _current_stream(dev), *pre, *args, *tail)
+    else:
+        g = tuple(grid) + (1, 1)
+        fn(g[0], g[1], g[2], _current_stream(dev), *pre, *args, *tail)
+    return compiled
+
+
+def use_fast_math(device: torch.device) -> bool:
+    """Default for ``fast_math`` (PTX ``lg2.approx``): CUDA (not ROCm), not interpreted."""
+    return (not is_interpreter()) and device.type == "cuda" and torch.version.hip is None
+
+
+def default_input_precision(dtype: torch.dtype) -> str:
+    """IEEE fp32 dots for fp32 inputs (exactness gates); irrelevant for 16-bit inputs."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def cdiv(a: int, b: int) -> int:
+    """``triton.cdiv`` for host code: Triton wraps it (and ``next_power_of_2``) as a
+    ``ConstexprFunction``, slow on the launch path; these are plain ints."""
+    return -(-a // b)
+
+
+def next_pow2(x: int) -> int:
+    """``triton.next_power_of_2`` for host code (see ``cdiv``)."""
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def autotune_enabled() -> bool:
+    """``NEMO_SSA_AUTOTUNE=1`` switches the GPU kernels to ``triton.autotune`` over the
+    candidate lists (the static tables are then ignored); never under the interpreter."""
+    return env.autotune() and not is_interpreter()
+
+
+_AUTOTUNED: Dict[str, object] = {}
+
+
+def autotuned(name: str, kernel, cands, block_names, key):
+    """Build (once) an autotuned wrapper of ``kernel`` over ``cands`` = (bm, bn, w, s)."""
+    if name not in _AUTOTUNED:
+        cfgs = [triton.Config({block_names[0]: bm, block_names[1]: bn}, num_warps=w, num_stages=s)
+                for bm, bn, w, s in cands]
+        _AUTOTUNED[name] = triton.autotune(configs=cfgs, key=key)(kernel)
+    return _AUTOTUNED[name]
+
+
+def zhsd_strides(t: torch.Tensor, varlen: bool) -> Tuple[int, int, int, int]:
+    """(batch, head, seq, dim) strides of ``[B, H, S, D]`` or packed ``[T, H, D]``."""
+    s = t.stride()
+    if varlen:
+        return 0, s[1], s[0], s[2]
+    return s
+
+
+def stat_strides(M: torch.Tensor, varlen: bool) -> Tuple[int, int, int]:
+    """(batch, head, row) strides of ``M`` ``[B, Hq, Sq]`` or packed ``[Hq, T_q]``."""
+    s = M.stride()
+    if varlen:
+        return 0, s[0], s[1]
+    return s
+
+
+def param_ptrs(n: Optional[torch.Tensor], b: Optional[torch.Tensor], dummy: torch.Tensor):
+    """Kernel pointers for ``n``, ``b`` (read in-kernel as fp32, no host op); ``dummy``
+    (never dereferenced) for softmax."""
+    if n is None or b is None:
+        return dummy, dummy
+    return n, b  # the launcher only reads data_ptr(): no detach (a host op per call)

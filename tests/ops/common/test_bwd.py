@@ -1,0 +1,57 @@
+"""ops/common/bwd.py: the two backward paths' shared argument builder fits the kernels.
+
+The numerics of ``attention_bwd`` are tested against references in tests/ops/test_ssa_flash.py
+and tests/ops/test_flash_single_pass.py; here, that each builder fills exactly the kernel's
+runtime parameters, tensors first, in both paths.
+"""
+
+import inspect
+
+import torch
+
+from nemo_ssa.ops.common import bwd
+from nemo_ssa.ops.common.bwd_kernels import attn_bwd_kernel_dkv, attn_bwd_kernel_dq
+
+
+def _runtime_params(kernel):
+    """Names of the non-constexpr parameters (JITFunction and InterpretedFunction both wrap ``fn``)."""
+    sig = inspect.signature(kernel.fn)
+    return [p.name for p in sig.parameters.values() if "constexpr" not in str(p.annotation)]
+
+
+def _call(varlen=False):
+    M = torch.zeros(2, 4, 8)
+    return bwd._BwdCall(varlen=varlen, is_ssa=True, bz=2, hq=4, hkv=2, sq=8, sk=8, d=16, block_d=16, scale=0.25,
+                        dropout_p=0.0, rng=M, rng_strides=(0, 0, 0), n_ptr=M, b_ptr=M, cu_q=M, cu_k=M,
+                        ms=M.stride(), meta={})
+
+
+def test_dq_args_fill_the_dq_kernel():
+    q = torch.zeros(2, 4, 8, 16)
+    k = torch.zeros(2, 2, 8, 16)
+    M = torch.zeros(2, 4, 8)
+    args = bwd._dq_args(_call(), q, k, k, q, q, q, M, M, M, M)
+    names = _runtime_params(attn_bwd_kernel_dq)
+    assert len(args) == len(names)
+    assert all(isinstance(a, torch.Tensor) for a in args[:15]) and names[14] == "DBP"
+    assert not any(isinstance(a, torch.Tensor) for a in args[15:])
+
+
+def test_dkv_args_fill_the_dkv_kernel_in_both_paths():
+    q = torch.zeros(2, 4, 8, 16)
+    k = torch.zeros(2, 2, 8, 16)
+    M = torch.zeros(2, 4, 8)
+    names = _runtime_params(attn_bwd_kernel_dkv)
+    two = bwd._dkv_args(_call(), q, k, k, q, k, k, M, M)
+    dqa, dnk = torch.zeros(2, 4, 8, 16), torch.zeros(9)
+    single = bwd._dkv_args(_call(), q, k, k, q, k, k, M, M, dqa=dqa, cstat=M, dnk=dnk, dn_strides=(4, 2, 1))
+    for args in (two, single):
+        assert len(args) == len(names)
+        assert all(isinstance(a, torch.Tensor) for a in args[:16]) and names[15] == "DNK"
+        assert not any(isinstance(a, torch.Tensor) for a in args[16:])
+    i_dqa, i_az = names.index("DQA"), names.index("s_az")
+    assert two[i_dqa] is M and two[i_az:i_az + 4] == (0, 0, 0, 0)
+    assert single[i_dqa] is dqa and single[i_az:i_az + 4] == dqa.stride()
+    i_ns = names.index("s_nz")
+    assert two[i_ns:i_ns + 3] == (0, 0, 0) and single[i_ns:i_ns + 3] == (4, 2, 1)
+    assert single[names.index("DNK")] is dnk and two[names.index("DNK")] is M
