@@ -624,8 +624,8 @@ def test_traced_host_code_touches_no_triton_kernel():
     import triton
 
     from nemo_ssa.ops.common import attn_bwd as ab
+    from nemo_ssa.ops.common import validate as va
     from nemo_ssa.ops.ssa import flash as fl
-    from nemo_ssa.ops.ssa import naive as nv
 
     def is_kernel(obj):
         return isinstance(obj, triton.runtime.jit.KernelInterface) or type(obj).__name__ in (
@@ -635,7 +635,8 @@ def test_traced_host_code_touches_no_triton_kernel():
               fl.ssa_attention_triton_varlen, fl.softmax_attention_triton_varlen, fl._validate_flash,
               fl._resolve, fl._fwd_setup_context, fl._fwd_backward, fl._flash_apply, fl._grads_from_bwd,
               ab.make_rng_state, ab.is_interpreter,
-              ab.use_fast_math, ab.default_input_precision, nv._check_scalar_param]
+              ab.use_fast_math, ab.default_input_precision, va.validate_attention_args, va.check_ssa_param,
+              va._check_device, va._check_cu_seqlens]
     for fn in traced:
         fn = getattr(fn, "__wrapped__", fn)
         for name in fn.__code__.co_names:
