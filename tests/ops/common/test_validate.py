@@ -10,6 +10,7 @@ all of them with the reference's result.
 """
 
 import math
+import os
 
 import pytest
 import torch
@@ -23,12 +24,14 @@ from nemo_ssa.ops.ssa.flex import ssa_attention_flex
 from nemo_ssa.ops.ssa.naive import attention_naive
 
 B, HQ, HKV, S, D = 1, 4, 2, 16, 16
+# the Triton ops run on CPU only under the interpreter; on a GPU machine every op gets CUDA inputs
+DEVICE = "cuda" if torch.cuda.is_available() and not os.environ.get("TRITON_INTERPRET") else "cpu"
 NSA_CFG = NSAConfig(block_len=4, stride=2, select_block=8, top_n=4, window=8, compress="mean")
 ALL_KW = ("transform", "causal", "softmax_scale", "dropout_p", "keep_mask")
 
 
 def _nsa(q, k, v, n, b, **kw):
-    gates = torch.zeros(B, HQ, S, 3, dtype=q.dtype if isinstance(q, torch.Tensor) else torch.float32)
+    gates = torch.zeros(B, HQ, S, 3, dtype=q.dtype if isinstance(q, torch.Tensor) else torch.float32, device=DEVICE)
     return nsa_attention(q, k, v, gates, NSA_CFG, n=n, b=b, impl="torch", **kw)
 
 
@@ -60,13 +63,20 @@ def _inputs(transform="ssa"):
     q = torch.randn(B, HQ, S, D, generator=g)
     k, v = torch.randn(B, HKV, S, D, generator=g), torch.randn(B, HKV, S, D, generator=g)
     n, b = (torch.tensor([1.3]), torch.tensor([0.7])) if transform == "ssa" else (None, None)
-    return dict(q=q, k=k, v=v, n=n, b=b)
+    return _to_device(dict(q=q, k=k, v=v, n=n, b=b))
+
+
+def _to_device(kw):
+    """The tables' tensors are built on the CPU at collection: move them to the device under
+    test (meta stays meta), so each case fails on the property it names, not on devices."""
+    return {key: (t.to(DEVICE) if isinstance(t, torch.Tensor) and t.device.type == "cpu" else t)
+            for key, t in kw.items()}
 
 
 def _call(op, case):
     """Run ``op`` on the base inputs with ``case``'s overrides; None when they do not apply."""
     fn, takes, transforms = OPS[op]
-    case = dict(case)
+    case = _to_device(case)
     transform = case.pop("transform", "ssa")
     args = _inputs("softmax" if transform == "softmax" else "ssa")
     for name in ("q", "k", "v", "n", "b"):
@@ -250,5 +260,5 @@ def test_varlen_refusals(case, exc, match):
               cu_seqlens_k=cu, max_seqlen_q=S, max_seqlen_k=S, transform="softmax")
     kw.update(case)
     with pytest.raises(exc, match=match) as info:
-        flash_attention_varlen(**kw)
+        flash_attention_varlen(**_to_device(kw))
     assert type(info.value) is exc
