@@ -451,8 +451,10 @@ class _FlashAttnFn(torch.autograd.Function):
     any of it; ``torch.compile`` does (fake impls, opaque op), so ``_flash_call`` takes
     this path only when ``torch.compiler.is_compiling()`` is False. Only ``o`` is an
     output (``M`` is saved, never returned), and ``set_materialize_grads(False)`` lets an
-    unused output skip the backward entirely. Same kernels, same arguments, same casts:
-    outputs and gradients are bitwise identical to the custom-op path (tested).
+    unused output skip the backward entirely. It is also what keeps ``out=`` free in
+    eager: the kernel writes the caller's buffer in place, where the functional custom op
+    can only copy its result into it. Same kernels, same arguments, same casts: outputs
+    and gradients are bitwise identical to the custom-op path (tested).
     """
 
     @staticmethod
