@@ -310,9 +310,9 @@ def main(argv=None) -> int:
             # layers of the Triton path, ssa forward: where does the host time go?
             scale = D ** -0.5
             layers = {
-                "validate": lambda: flash._validate_flash(q, k, v, transform="ssa", n=n, b=b, keep_mask=None,
-                                                          dropout_p=0.0, softmax_scale=None, varlen=False,
-                                                          input_precision=None),
+                "validate": lambda: flash._validate_flash(q, k, v, transform="ssa", n=n, b=b, causal=True,
+                                                          keep_mask=None, dropout_p=0.0, softmax_scale=None,
+                                                          varlen=False, input_precision=None),
                 "eager_function_fwd": lambda: flash._FlashAttnFn.apply(
                     q.detach(), k.detach(), v.detach(), n.detach(), b, None, None, None, None,
                     ("ssa", True, scale, 0.0, N, N, "tf32", True, False, False)),

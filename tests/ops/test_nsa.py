@@ -392,7 +392,7 @@ def test_layer_validation_errors():
         nsa_attention(q, k, v, gates, TINY, **kw, impl="cuda")
     with pytest.raises(ValueError, match="unknown NSA stage"):
         nsa_attention(q, k, v, gates, TINY, **kw, impl={"gates": "torch"})
-    with pytest.raises(ValueError, match="needs the SSA parameters"):
+    with pytest.raises(ValueError, match="needs `n`"):
         nsa_attention(q, k, v, gates, TINY, **kw, transform="ssa")
     with pytest.raises(ValueError, match="unknown transform"):
         nsa_attention(q, k, v, gates, TINY, **kw, transform="relu")

@@ -625,8 +625,8 @@ def test_traced_host_code_touches_no_triton_kernel():
     import triton
 
     from nemo_ssa.ops.common import device, launch
+    from nemo_ssa.ops.common import validate as va
     from nemo_ssa.ops.ssa import flash as fl
-    from nemo_ssa.ops.ssa import naive as nv
 
     def is_kernel(obj):
         return isinstance(obj, triton.runtime.jit.KernelInterface) or type(obj).__name__ in (
@@ -636,7 +636,8 @@ def test_traced_host_code_touches_no_triton_kernel():
               fl.ssa_attention_triton_varlen, fl.softmax_attention_triton_varlen, fl._validate_flash,
               fl._resolve, fl._fwd_setup_context, fl._fwd_backward, fl._flash_apply, fl._grads_from_bwd,
               device.make_rng_state, launch.is_interpreter,
-              launch.use_fast_math, launch.default_input_precision, nv._check_scalar_param]
+              launch.use_fast_math, launch.default_input_precision, va.validate_attention_args, va.check_ssa_param,
+              va._check_device, va._check_cu_seqlens]
     for fn in traced:
         fn = getattr(fn, "__wrapped__", fn)
         for name in fn.__code__.co_names:

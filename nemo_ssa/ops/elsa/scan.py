@@ -31,7 +31,8 @@ head dims 16..256 (padded to a power of two and masked). fp32 inputs use IEEE fp
 by default (``fp32_precision``).
 
 Differences from the reference (``nemo_ssa.ops.ssa.naive``): no ``keep_mask`` and no
-dropout (both rejected with ValueError); ``softmax_scale`` must be positive.
+dropout (both refused with ``UnsupportedError``, a ValueError; arguments are checked by
+``nemo_ssa.ops.common.validate`` against ``ELSA_CAPS``).
 
 Backward is exact recompute from ``M`` through the shared
 ``nemo_ssa.ops.common.bwd.attention_bwd`` (``backward.py``). The math, the merge,
@@ -50,6 +51,7 @@ import triton.language as tl
 
 from nemo_ssa.ops.common.launch import is_interpreter as kernels_interpreted
 from nemo_ssa.ops.common.transforms import score_fwd_hoisted, transform_consts, transform_id
+from nemo_ssa.ops.common.validate import Capabilities, validate_attention_args
 from nemo_ssa.ops.elsa.backward import elsa_bwd_op, fast_log2
 from nemo_ssa.ops.elsa.routing import ElsaPlan, block_d, make_plan, merge_tiles
 
@@ -509,42 +511,22 @@ _elsa_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 # ======================================================================================
 
 
+# no keep_mask and no dropout: the scan's partials carry neither
+ELSA_CAPS = Capabilities(name="ELSA", dtypes=SUPPORTED_DTYPES, head_dims=(MIN_HEAD_DIM, MAX_HEAD_DIM),
+                         dropout=False, keep_mask=False, triton=True, grid_limit=True)
+
+
 def _validate_elsa(q, k, v, *, transform, n, b, causal, softmax_scale, keep_mask, dropout_p,
                    num_partitions, fp32_precision) -> None:
-    """Reference checks (shapes, GQA, n/b) plus the ELSA support set; all before launch."""
-    from nemo_ssa.ops.ssa.naive import _validate
-
-    if keep_mask is not None:
-        raise ValueError("ELSA does not support keep_mask (only causal=True/False masking); "
-                         "use the reference or SDPA path for arbitrary masks")
-    if dropout_p:
-        raise ValueError(f"ELSA does not support attention dropout (dropout_p={dropout_p}); "
-                         "supported: dropout_p=0.0")
-    _validate(q, k, v, transform=transform, n=n, b=b, keep_mask=None, dropout_p=0.0,
-              softmax_scale=softmax_scale)
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"ELSA supports dtypes float16, bfloat16, float32; got {q.dtype}")
-    d = q.shape[-1]
-    if not (MIN_HEAD_DIM <= d <= MAX_HEAD_DIM):
-        raise ValueError(f"ELSA supports head dims {MIN_HEAD_DIM}..{MAX_HEAD_DIM} (any value, padded "
-                         f"to a power of two inside); got D={d}")
-    interp = kernels_interpreted()
-    if not ((q.device.type == "cuda" and not interp) or (q.device.type == "cpu" and interp)):
-        raise ValueError(f"ELSA kernels run on CUDA tensors, or on CPU when TRITON_INTERPRET=1 was set "
-                         f"before nemo_ssa.ops.elsa was imported (supported here: "
-                         f"{'cpu' if interp else 'cuda'}); got device {q.device}")
-    if softmax_scale is not None and not softmax_scale > 0:
-        raise ValueError(f"ELSA needs softmax_scale > 0 (or None for 1/sqrt(D)); got {softmax_scale}")
+    """The shared argument check with ELSA's capabilities, plus ELSA's own options."""
+    validate_attention_args(ELSA_CAPS, q, k, v, n, b, transform=transform, causal=causal,
+                            softmax_scale=softmax_scale, dropout_p=dropout_p, keep_mask=keep_mask,
+                            interpreted=kernels_interpreted())
     if fp32_precision not in FP32_PRECISIONS:
         raise ValueError(f"fp32_precision must be one of {FP32_PRECISIONS}, got {fp32_precision!r}")
     if num_partitions is not None and (isinstance(num_partitions, bool) or not isinstance(num_partitions, int)
                                        or num_partitions < 1):
         raise ValueError(f"num_partitions must be a positive int or None, got {num_partitions!r}")
-    if q.shape[0] * q.shape[1] > 65535:
-        raise ValueError(f"ELSA supports B * Hq <= 65535 (grid limit), got {q.shape[0] * q.shape[1]}")
-    for name, t in (("n", n), ("b", b)):
-        if t is not None and t.device != q.device:
-            raise ValueError(f"`{name}` must be on q's device {q.device}, got {t.device}")
 
 
 def elsa_attention(
@@ -574,7 +556,7 @@ def elsa_attention(
         softmax_scale: multiplies ``q @ k^T`` (> 0); default ``1 / sqrt(D)``.
         num_partitions: force the number of key partitions scanned in parallel (clamped
             to the number of key tiles); None = length-adaptive routing.
-        keep_mask, dropout_p: not supported (ValueError unless None / 0.0).
+        keep_mask, dropout_p: not supported (``UnsupportedError`` unless None / 0.0).
         fp32_precision: dot precision for float32 inputs: ``"ieee"`` (default, exact
             fp32), ``"tf32x3"`` or ``"tf32"``.
 

@@ -38,6 +38,7 @@ from typing import Dict, NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from nemo_ssa.ops.common.validate import Capabilities, validate_attention_args
 from nemo_ssa.ops.ssa.naive import ssa_transform
 
 __all__ = [
@@ -314,17 +315,17 @@ def masked_attention(q, k, v, keep, *, transform="softmax", n=None, b=None, soft
 
 
 # ------------------------------------------------------------------------- whole layer
+# the layer as a whole (the Triton stage launchers check their own dtype/head-dim limits);
+# always causal, no user mask, no dropout
+NSA_CAPS = Capabilities(name="nsa_attention", dropout=False, keep_mask=False)
+
+
 def _validate_layer(q, branch_kv, gate_logits, config, phi_k, phi_v, transform, n, b, softmax_scale=None) -> None:
     if not isinstance(config, NSAConfig):
         raise ValueError(f"config must be an NSAConfig, got {type(config).__name__}")
-    if not isinstance(q, torch.Tensor) or q.dim() != 4 or not q.is_floating_point():
-        raise ValueError(f"q must be a floating [B, Hq, N, D] tensor, got {getattr(q, 'shape', q)!r}")
+    validate_attention_args(NSA_CAPS, q, branch_kv["k"], branch_kv["v"], n, b, transform=transform, causal=True,
+                            softmax_scale=softmax_scale, dropout_p=0.0)
     bsz, hq, n_tok, d = q.shape
-    if min(bsz, hq, n_tok, d) < 1:
-        raise ValueError(f"empty input: q has shape {tuple(q.shape)}; B, Hq, N and D must be >= 1")
-    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
-                                      or not (math.isfinite(softmax_scale) and softmax_scale > 0)):
-        raise ValueError(f"softmax_scale must be a positive finite number or None, got {softmax_scale!r}")
     for name, t in branch_kv.items():
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a [B, Hkv, N, D] tensor")
@@ -335,27 +336,11 @@ def _validate_layer(q, branch_kv, gate_logits, config, phi_k, phi_v, transform, 
     hkv = branch_kv["k"].shape[1]
     if any(t.shape[1] != hkv for t in branch_kv.values()):
         raise ValueError("all branches' k/v must have the same number of kv heads")
-    if hkv == 0 or hq % hkv:
-        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
     if not isinstance(gate_logits, torch.Tensor) or tuple(gate_logits.shape) != (bsz, hq, n_tok, 3):
         raise ValueError(
             f"gate_logits must be [B, Hq, N, 3] = {[bsz, hq, n_tok, 3]} (branches {BRANCHES}), "
             f"got {tuple(getattr(gate_logits, 'shape', ()))}"
         )
-    if transform not in TRANSFORMS:
-        raise ValueError(f"unknown transform {transform!r}; supported: {TRANSFORMS}")
-    if transform == "ssa" and (n is None or b is None):
-        raise ValueError("transform='ssa' needs the SSA parameters n and b (tensors of shape [1])")
-    if transform == "ssa":
-        from nemo_ssa.ops.ssa.naive import _check_scalar_param
-
-        for name, t in (("n", n), ("b", b)):
-            _check_scalar_param(name, t, transform)
-            if t.device != q.device:
-                raise ValueError(f"`{name}` is on {t.device}, q on {q.device}; they must share a device")
-    elif n is not None or b is not None:
-        raise ValueError(f"transform={transform!r} takes no n/b: they are SSA parameters, supported only with "
-                         f"transform='ssa'")
     if gate_logits.device != q.device or not gate_logits.is_floating_point():
         raise ValueError(f"gate_logits must be a floating tensor on q's device {q.device}, got "
                          f"{gate_logits.dtype} on {gate_logits.device}")

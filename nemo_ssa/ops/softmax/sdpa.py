@@ -24,9 +24,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from nemo_ssa.ops.common.validate import Capabilities
 from nemo_ssa.ops.ssa.naive import _combined_mask, _validate
 
 __all__ = ["softmax_attention_sdpa"]
+
+SDPA_CAPS = Capabilities(name="softmax_attention_sdpa", transforms=("softmax",))
 
 
 def softmax_attention_sdpa(
@@ -57,8 +60,8 @@ def softmax_attention_sdpa(
     Returns:
         ``[B, Hq, Sq, D]`` in q's dtype; rows without a visible key are 0.
     """
-    _validate(q, k, v, transform="softmax", n=n, b=b, keep_mask=keep_mask,
-              dropout_p=dropout_p, softmax_scale=softmax_scale)
+    _validate(q, k, v, transform="softmax", n=n, b=b, causal=causal, keep_mask=keep_mask,
+              dropout_p=dropout_p, softmax_scale=softmax_scale, caps=SDPA_CAPS)
     hq, sq = q.shape[1], q.shape[2]
     hkv, sk = k.shape[1], k.shape[2]
     kw = dict(dropout_p=float(dropout_p), scale=softmax_scale)

@@ -84,7 +84,7 @@ from nemo_ssa.ops.common.transforms import (
     transform_consts,
     transform_id,
 )
-from nemo_ssa.ops.ssa.naive import TRANSFORMS, _check_scalar_param
+from nemo_ssa.ops.common.validate import Capabilities, validate_attention_args
 
 __all__ = [
     "flash_attention",
@@ -447,8 +447,10 @@ class _FlashAttnFn(torch.autograd.Function):
     any of it; ``torch.compile`` does (fake impls, opaque op), so ``_flash_call`` takes
     this path only when ``torch.compiler.is_compiling()`` is False. Only ``o`` is an
     output (``M`` is saved, never returned), and ``set_materialize_grads(False)`` lets an
-    unused output skip the backward entirely. Same kernels, same arguments, same casts:
-    outputs and gradients are bitwise identical to the custom-op path (tested).
+    unused output skip the backward entirely. It is also what keeps ``out=`` free in
+    eager: the kernel writes the caller's buffer in place, where the functional custom op
+    can only copy its result into it. Same kernels, same arguments, same casts: outputs
+    and gradients are bitwise identical to the custom-op path (tested).
     """
 
     @staticmethod
@@ -516,73 +518,19 @@ def _flash_apply(q, k, v, n, b, rng, cu_q, cu_k, transform, causal, scale, dropo
 # Validation and public functions
 # ----------------------------------------------------------------------------------------
 
-_DTYPE_NAMES = "float16, bfloat16, float32"
+_FLASH_SUPPORT = dict(dtypes=SUPPORTED_DTYPES, head_dims=(MIN_HEAD_DIM, MAX_HEAD_DIM), keep_mask=False,
+                      triton=True, grid_limit=True)
+FLASH_CAPS = Capabilities(name="flash_attention", **_FLASH_SUPPORT)
+FLASH_VARLEN_CAPS = Capabilities(name="flash_attention_varlen", varlen=True, **_FLASH_SUPPORT)
 
 
-def _validate_flash(q, k, v, *, transform, n, b, keep_mask, dropout_p, softmax_scale, varlen,
-                    input_precision) -> None:
-    if keep_mask is not None:
-        raise ValueError(
-            "keep_mask is not supported by the fused Triton kernel (supported masks: causal "
-            "or none); use attention_naive / softmax_attention_sdpa for arbitrary masks")
-    nd = 3 if varlen else 4
-    layout = "[T, H, D] (packed)" if varlen else "[B, H, S, D]"
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != nd:
-            raise ValueError(f"`{name}` must be {nd}-D {layout}, got shape {tuple(t.shape)}")
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"`{name}` has dtype {t.dtype}; supported dtypes: {_DTYPE_NAMES}")
-    if q.dtype != k.dtype or q.dtype != v.dtype:
-        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.device != k.device or q.device != v.device:
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    dev = q.device
-    if dev.type == "cuda":
-        if is_interpreter():
-            raise ValueError("the Triton kernels were built for TRITON_INTERPRET=1; supported "
-                             "devices in this process: cpu")
-    elif dev.type == "cpu":
-        if not is_interpreter():
-            raise ValueError("CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 "
-                             "before importing nemo_ssa.ops; supported devices: cuda (or cpu "
-                             "under the interpreter)")
-    else:
-        raise ValueError(f"device {dev} unsupported; supported devices: cuda (or cpu under TRITON_INTERPRET=1)")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    d, dk_ = q.shape[-1], k.shape[-1]
-    if d != dk_:
-        raise ValueError(f"head-dim mismatch: q has D={d}, k/v have D={dk_}")
-    if not (MIN_HEAD_DIM <= d <= MAX_HEAD_DIM):
-        raise ValueError(f"head dim D={d} unsupported; supported head dims: {MIN_HEAD_DIM} <= D <= {MAX_HEAD_DIM}")
-    hq, hkv = (q.shape[1], k.shape[1])
-    if hkv == 0 or hq % hkv != 0:
-        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv}) for GQA")
-    if not varlen:
-        if q.shape[0] != k.shape[0]:
-            raise ValueError(f"batch mismatch: q has B={q.shape[0]}, k/v have B={k.shape[0]}; they must match")
-        if q.shape[2] == 0 or k.shape[2] == 0 or q.shape[0] == 0:
-            raise ValueError(f"empty batch or sequence: q {tuple(q.shape)}, k {tuple(k.shape)}; B, Sq and Sk must be >= 1")
-        if q.shape[0] * hq > 65535:
-            raise ValueError(f"B * Hq = {q.shape[0] * hq} exceeds the grid limit; supported: B * Hq <= 65535")
-    if transform not in TRANSFORMS:
-        raise ValueError(f"unknown transform {transform!r}; supported: {TRANSFORMS}")
-    if transform == "ssa":
-        _check_scalar_param("n", n, transform)
-        _check_scalar_param("b", b, transform)
-        for name, t in (("n", n), ("b", b)):
-            if t.device != dev:
-                raise ValueError(f"`{name}` is on {t.device}, q on {dev}; they must share a device")
-    elif n is not None or b is not None:
-        raise ValueError(f"transform={transform!r} takes no `n`/`b`: they are SSA parameters, supported only "
-                         f"with transform='ssa'")
-    if not isinstance(dropout_p, (int, float)) or not (0.0 <= float(dropout_p) < 1.0):
-        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p}")
-    if softmax_scale is not None:
-        if not isinstance(softmax_scale, (int, float)) or not (softmax_scale > 0 and math.isfinite(softmax_scale)):
-            raise ValueError(f"softmax_scale must be a positive finite Python number or None, got {softmax_scale!r}")
+def _validate_flash(q, k, v, *, transform, n, b, causal, keep_mask, dropout_p, softmax_scale, varlen,
+                    input_precision, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                    max_seqlen_k=None) -> None:
+    validate_attention_args(FLASH_VARLEN_CAPS if varlen else FLASH_CAPS, q, k, v, n, b, transform=transform,
+                            causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p, keep_mask=keep_mask,
+                            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                            max_seqlen_k=max_seqlen_k, interpreted=is_interpreter())
     if input_precision not in (None, "ieee", "tf32", "tf32x3"):
         raise ValueError(f"input_precision {input_precision!r}; supported: None, 'ieee', 'tf32', 'tf32x3'")
 
@@ -676,11 +624,14 @@ def flash_attention(
         given); rows without a visible key are 0 with zero gradients.
 
     Raises:
-        ValueError: unsupported dtype (supported: fp16, bf16, fp32), head dim (16..256),
-            device, shapes, GQA ratio, ``keep_mask``, or parameters.
+        ValueError (``ops.common.validate``): ``UnsupportedError`` for what this kernel
+            lacks (dtype other than fp16 / bf16 / fp32, head dim outside 16..256, device,
+            ``keep_mask``), ``ArgumentTypeError`` for wrong argument types, ValueError for
+            malformed shapes, GQA ratio or parameters.
     """
-    _validate_flash(q, k, v, transform=transform, n=n, b=b, keep_mask=keep_mask, dropout_p=dropout_p,
-                    softmax_scale=softmax_scale, varlen=False, input_precision=input_precision)
+    _validate_flash(q, k, v, transform=transform, n=n, b=b, causal=causal, keep_mask=keep_mask,
+                    dropout_p=dropout_p, softmax_scale=softmax_scale, varlen=False,
+                    input_precision=input_precision)
     if out is not None:
         _check_out(out, q)
     return _flash_call(q, k, v, n, b, None, None, q.shape[2], k.shape[2], transform=transform, causal=causal,
@@ -698,8 +649,9 @@ def flash_attention_fwd(
     """Forward only, no autograd: returns ``(o, M)`` with ``M`` fp32 ``[B, Hq, Sq]``
     (``m2 + log2 l``, ``+inf`` for rows without a visible key) -- the statistic
     ``ops.common.bwd.attention_bwd`` consumes. ``rng_state`` from ``make_rng_state``."""
-    _validate_flash(q, k, v, transform=transform, n=n, b=b, keep_mask=None, dropout_p=dropout_p,
-                    softmax_scale=softmax_scale, varlen=False, input_precision=input_precision)
+    _validate_flash(q, k, v, transform=transform, n=n, b=b, causal=causal, keep_mask=None,
+                    dropout_p=dropout_p, softmax_scale=softmax_scale, varlen=False,
+                    input_precision=input_precision)
     scale, prec, fast = _resolve(q, q.shape[-1], softmax_scale, input_precision, fast_math)
     if dropout_p > 0.0 and rng_state is None:
         raise ValueError("dropout_p > 0 needs rng_state (make_rng_state)")
@@ -744,19 +696,10 @@ def flash_attention_varlen(
     Returns:
         ``[T_q, Hq, D]``.
     """
-    _validate_flash(q, k, v, transform=transform, n=n, b=b, keep_mask=keep_mask, dropout_p=dropout_p,
-                    softmax_scale=softmax_scale, varlen=True, input_precision=input_precision)
-    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"`{name}` must be a 1-D int32/int64 tensor")
-        if cu.device != q.device:
-            raise ValueError(f"`{name}` is on {cu.device}, q on {q.device}; they must share a device")
-    if cu_seqlens_q.numel() != cu_seqlens_k.numel() or cu_seqlens_q.numel() < 2:
-        raise ValueError("cu_seqlens_q and cu_seqlens_k must both have num_seqs + 1 >= 2 entries")
-    if (cu_seqlens_q.numel() - 1) * q.shape[1] > 65535:
-        raise ValueError("num_seqs * Hq exceeds the grid limit 65535")
-    if int(max_seqlen_q) <= 0 or int(max_seqlen_k) <= 0:
-        raise ValueError("max_seqlen_q / max_seqlen_k must be positive ints")
+    _validate_flash(q, k, v, transform=transform, n=n, b=b, causal=causal, keep_mask=keep_mask,
+                    dropout_p=dropout_p, softmax_scale=softmax_scale, varlen=True,
+                    input_precision=input_precision, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     return _flash_call(q, k, v, n, b, cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32),
                        int(max_seqlen_q), int(max_seqlen_k), transform=transform, causal=causal,
                        softmax_scale=softmax_scale, dropout_p=dropout_p, dropout_seed=dropout_seed,

@@ -104,6 +104,7 @@ import torch
 from torch.nn.attention import flex_attention as _fa
 from torch.nn.attention.flex_attention import and_masks, create_block_mask, create_mask, flex_attention
 
+from nemo_ssa.ops.common.validate import Capabilities
 from nemo_ssa.ops.ssa.naive import _validate
 
 try:  # triton (and the shared transform helpers) are needed only for dn_mode="triton"
@@ -131,6 +132,8 @@ logger = logging.getLogger(__name__)
 
 DN_MODES = ("auto", "triton", "flex", "chunked", "capture", "capture_rows")
 BACKENDS = ("auto", "triton", "flash", "triton_decode")  # names torch knows (any version)
+# FlexAttention has no dropout; masks of any kind are the point of this path
+FLEX_CAPS = Capabilities(name="ssa_flex", transforms=("ssa",), dropout=False)
 _INJECT_MODES = ("triton", "flex", "chunked")  # dn/db added by _SSAParamGrad
 _HAS_AUX = hasattr(_fa, "AuxRequest")  # return_aux API (return_lse is deprecated there)
 
@@ -851,15 +854,8 @@ def ssa_attention_flex(
     Returns:
         ``[B, Hq, Sq, D]`` in q's dtype; rows without a visible key are 0.
     """
-    _validate(q, k, v, transform="ssa", n=n, b=b, keep_mask=keep_mask, dropout_p=dropout_p,
-              softmax_scale=softmax_scale)
-    if float(dropout_p) != 0.0:
-        raise ValueError("ssa_flex has no dropout (FlexAttention has none); use dropout_p=0 or "
-                         "attention=ssa_reference")
-    if q.shape[0] == 0:
-        raise ValueError(f"empty batch: q {tuple(q.shape)}; ssa_flex needs B >= 1")
-    if softmax_scale is not None and not float(softmax_scale) > 0.0:
-        raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
+    _validate(q, k, v, transform="ssa", n=n, b=b, causal=causal, keep_mask=keep_mask, dropout_p=dropout_p,
+              softmax_scale=softmax_scale, caps=FLEX_CAPS)
     if mask_mod is not None and not callable(mask_mod):
         raise ValueError(f"mask_mod must be callable (b, h, q_idx, kv_idx) -> bool, got {type(mask_mod).__name__}")
     kernel_options = _kernel_options(backend)

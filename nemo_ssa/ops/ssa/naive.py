@@ -31,6 +31,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from nemo_ssa.ops.common.validate import TRANSFORMS, Capabilities, validate_attention_args
+
 __all__ = [
     "ssa_transform",
     "visibility_mask",
@@ -39,9 +41,6 @@ __all__ = [
     "softmax_attention_naive",
     "TRANSFORMS",
 ]
-
-TRANSFORMS = ("ssa", "softmax")
-
 
 def ssa_transform(s: torch.Tensor, n: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """SSA score transform ``z = n * sgn(s) * log1p(b * |s|)`` (elementwise).
@@ -73,77 +72,15 @@ def visibility_mask(sq: int, sk: int, causal: bool, device=None) -> Optional[tor
     return torch.ones(sq, sk, dtype=torch.bool, device=device).tril(diagonal=sk - sq)
 
 
-def _check_scalar_param(name: str, t, transform: str) -> None:
-    if t is None:
-        raise ValueError(f"transform='ssa' needs `{name}` (a tensor of shape [1] or 0-d)")
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(
-            f"`{name}` must be a torch.Tensor (shape [1] or 0-d) so it stays in the autograd "
-            f"graph; got {type(t).__name__}"
-        )
-    if t.numel() != 1 or t.dim() > 1:
-        raise ValueError(f"`{name}` must have shape [1] or be 0-d, got {tuple(t.shape)}")
-    if not t.is_floating_point():
-        raise ValueError(f"`{name}` must be a floating tensor, got {t.dtype}")
+# plain torch: any float dtype, any device (meta included), every option
+REFERENCE_CAPS = Capabilities(name="attention_naive")
 
 
-def _validate(q, k, v, *, transform, n, b, keep_mask, dropout_p, softmax_scale) -> None:
-    """Shape/dtype checks shared by the reference and the SDPA path."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"`{name}` must be 4-D [B, H, S, D], got shape {tuple(t.shape)}")
-        if not t.is_floating_point():
-            raise ValueError(f"`{name}` must be floating point, got {t.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    bq, hq, sq, d = q.shape
-    bk, hkv, sk, dk = k.shape
-    if bq != bk:
-        raise ValueError(f"batch mismatch: q has B={bq}, k/v have B={bk}; q, k, v must share the batch size")
-    if d != dk:
-        raise ValueError(f"head-dim mismatch: q has D={d}, k/v have D={dk}; q, k, v must share the head dim")
-    if hkv == 0 or hq % hkv != 0:
-        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv}) for GQA")
-    if sq == 0 or sk == 0 or d == 0:
-        raise ValueError(f"empty sequence or head dim: q {tuple(q.shape)}, k {tuple(k.shape)}; Sq, Sk and D "
-                         f"must be >= 1")
-    if q.dtype != k.dtype or q.dtype != v.dtype:
-        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.device != k.device or q.device != v.device:
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if transform not in TRANSFORMS:
-        raise ValueError(f"unknown transform {transform!r}; expected one of {TRANSFORMS}")
-    if transform == "ssa":
-        _check_scalar_param("n", n, transform)
-        _check_scalar_param("b", b, transform)
-        for name, t in (("n", n), ("b", b)):
-            if t.device != q.device and not (t.dim() == 0 and t.device.type == "cpu"):
-                raise ValueError(f"`{name}` is on {t.device}, q on {q.device}; they must share a device "
-                                 f"(or be a 0-d CPU tensor)")
-    elif n is not None or b is not None:
-        raise ValueError(f"transform={transform!r} takes no `n`/`b`: they are SSA parameters, supported only "
-                         f"with transform='ssa'")
-    if not (0.0 <= float(dropout_p) < 1.0):
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
-                                      or not (math.isfinite(softmax_scale) and softmax_scale > 0)):
-        raise ValueError(f"softmax_scale must be > 0 and finite, or None (supported: a Python number, "
-                         f"softmax_scale > 0); got {softmax_scale!r}")
-    if keep_mask is not None:
-        if not isinstance(keep_mask, torch.Tensor) or keep_mask.dtype != torch.bool:
-            raise ValueError("keep_mask must be a bool tensor (True = may attend)")
-        target = (bq, hq, sq, sk)
-        try:
-            bshape = torch.broadcast_shapes(keep_mask.shape, target)
-        except RuntimeError:
-            bshape = None
-        if bshape != torch.Size(target):
-            raise ValueError(
-                f"keep_mask of shape {tuple(keep_mask.shape)} is not broadcastable to "
-                f"[B, Hq, Sq, Sk] = {list(target)}; it must broadcast to that shape"
-            )
+def _validate(q, k, v, *, transform, n, b, causal, keep_mask, dropout_p, softmax_scale,
+              caps: Capabilities = REFERENCE_CAPS) -> None:
+    """The shared argument check (``ops.common.validate``) with the reference's capabilities."""
+    validate_attention_args(caps, q, k, v, n, b, transform=transform, causal=causal,
+                            softmax_scale=softmax_scale, dropout_p=dropout_p, keep_mask=keep_mask)
 
 
 def _combined_mask(causal, keep_mask, sq, sk, device) -> Optional[torch.Tensor]:
@@ -191,7 +128,7 @@ def attention_naive(
     Returns:
         ``[B, Hq, Sq, D]`` in q's dtype. Rows without a visible key are exactly 0.
     """
-    _validate(q, k, v, transform=transform, n=n, b=b, keep_mask=keep_mask,
+    _validate(q, k, v, transform=transform, n=n, b=b, causal=causal, keep_mask=keep_mask,
               dropout_p=dropout_p, softmax_scale=softmax_scale)
     out_dtype = q.dtype
     bsz, hq, sq, d = q.shape
