@@ -212,12 +212,33 @@ def test_unknown_messages_name_the_culprit():
         resolve_attention("ssa", policy="loose")
 
 
-def test_write_round_trips(tmp_path, policy_log):
+def test_write_round_trips(tmp_path, policy_log, monkeypatch):
+    from nemo_ssa.ops.common.env import ENV_VARS
+
+    for name, _, _ in ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
     r = resolve_attention("ssa", {"n": 3.0})
     path = r.write(str(tmp_path / "run" / "nested"))
     with open(path) as f:
         loaded = json.load(f)
     assert loaded == {"requested": "ssa", "name": "ssa_triton", "family": "ssa",
-                      "policy": "pinned", "options": PINNED_OPTIONS, "warnings": r.warnings}
+                      "policy": "pinned", "options": PINNED_OPTIONS, "warnings": r.warnings,
+                      "env_overrides": {}}
     assert len(loaded["warnings"]) == 1
     assert ResolvedAttention(**loaded) == r
+
+
+def test_record_has_the_deterministic_option_and_every_kernel_override(tmp_path, monkeypatch):
+    """Kernel choices that change results or determinism are in attention_policy.json: the
+    run-config option, and any debugging variable that was set."""
+    from nemo_ssa.ops.common.env import ENV_VARS
+
+    for name, _, _ in ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NEMO_SSA_BWD", "atomic")
+    monkeypatch.setenv("NEMO_SSA_UNRELATED", "1")  # not an ops variable: not recorded
+    r = resolve_attention("ssa_triton", {"deterministic": True})
+    with open(r.write(str(tmp_path))) as f:
+        loaded = json.load(f)
+    assert loaded["options"]["deterministic"] is True
+    assert loaded["env_overrides"] == {"NEMO_SSA_BWD": "atomic"}

@@ -52,6 +52,10 @@ _TRITON_HEAD_DIMS = (16, 256)
 _FUSED_ROPE = {"fused_rope_layout": None}
 # None = length-adaptive routing; >= 2 forces the two-pass path
 _ELSA = {"num_partitions": None}
+# a kernel choice that changes determinism, so a run-config field (recorded in
+# attention_policy.json): True = every gradient bit-identical run to run (the two-kernel
+# backward); None = megatron's deterministic_mode decides (the core attention passes it)
+_DETERMINISTIC = {"deterministic": None}
 _NSA = {k: None for k in NSA_OPTION_KEYS}
 
 
@@ -116,12 +120,13 @@ ATTENTIONS: Dict[str, AttentionInfo] = {
                       op_key=("ssa", "reference"), module=f"{_CORE}:SSAReferenceCoreAttention"),
         AttentionInfo("softmax_triton", "softmax", "stable",
                       "fused Triton softmax: the SSA kernel with the identity transform",
-                      kernel_options=_FUSED_ROPE, op_key=("softmax", "triton"),
+                      kernel_options={**_FUSED_ROPE, **_DETERMINISTIC}, op_key=("softmax", "triton"),
                       varlen_op_key=("softmax", "triton_varlen"), module=f"{_CORE}:SoftmaxTritonCoreAttention",
                       head_dims=_TRITON_HEAD_DIMS),
         AttentionInfo("ssa_triton", "ssa", "stable",
                       "fused Triton SSA, stable design (tutorial-06 structure, split backward)",
-                      kernel_options=_FUSED_ROPE, op_key=("ssa", "triton"), varlen_op_key=("ssa", "triton_varlen"),
+                      kernel_options={**_FUSED_ROPE, **_DETERMINISTIC}, op_key=("ssa", "triton"),
+                      varlen_op_key=("ssa", "triton_varlen"),
                       module=f"{_CORE}:SSATritonCoreAttention", head_dims=_TRITON_HEAD_DIMS),
         AttentionInfo("ssa_flex", "ssa", "stable",
                       "SSA through FlexAttention (any mask; dn in a separate deterministic pass)",
@@ -135,10 +140,10 @@ ATTENTIONS: Dict[str, AttentionInfo] = {
                       kernel_options=_NSA, op_key=("nsa", "staged"), module=_NSA_MODULE),
         AttentionInfo("elsa", "elsa", "experimental",
                       "exact attention as a two-pass scan over key partitions, softmax",
-                      kernel_options=_ELSA, op_key=("softmax", "elsa"), module=f"{_CORE}:ElsaCoreAttention",
+                      kernel_options={**_ELSA, **_DETERMINISTIC}, op_key=("softmax", "elsa"), module=f"{_CORE}:ElsaCoreAttention",
                       head_dims=_TRITON_HEAD_DIMS),
         AttentionInfo("elsa_ssa", "ssa", "experimental", "the same two-pass scan with the SSA transform",
-                      kernel_options=_ELSA, op_key=("ssa", "elsa"), module=f"{_CORE}:ElsaSSACoreAttention",
+                      kernel_options={**_ELSA, **_DETERMINISTIC}, op_key=("ssa", "elsa"), module=f"{_CORE}:ElsaSSACoreAttention",
                       head_dims=_TRITON_HEAD_DIMS),
     ]
 }

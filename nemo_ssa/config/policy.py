@@ -70,16 +70,29 @@ class ResolvedAttention:
     policy: str
     options: Dict[str, Any]
     warnings: List[str] = field(default_factory=list)
+    #: the ops' debugging variables set when the record was written (``write``)
+    env_overrides: Dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
 
     def write(self, run_dir: str, filename: str = "attention_policy.json") -> str:
+        """The resolved attention and its options, plus ``env_overrides``: every kernel
+        debugging variable (``nemo_ssa.ops.common.env.ENV_VARS``) set in this process, so a
+        run whose kernels an override changed says so in its record."""
         os.makedirs(run_dir, exist_ok=True)
         path = os.path.join(run_dir, filename)
         with open(path, "w") as f:
+            self.env_overrides = active_env_overrides()
             json.dump(self.to_dict(), f, indent=2, sort_keys=True)
         return path
+
+
+def active_env_overrides() -> Dict[str, str]:
+    """``{name: value}`` of the ops' debugging variables set in this process."""
+    from nemo_ssa.ops.common.env import ENV_VARS
+
+    return {name: os.environ[name] for name, _, _ in ENV_VARS if name in os.environ}
 
 
 def known_names() -> List[str]:

@@ -113,6 +113,9 @@ class _TransformedSoftmaxAttention(MegatronModule):
     #: RoPE + layout fused into one Triton pass (nemo_ssa/ops/rope), driven by
     #: ``FusedRopeSelfAttention`` (nemo_ssa/megatron/self_attention.py); the fused GPU kernels
     supports_fused_rope_layout: bool = False
+    #: takes ``deterministic=`` (its table row offers the option); unset, from megatron's
+    #: ``deterministic_mode``
+    supports_deterministic: bool = False
     #: ``fused_rope_layout=None`` turns it on only where a CUDA device exists (softmax: on CPU
     #: the CPU loop keeps megatron's RoPE, so its golden curves stay bit-for-bit)
     fused_rope_layout_needs_cuda: bool = False
@@ -140,6 +143,10 @@ class _TransformedSoftmaxAttention(MegatronModule):
         super().__init__(config=config)
         name = self.attention_name
         self.kernel_options = dict(kernel_options or {})
+        if self.supports_deterministic and self.kernel_options.get("deterministic") is None:
+            # the attention option unset: megatron's deterministic mode decides (what
+            # TransformerConfig.deterministic_mode asks of every kernel)
+            self.kernel_options["deterministic"] = bool(getattr(config, "deterministic_mode", False))
         if attention_type != "self":
             raise NotImplementedError(
                 f"attention={name}: attention_type={attention_type!r} is not supported "
@@ -580,6 +587,7 @@ def _bind_attention_table() -> None:
         cls.varlen_op_key = tuple(info.varlen_op_key)
         cls.supported_head_dims = info.head_dims
         cls.supports_fused_rope_layout = "fused_rope_layout" in info.kernel_options
+        cls.supports_deterministic = "deterministic" in info.kernel_options
 
 
 _bind_attention_table()

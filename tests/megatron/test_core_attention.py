@@ -314,3 +314,34 @@ def test_sharded_state_dict(megatron_cpu):
         assert isinstance(st, ShardedTensor) and st.key == prefix + name
         torch.testing.assert_close(st.data, getattr(ssa, name))
     assert build(SoftmaxCoreAttention).sharded_state_dict(prefix=prefix) == {}
+
+
+# ----------------------------------------------------------------------------- determinism
+@pytest.mark.parametrize("name", ["ssa_triton", "softmax_triton", "elsa", "elsa_ssa"])
+def test_deterministic_follows_megatrons_deterministic_mode_unless_set(name, monkeypatch):
+    """The attention option ``deterministic`` unset: the op gets megatron's
+    ``deterministic_mode``; set, it wins. The op receives it as ``deterministic=``."""
+    from nemo_ssa.megatron.spec import CORE_ATTENTIONS
+
+    cls = CORE_ATTENTIONS[name]
+    assert cls.supports_deterministic
+    with cpu_device_shims():
+        for mode, option, want in ((False, None, False), (True, None, True), (False, True, True),
+                                   (True, False, False)):
+            opts = {} if option is None else {"deterministic": option}
+            layer = build(cls, config=make_config(deterministic_mode=mode), kernel_options=opts,
+                          attention_dropout=0.0)
+            assert layer.kernel_options["deterministic"] is want, (mode, option)
+    got = {}
+    layer = build(cls, config=make_config(deterministic_mode=True), attention_dropout=0.0)
+    monkeypatch.setattr(layer, "_attend", lambda *a, **kw: got.update(kw) or a[0])
+    q, k, v = (t.permute(1, 2, 0, 3) for t in megatron_qkv())
+    layer._call_op(q, k, v, causal=True, keep_mask=None, dropout_p=0.0)
+    assert got["deterministic"] is True
+
+
+def test_attentions_without_the_option_get_no_deterministic_keyword():
+    with cpu_device_shims():
+        for cls in CLASSES:
+            assert not cls.supports_deterministic
+            assert "deterministic" not in build(cls, config=make_config(deterministic_mode=True)).kernel_options

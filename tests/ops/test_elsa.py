@@ -483,7 +483,7 @@ def test_opcheck_forward_op():
 
     q, k, v = _qkv(1, 2, 1, 17, 17, 16, requires_grad=True)
     n, b = _params(requires_grad=True)
-    torch.library.opcheck(_elsa_fwd_op, (q, k, v, n, b, 1, True, 0.25, 2, "ieee"),
+    torch.library.opcheck(_elsa_fwd_op, (q, k, v, n, b, 1, True, 0.25, 2, "ieee", False),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
@@ -543,3 +543,28 @@ INVALID = [
 def test_input_validation(over, match):
     with pytest.raises(ValueError, match=match):
         elsa_attention(**_bad(**over))
+
+
+@needs_kernels
+def test_deterministic_argument_takes_the_two_kernel_backward(monkeypatch):
+    """``elsa_attention(deterministic=True)``: the shared backward's dQ kernel runs even where
+    its mode says single pass (``NEMO_SSA_BWD=atomic``); None keeps the single pass."""
+    from nemo_ssa.ops.common import bwd
+    from nemo_ssa.ops.elsa import elsa_attention
+
+    monkeypatch.setenv("NEMO_SSA_BWD", "atomic")
+    real = bwd.launch
+    q, k, v = _qkv(1, 2, 1, 33, 33, 16, requires_grad=True)
+    for det, want in ((None, False), (True, True)):
+        names = []
+
+        def rec(kernel, grid, args, meta, ntensors=None):
+            names.append(getattr(kernel, "__name__", str(kernel)))
+            return real(kernel, grid, args, meta, ntensors)
+
+        monkeypatch.setattr(bwd, "launch", rec)
+        o = elsa_attention(q, k, v, transform="softmax", causal=True, deterministic=det)
+        torch.autograd.grad(o.sum(), [q, k, v])
+        assert ("attn_bwd_kernel_dq" in names) == want, (det, names)
+    with pytest.raises(TypeError, match="deterministic must be None or a bool"):
+        elsa_attention(q, k, v, transform="softmax", deterministic="yes")

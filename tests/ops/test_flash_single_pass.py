@@ -330,3 +330,27 @@ def test_postprocess_tail_casts_dq_and_sums_dn(monkeypatch, dtype, tr, layout):
         assert nk == B * Hkv * math.ceil(S / bwd_config.single_config(D, dtype).block_n_kv)
         want = dnk[:2 * nk].view(torch.float64).sum().to(torch.float32)
         torch.testing.assert_close(g[3].reshape(()), want, rtol=1.2e-7, atol=0)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_deterministic_argument_takes_the_two_kernel_backward(monkeypatch, varlen):
+    """``deterministic=True`` on the public op: the dQ kernel runs (every gradient
+    bit-identical run to run) even where the mode says single pass (``atomic``, the
+    autouse fixture); ``None`` keeps the single pass; a non-bool is refused."""
+    q, k, v = make_qkv(1, 4, 2, 33, 33, 32, torch.float32, device=DEVICE, requires_grad=True)
+    n, b = _nb()
+    if varlen:
+        q, k, v = (t.detach()[0].transpose(0, 1).contiguous().requires_grad_() for t in (q, k, v))
+        cu = torch.tensor([0, 17, 33], dtype=torch.int32, device=DEVICE)
+
+        def call(**kw):
+            return fl.flash_attention_varlen(q, k, v, cu, cu, 17, 17, n=n, b=b, causal=True, **kw)
+    else:
+        def call(**kw):
+            return fl.flash_attention(q, k, v, n=n, b=b, causal=True, **kw)
+    for det, want_dq_kernel in ((None, False), (False, False), (True, True)):
+        got = _launched(monkeypatch)
+        torch.autograd.grad(call(deterministic=det).sum(), [q, k, v, n])
+        assert any(nm == "attn_bwd_kernel_dq" for nm, _ in got) == want_dq_kernel, det
+    with pytest.raises(TypeError, match="deterministic must be None or a bool"):
+        call(deterministic=1)

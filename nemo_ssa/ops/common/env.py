@@ -3,7 +3,9 @@
 Every variable is optional; unset (or empty) gives the default behaviour. They exist to
 check a kernel (poisoned outputs), to time one choice against another on a GPU, or to
 turn a fast path off when it is suspected of a bug -- not to configure training runs,
-which choose through function arguments.
+which choose through function arguments (``deterministic=`` on the public ops, set from
+the run config's attention options). A run records the ones that were set in its
+``attention_policy.json`` (``env_overrides``).
 
 ``ENV_VARS`` lists ``(name, default, meaning)``; each has one accessor below, and no other
 module in ``nemo_ssa.ops`` reads ``os.environ``. Accessors read the variable when called;
@@ -42,7 +44,9 @@ ENV_VARS: Tuple[Tuple[str, str, str], ...] = (
      "1: triton.autotune over candidate tiles instead of the static tables (GPU only)"),
     ("NEMO_SSA_BWD", "auto",
      "attention backward: auto (single pass where it pays, two kernels when torch is "
-     "deterministic), atomic (single pass always), deterministic (two kernels always)"),
+     "deterministic), atomic (single pass always), deterministic (two kernels always); "
+     "an op called with deterministic=True (the run config's attention option, or megatron's "
+     "deterministic_mode) takes the two kernels whatever this says"),
     ("NEMO_SSA_FUSED_DELTA", "",
      "0 or 1: force the delta = rowsum(o * do) pass out of / into the dQ kernel "
      "(default: fused for softmax, separate for SSA)"),

@@ -49,6 +49,7 @@ from typing import Optional, Tuple
 import torch
 
 __all__ = [
+    "check_deterministic",
     "ArgumentTypeError",
     "UnsupportedError",
     "Capabilities",
@@ -108,6 +109,13 @@ def _dtype_names(dtypes) -> str:
 
 def _is_real(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def check_deterministic(deterministic) -> None:
+    """``deterministic=``: None (the backward's own choice) or a bool."""
+    if deterministic is not None and not isinstance(deterministic, bool):
+        raise ArgumentTypeError(f"deterministic must be None or a bool; got {type(deterministic).__name__} "
+                                f"{deterministic!r}")
 
 
 def check_ssa_param(name: str, t, device: torch.device) -> None:

@@ -32,13 +32,14 @@ def fast_log2(device) -> bool:
 def elsa_bwd_op(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
     lse: torch.Tensor, n: Optional[torch.Tensor], b: Optional[torch.Tensor],
-    transform: int, causal: bool, scale: float, fp32_precision: str,
+    transform: int, causal: bool, scale: float, fp32_precision: str, deterministic: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv, dn, db)``; ``dn``/``db`` fp32 ``[1]`` (zeros for softmax)."""
+    """``(dq, dk, dv, dn, db)``; ``dn``/``db`` fp32 ``[1]`` (zeros for softmax).
+    ``deterministic``: the two-kernel backward (else the shared backward's own choice)."""
     dq, dk, dv, dn, db = attention_bwd(
         do, q, k, v, o, lse, transform=("softmax", "ssa")[transform], n=n, b=b, causal=causal,
         scale=scale, input_precision=fp32_precision if q.dtype == torch.float32 else None,
-        fast_math=fast_log2(q.device))
+        fast_math=fast_log2(q.device), deterministic=True if deterministic else None)
     zero = torch.zeros(1, dtype=torch.float32, device=q.device)
     # match the fake below: dense, contiguous, fresh tensors
     dq, dk, dv = (t if t.is_contiguous() else t.contiguous() for t in (dq, dk, dv))
@@ -46,6 +47,6 @@ def elsa_bwd_op(
 
 
 @elsa_bwd_op.register_fake
-def _(do, q, k, v, o, lse, n, b, transform, causal, scale, fp32_precision):
+def _(do, q, k, v, o, lse, n, b, transform, causal, scale, fp32_precision, deterministic):
     one = q.new_empty(1, dtype=torch.float32)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), one, one.clone()

@@ -51,7 +51,7 @@ import triton.language as tl
 
 from nemo_ssa.ops.common.launch import is_interpreter as kernels_interpreted
 from nemo_ssa.ops.common.transforms import score_fwd_hoisted, transform_consts, transform_id
-from nemo_ssa.ops.common.validate import Capabilities, validate_attention_args
+from nemo_ssa.ops.common.validate import Capabilities, check_deterministic, validate_attention_args
 from nemo_ssa.ops.elsa.backward import elsa_bwd_op, fast_log2
 from nemo_ssa.ops.elsa.routing import ElsaPlan, block_d, make_plan, merge_tiles
 
@@ -471,36 +471,40 @@ def _elsa_fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     n: Optional[torch.Tensor], b: Optional[torch.Tensor],
     transform: int, causal: bool, scale: float, num_partitions: int, fp32_precision: str,
+    deterministic: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
+    # ``deterministic`` is for the backward (kept by setup_context); the forward is a
+    # fixed-order scan either way
     o, lse, _, _ = elsa_forward(q, k, v, n, b, transform=transform, causal=causal, scale=scale,
                                 num_partitions=num_partitions, fp32_precision=fp32_precision)
     return o, lse
 
 
 @_elsa_fwd_op.register_fake
-def _(q, k, v, n, b, transform, causal, scale, num_partitions, fp32_precision):
+def _(q, k, v, n, b, transform, causal, scale, num_partitions, fp32_precision, deterministic):
     B, Hq, Sq, D = q.shape
     return q.new_empty(B, Hq, Sq, D), q.new_empty(B, Hq, Sq, dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, n, b, transform, causal, scale, num_partitions, fp32_precision = inputs
+    q, k, v, n, b, transform, causal, scale, num_partitions, fp32_precision, deterministic = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, n, b)
     ctx.transform, ctx.causal, ctx.scale, ctx.fp32_precision = transform, causal, scale, fp32_precision
+    ctx.deterministic = deterministic
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, do, dlse):
     q, k, v, o, lse, n, b = ctx.saved_tensors
     dq, dk, dv, dn, db = elsa_bwd_op(do, q, k, v, o, lse, n, b, ctx.transform, ctx.causal,
-                                     ctx.scale, ctx.fp32_precision)
+                                     ctx.scale, ctx.fp32_precision, ctx.deterministic)
     if ctx.transform == 1:
         dn = dn.reshape(n.shape).to(n.dtype) if ctx.needs_input_grad[3] else None
         db = db.reshape(b.shape).to(b.dtype) if ctx.needs_input_grad[4] else None
     else:
         dn = db = None
-    return dq, dk, dv, dn, db, None, None, None, None, None
+    return dq, dk, dv, dn, db, None, None, None, None, None, None
 
 
 _elsa_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -543,6 +547,7 @@ def elsa_attention(
     keep_mask: Optional[torch.Tensor] = None,
     dropout_p: float = 0.0,
     fp32_precision: str = "ieee",
+    deterministic: Optional[bool] = None,
 ) -> torch.Tensor:
     """Exact attention as a two-pass parallel scan (ELSA) with a softmax or SSA transform.
 
@@ -559,6 +564,9 @@ def elsa_attention(
         keep_mask, dropout_p: not supported (``UnsupportedError`` unless None / 0.0).
         fp32_precision: dot precision for float32 inputs: ``"ieee"`` (default, exact
             fp32), ``"tf32x3"`` or ``"tf32"``.
+        deterministic: True: every gradient bit-identical run to run (the shared
+            backward's two-kernel path); None / False: the backward's own choice
+            (``ops.common.bwd_config.use_single_pass``).
 
     Returns:
         ``[B, Hq, Sq, D]`` in q's dtype; rows without a visible key are 0 (zero grads).
@@ -566,11 +574,12 @@ def elsa_attention(
     _validate_elsa(q, k, v, transform=transform, n=n, b=b, causal=causal, softmax_scale=softmax_scale,
                    keep_mask=keep_mask, dropout_p=dropout_p, num_partitions=num_partitions,
                    fp32_precision=fp32_precision)
+    check_deterministic(deterministic)
     B, Hq, Sq, D = q.shape
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
     plan = make_plan(B, Hq, Sq, k.shape[2], D, q.dtype, q.device, forced=num_partitions)
     o, _ = _elsa_fwd_op(q, k, v, n, b, transform_id(transform), bool(causal), scale,
-                        plan.num_partitions, fp32_precision)
+                        plan.num_partitions, fp32_precision, bool(deterministic))
     return o
 
 

@@ -84,7 +84,7 @@ from nemo_ssa.ops.common.transforms import (
     transform_consts,
     transform_id,
 )
-from nemo_ssa.ops.common.validate import Capabilities, validate_attention_args
+from nemo_ssa.ops.common.validate import Capabilities, check_deterministic, validate_attention_args
 
 __all__ = [
     "flash_attention",
@@ -494,13 +494,14 @@ EAGER_FASTPATH = True
 
 
 def _flash_apply(q, k, v, n, b, rng, cu_q, cu_k, transform, causal, scale, dropout_p, max_q, max_k,
-                 prec, fast, out=None) -> Tensor:
+                 prec, fast, out=None, deterministic=None) -> Tensor:
     """One fused call: the custom op while torch.compile traces, the eager Function otherwise.
 
     Both take the same backward: single pass where ``use_single_pass`` says so; with ``dn``
     wanted and ``b`` fixed (the pinned policy) the forward then also writes the row means
-    ``C`` the single-pass ``dn`` needs (``b`` learnable: the two-kernel backward)."""
-    det = not use_single_pass(transform, q.shape[-1])
+    ``C`` the single-pass ``dn`` needs (``b`` learnable: the two-kernel backward).
+    ``deterministic=True`` always takes the two-kernel backward."""
+    det = bool(deterministic) or not use_single_pass(transform, q.shape[-1])
     save_c = (not det and transform == "ssa" and n is not None and torch.is_grad_enabled() and n.requires_grad
               and not (b is not None and b.requires_grad))
     if torch.compiler.is_compiling() or not EAGER_FASTPATH:
@@ -559,7 +560,7 @@ def _check_out(out, q) -> None:
 
 def _flash_call(q, k, v, n, b, cu_q, cu_k, max_q, max_k, *, transform, causal, softmax_scale, dropout_p,
                 dropout_seed, dropout_offset, force_contiguous_qkv, input_precision, fast_math,
-                out=None) -> Tensor:
+                out=None, deterministic=None) -> Tensor:
     """Shared host-side tail of ``flash_attention`` / ``flash_attention_varlen`` (after
     validation): optional contiguous copy, scalar resolution, dropout RNG, custom-op call."""
     if force_contiguous_qkv:
@@ -569,7 +570,7 @@ def _flash_call(q, k, v, n, b, cu_q, cu_k, max_q, max_k, *, transform, causal, s
     rng = make_rng_state(q.device, dropout_seed, dropout_offset) if dropout_p > 0.0 else None
     ssa = transform == "ssa"
     return _flash_apply(q, k, v, n if ssa else None, b if ssa else None, rng, cu_q, cu_k, transform,
-                        bool(causal), scale, dropout_p, max_q, max_k, prec, fast, out)
+                        bool(causal), scale, dropout_p, max_q, max_k, prec, fast, out, deterministic)
 
 
 def flash_attention(
@@ -590,6 +591,7 @@ def flash_attention(
     input_precision: Optional[str] = None,
     fast_math: Optional[bool] = None,
     out: Optional[Tensor] = None,
+    deterministic: Optional[bool] = None,
 ) -> Tensor:
     """Fused attention ``o = dropout(softmax(transform(scale q k^T) + mask)) @ v``.
 
@@ -610,6 +612,11 @@ def flash_attention(
             default); the kernel itself handles any strides.
         input_precision: ``tl.dot`` precision for fp32 inputs; default ``"ieee"``.
         fast_math: PTX ``lg2.approx`` for the SSA log (default on CUDA).
+        deterministic: True: every gradient bit-identical run to run (the two-kernel
+            backward; Megatron's ``deterministic_mode`` sets it through the core
+            attention); None / False: the faster choice of ``use_single_pass`` (the
+            single pass adds ``dq`` with fp32 atomics where it pays; it also follows
+            ``torch.use_deterministic_algorithms`` and the ``NEMO_SSA_BWD`` override).
         out: optional preallocated ``[B, Hq, Sq, D]`` tensor (q's dtype and device) with
             ANY strides, e.g. ``buf.view(Sq, B, Hq, D).permute(1, 2, 0, 3)`` of Megatron's
             ``[s, b, h*d]`` output buffer: the kernel writes it in place (no copy). Autograd
@@ -632,12 +639,14 @@ def flash_attention(
     _validate_flash(q, k, v, transform=transform, n=n, b=b, causal=causal, keep_mask=keep_mask,
                     dropout_p=dropout_p, softmax_scale=softmax_scale, varlen=False,
                     input_precision=input_precision)
+    check_deterministic(deterministic)
     if out is not None:
         _check_out(out, q)
     return _flash_call(q, k, v, n, b, None, None, q.shape[2], k.shape[2], transform=transform, causal=causal,
                        softmax_scale=softmax_scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
                        dropout_offset=dropout_offset, force_contiguous_qkv=force_contiguous_qkv,
-                       input_precision=input_precision, fast_math=fast_math, out=out)
+                       input_precision=input_precision, fast_math=fast_math, out=out,
+                       deterministic=deterministic)
 
 
 def flash_attention_fwd(
@@ -682,6 +691,7 @@ def flash_attention_varlen(
     force_contiguous_qkv: bool = False,
     input_precision: Optional[str] = None,
     fast_math: Optional[bool] = None,
+    deterministic: Optional[bool] = None,
 ) -> Tensor:
     """Packed (THD) variant of ``flash_attention``.
 
@@ -700,11 +710,12 @@ def flash_attention_varlen(
                     dropout_p=dropout_p, softmax_scale=softmax_scale, varlen=True,
                     input_precision=input_precision, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    check_deterministic(deterministic)
     return _flash_call(q, k, v, n, b, cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32),
                        int(max_seqlen_q), int(max_seqlen_k), transform=transform, causal=causal,
                        softmax_scale=softmax_scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
                        dropout_offset=dropout_offset, force_contiguous_qkv=force_contiguous_qkv,
-                       input_precision=input_precision, fast_math=fast_math)
+                       input_precision=input_precision, fast_math=fast_math, deterministic=deterministic)
 
 
 def ssa_attention_triton(q, k, v, n, b, *, causal=False, softmax_scale=None, keep_mask=None,
