@@ -40,7 +40,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 SHAPES = {
-    # label: (B, Hq, Hkv, N, D) -- the model's attention, and the issue-4/7 benchmark shapes
+    # label: (B, Hq, Hkv, N, D) -- the model's attention, and the long-sequence and wide-head benchmark shapes
     "model": (4, 24, 8, 4096, 32),
     "b32": (32, 24, 8, 1024, 32),  # the recipe's attention at micro batch 32
     "elsa16k-d32": (1, 24, 8, 16384, 32),

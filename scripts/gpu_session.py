@@ -50,7 +50,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 GPU_FILES = ["tests/ops/test_ssa_flash_gpu.py", "tests/ops/test_ssa_flex_gpu.py", "tests/ops/test_elsa_gpu.py",
-             "tests/ops/test_nsa_gpu.py", "tests/ops/test_extreme_logits.py", "tests/ops/test_mlp_gpu.py"]
+             "tests/ops/test_nsa_gpu.py", "tests/ops/test_fused_attention_range.py", "tests/ops/test_mlp_gpu.py"]
 
 # name -> (what it runs, expected seconds on an H100 incl. start-up, budget, steps). A pytest
 # step is ("pytest", NAME, SECONDS, files, marker, per-test timeout); anything else is
@@ -68,7 +68,7 @@ PRESETS = {
         expect=360, budget=530,
         steps=[("pytest", "tests-full-1", 505,
                 ["tests/ops/test_ssa_flash_gpu.py", "tests/ops/test_ssa_flex_gpu.py", "tests/ops/test_elsa_gpu.py",
-                 "tests/ops/test_extreme_logits.py", "tests/ops/test_ssa_flash.py", "tests/ops/test_flash_fastpath.py",
+                 "tests/ops/test_fused_attention_range.py", "tests/ops/test_ssa_flash.py", "tests/ops/test_flash_autograd_paths.py",
                  "tests/ops/test_rope.py", "tests/ops/test_cross_entropy.py", "tests/megatron/test_fast_paths.py",
                  "tests/ops/test_mlp_gpu.py"],
                 None, 240)]),

@@ -1,4 +1,4 @@
-"""Import boundaries (STYLE.md): ops/ is torch + triton only; only nemo_ssa/nemo imports nemo.
+"""Import boundaries (docs/design.md): ops/ is torch + triton only; only nemo_ssa/nemo imports nemo.
 
 Static (AST) scan of every source file, including imports inside functions and relative
 imports, plus one subprocess check of what ``import nemo_ssa.ops`` really pulls in.

@@ -1,4 +1,4 @@
-"""The package root shows its roles (STYLE.md, Layout): role packages plus a few root modules,
+"""The package root shows its roles (docs/design.md, layout): role packages plus a few root modules,
 and ``python -m nemo_ssa --help`` lists every subcommand ``nemo_ssa/__main__.py`` dispatches."""
 
 import ast

@@ -4,7 +4,7 @@ Run on its own (another test module may set TRITON_INTERPRET=1 for the whole ses
 
     pytest -m gpu tests/ops/test_ssa_flash_gpu.py -q
 
-Gates (flash-attention's rule, STYLE.md):
+Gates (flash-attention's rule, docs/design.md):
 * bf16: rel. error of o, dq, dk, dv vs the fp32 reference <= 2x the error of the eager
   bf16 reference (``attention_naive(..., upcast=False)``) + 1e-5; dn, db within 2x the
   eager error + 1.6e-2 x sum|terms| (``assert_scalar_grad_close``).
@@ -14,7 +14,7 @@ Gates (flash-attention's rule, STYLE.md):
 
 dn and db are sums over every score of terms of both signs; at random inputs they cancel
 to ~1e-3..1e-5 of sum|terms| (measured: docs/results/2026-11-24-scalar-grads.md), so a
-bound relative to their own value tests the draw (issue 16: ``dn: 2.11e-04`` in fp32,
+bound relative to their own value tests the draw (a case once seen: ``dn: 2.11e-04`` in fp32,
 where fp32 itself is ~1e-9 of sum|terms| off). Inputs: fresh random draws per test, the
 seed derived from the test id (tests/conftest.py), so a failure reproduces.
 
@@ -125,7 +125,7 @@ def test_bf16_within_2x_eager(case, transform):
 FP32_CASES = [
     ((1, 6, 2, 1, 1, 32, True), ("ssa",), ()),
     ((2, 6, 2, 63, 63, 32, True), ("ssa", "softmax"), (QUICK,)),
-    ((1, 4, 2, 1000, 1000, 64, True), ("ssa", "softmax"), (QUICK,)),  # issue 16's dn case
+    ((1, 4, 2, 1000, 1000, 64, True), ("ssa", "softmax"), (QUICK,)),  # the dn case whose bound once tested the draw
     ((1, 4, 1, 300, 500, 48, True), ("ssa",), ()),
     ((1, 2, 1, 257, 257, 80, False), ("ssa",), ()),
     ((1, 2, 2, 200, 150, 96, True), ("ssa",), ()),

@@ -111,7 +111,7 @@ def _same_dqkv(g, h, label):
 
 # (B, Hq, Hkv, Sq, Sk, D, causal, dtype, backend): odd N, GQA, Sq > Sk (empty first rows)
 CASES = [
-    (2, 6, 2, 1000, 1000, 32, True, torch.bfloat16, "auto"),  # issue 16's db case
+    (2, 6, 2, 1000, 1000, 32, True, torch.bfloat16, "auto"),  # the db case whose bound once tested the draw
     (2, 6, 2, 1000, 1000, 32, False, torch.float32, "triton"),  # explicit backend, if torch has it
     (1, 4, 2, 384, 256, 64, True, torch.bfloat16, "auto"),
 ]

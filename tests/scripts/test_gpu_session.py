@@ -45,7 +45,7 @@ def test_presets_fit_the_device_limits():
     gpu_files = {os.path.relpath(p, REPO) for p in __import__("glob").glob(os.path.join(REPO, "tests/ops/*_gpu.py"))}
     assert gpu_files <= full, gpu_files - full
     assert {"tests/ops/test_ssa_flash.py", "tests/ops/test_elsa.py", "tests/ops/test_nsa.py",
-            "tests/ops/test_extreme_logits.py"} <= full
+            "tests/ops/test_fused_attention_range.py"} <= full
 
 
 def test_memory_heavy_cases_run_alone():

@@ -1,5 +1,5 @@
 """Several ranks on CPU (gloo, torchrun): DP, TP, TP+SP, CP, the distributed optimizer, bf16
-with fp32 n, and checkpoints that move between layouts (issue 15's proof).
+with fp32 n, and checkpoints that move between layouts (the parallel layouts' proof on CPU).
 
 Every multi-rank layout trains the tiny model for 20 steps and must reproduce the world-1
 run's losses and n trajectory (fp32, rtol 1e-5); checkpoints saved at one layout and

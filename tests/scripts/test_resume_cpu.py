@@ -1,4 +1,4 @@
-"""Checkpoints that survive a kill, and resumes of resumed runs (issue 16, item 3).
+"""Checkpoints that survive a kill, and resumes of resumed runs.
 
 - The README's launcher (``scripts/pretrain.py``, CPU loop, shrunk cpu_smoke) is SIGKILLed
   while it is saving the step-4 checkpoint (the fault hook ``NEMO_SSA_FAULT`` holds the

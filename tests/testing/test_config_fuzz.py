@@ -1,4 +1,4 @@
-"""Config-level fuzz (issue 16 item 4): random launcher configurations are either accepted
+"""Config-level fuzz: random launcher configurations are either accepted
 (and the documented rules find nothing unsupported) or refused in one line naming what is
 supported -- never a crash, never a silent acceptance. Negative controls show each failure
 kind is caught."""

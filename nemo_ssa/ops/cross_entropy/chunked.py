@@ -46,8 +46,8 @@ from torch import Tensor
 
 from nemo_ssa.ops.common import env
 
-#: tokens per chunk: at 32,768 tokens on an H100 8,192 ran 16.3 ms fwd+bwd (1.8 GiB extra) vs 17.1
-#: (1.0 GiB) for 4,096 and 18.2 for the loss-only path (bench_linear_ce.py, 2026-11-25)
+#: tokens per chunk: the fastest of the measured sizes at the recipe's 32,768 tokens, for
+#: under 2 GiB extra (benchmarks/bench_linear_ce.py; figures in docs/results)
 DEFAULT_CHUNK = 8192
 
 #: relative tolerance of the ``grad_out = c * row_weight`` check (fp32 sums over ~1e5 tokens)

@@ -2,12 +2,12 @@
 
 megatron-core's ``vocab_parallel_cross_entropy`` (what runs without Transformer Engine)
 upcasts the ``[tokens, vocab]`` logits to fp32, subtracts the max, exponentiates, sums,
-gathers through masks and saves the fp32 softmax for its backward: at micro batch 8 x
-seq 1024 x vocab 50,304 that is ~10.8 ms fwd+bwd and 3.1 GiB on an H100, and about a
-fifth of the model's step (docs/fused-layers.md). The same math compiled by
+gathers through masks and saves the fp32 softmax for its backward: at the recipe's
+vocabulary that was a large share of the model's step (figures: docs/fused-layers.md).
+The same math compiled by
 ``torch.compile`` (inductor: an online logsumexp over each row, one read of the bf16
 logits forward and one backward writing the bf16 gradient, nothing fp32 kept but the
-per-row logsumexp) measured ~3x faster with a quarter of the memory -- faster than
+per-row logsumexp) measured several times faster with a fraction of the memory -- faster than
 liger-kernel's and cut-cross-entropy's fused linear+CE at this shape (they save memory
 by chunking the output GEMM, which the 114M model does not need at 80 GB).
 

@@ -44,7 +44,7 @@ With ``dz = p (dp - delta)``, ``dp_ij = do_i . v_j``, ``delta_i = do_i . o_i``:
   deterministic. Like the flash dQ kernel it uses the *exact* row delta
   ``sum_j p dp`` (accumulated in the same loop), not ``do . o`` of the stored 16-bit
   ``o``: ``dn`` carries ``-sum_i (delta error)_i sum_j p g`` otherwise, up to ~4x the
-  eager error in fp16 (issue 16). Cost ~ one forward pass (2 GEMMs + the transform).
+  eager error in fp16. Cost ~ one forward pass (2 GEMMs + the transform).
   Causal/full masks only.
 * ``"flex"`` (default on CUDA with ``mask_mod``/``keep_mask``): the same identity
   Function, but the extra pass is one more *FlexAttention forward* in fp32, so any mask
