@@ -57,7 +57,7 @@ from nemo_ssa.ops.common.launch import (
 )
 from nemo_ssa.ops.common.transforms import TRANSFORM_SSA, log2_mode, transform_id
 
-__all__ = ["attention_bwd", "SUPPORTED_DTYPES", "MIN_HEAD_DIM", "MAX_HEAD_DIM"]
+__all__ = ["attention_bwd", "attention_bwd_op", "SUPPORTED_DTYPES", "MIN_HEAD_DIM", "MAX_HEAD_DIM"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
@@ -377,3 +377,43 @@ def _attention_bwd_single(c: _BwdCall, do, q, k, v, o, M, cstat, cfg: BwdConfig)
         launch(attn_bwd_postprocess, (cdiv(numel, pb) + int(dparams),), (dqa, dq, dnk if dparams else M, numel, nk),
                dict(BLOCK=pb, DN_BLOCK=pb, CAST=cast, DPARAMS=dparams, num_warps=4), 3)
     return dq, dk, dv, (dnk[2 * nk:] if dparams else None), None
+
+
+
+# ----------------------------------------------------------------------------------------
+# The backward as one torch.library custom op, shared by every forward schedule
+# ----------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("nemo_ssa::attention_bwd", mutates_args=())
+def attention_bwd_op(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, M: torch.Tensor,
+    n: Optional[torch.Tensor], b: Optional[torch.Tensor], rng_state: Optional[torch.Tensor],
+    cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
+    transform: str, causal: bool, scale: float, dropout_p: float,
+    max_seqlen_q: int, max_seqlen_k: int, input_precision: str, fast_math: bool, need_dparams: bool,
+    need_db: bool = True, cstat: Optional[torch.Tensor] = None, deterministic: bool = True,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`attention_bwd` as an opaque node for ``torch.compile``: the backward of the
+    flash forward and of the ELSA scan (both write ``o`` and ``M`` under its contract).
+    ``(dq, dk, dv, dn, db)``; ``dn``/``db`` are fp32 ``[1]`` zeros where not computed
+    (custom ops return tensors); ``deterministic`` is the resolved choice."""
+    dq, dk, dv, dn, db = attention_bwd(
+        do, q, k, v, o, M, transform=transform, n=n, b=b, causal=causal, scale=scale,
+        dropout_p=dropout_p, rng_state=rng_state, cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        input_precision=input_precision, fast_math=fast_math, need_dparams=need_dparams, need_db=need_db,
+        cstat=cstat, deterministic=deterministic)
+    if dn is None:
+        dn = torch.zeros(1, dtype=torch.float32, device=q.device)
+    if db is None:
+        db = torch.zeros(1, dtype=torch.float32, device=q.device)
+    return dq, dk, dv, dn, db
+
+
+@attention_bwd_op.register_fake
+def _(do, q, k, v, o, M, n, b, rng_state, cu_seqlens_q, cu_seqlens_k, transform, causal, scale,
+      dropout_p, max_seqlen_q, max_seqlen_k, input_precision, fast_math, need_dparams, need_db=True,
+      cstat=None, deterministic=True):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            q.new_empty((1,), dtype=torch.float32), q.new_empty((1,), dtype=torch.float32))

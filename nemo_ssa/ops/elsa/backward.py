@@ -3,12 +3,12 @@
 The forward saves only ``M = m + log2(l)`` per row (fp32 ``[B, Hq, Sq]``, log2 domain,
 ``+inf`` for rows that see no key). That is the contract of
 ``nemo_ssa.ops.common.bwd.attention_bwd``, the schedule-independent backward shared
-with the flash kernels: it recomputes ``p = 2^(z2 - M)`` tile by tile (no attention matrix,
-no online-softmax recurrence) and returns ``dq, dk, dv, dn, db``. ELSA adds nothing of its
-own here; this module only wraps that call in a ``torch.library`` custom op (so
-``torch.compile`` sees one opaque node) and keeps forward and backward on the same
-``lg2.approx`` choice (``fast_log2``): ``p`` is recomputed from ``z2``, so both passes must
-round ``z2`` identically.
+with the flash kernels: it recomputes ``p = 2^(z2 - M)`` tile by tile (no attention
+matrix, no online-softmax recurrence) and returns ``dq, dk, dv, dn, db``. ELSA adds
+nothing of its own here: it calls the shared custom op ``nemo_ssa::attention_bwd`` (one
+opaque node for ``torch.compile``, the same node the flash forward's backward uses) and
+keeps forward and backward on the same ``lg2.approx`` choice (``fast_log2``): ``p`` is
+recomputed from ``z2``, so both passes must round ``z2`` identically.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from typing import Optional, Tuple
 
 import torch
 
-from nemo_ssa.ops.common.bwd import attention_bwd
-from nemo_ssa.ops.common.launch import use_fast_math
+from nemo_ssa.ops.common.bwd import attention_bwd_op  # noqa: F401 -- registers nemo_ssa::attention_bwd
+from nemo_ssa.ops.common.bwd_config import use_single_pass
+from nemo_ssa.ops.common.launch import default_input_precision, use_fast_math
 
-__all__ = ["elsa_bwd_op", "fast_log2"]
+__all__ = ["elsa_bwd", "fast_log2"]
 
 
 def fast_log2(device) -> bool:
@@ -28,25 +29,19 @@ def fast_log2(device) -> bool:
     return bool(use_fast_math(torch.device(device)))
 
 
-@torch.library.custom_op("nemo_ssa::elsa_bwd", mutates_args=())
-def elsa_bwd_op(
-    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-    lse: torch.Tensor, n: Optional[torch.Tensor], b: Optional[torch.Tensor],
-    transform: int, causal: bool, scale: float, fp32_precision: str, deterministic: bool,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv, dn, db)``; ``dn``/``db`` fp32 ``[1]`` (zeros for softmax).
-    ``deterministic``: the two-kernel backward (else the shared backward's own choice)."""
-    dq, dk, dv, dn, db = attention_bwd(
-        do, q, k, v, o, lse, transform=("softmax", "ssa")[transform], n=n, b=b, causal=causal,
-        scale=scale, input_precision=fp32_precision if q.dtype == torch.float32 else None,
-        fast_math=fast_log2(q.device), deterministic=True if deterministic else None)
-    zero = torch.zeros(1, dtype=torch.float32, device=q.device)
-    # match the fake below: dense, contiguous, fresh tensors
+def elsa_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+             lse: torch.Tensor, n: Optional[torch.Tensor], b: Optional[torch.Tensor], transform: int,
+             causal: bool, scale: float, fp32_precision: str, deterministic: bool,
+             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, dn, db)`` through the shared backward op ``nemo_ssa::attention_bwd``;
+    ``dn``/``db`` fp32 ``[1]`` (zeros for softmax). ``deterministic``: the two-kernel
+    backward (else the shared backward's own choice, ``use_single_pass``)."""
+    name = ("softmax", "ssa")[transform]
+    det = bool(deterministic) or not use_single_pass(name, q.shape[-1])
+    prec = fp32_precision if q.dtype == torch.float32 else default_input_precision(q.dtype)
+    dq, dk, dv, dn, db = torch.ops.nemo_ssa.attention_bwd(
+        do, q, k, v, o, lse, n, b, None, None, None, name, causal, scale, 0.0,
+        q.shape[2], k.shape[2], prec, fast_log2(q.device), name == "ssa", True, None, det)
+    # match the forward's fake: dense, contiguous tensors
     dq, dk, dv = (t if t.is_contiguous() else t.contiguous() for t in (dq, dk, dv))
-    return dq, dk, dv, zero if dn is None else dn, zero.clone() if db is None else db
-
-
-@elsa_bwd_op.register_fake
-def _(do, q, k, v, o, lse, n, b, transform, causal, scale, fp32_precision, deterministic):
-    one = q.new_empty(1, dtype=torch.float32)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), one, one.clone()
+    return dq, dk, dv, dn, db

@@ -52,7 +52,7 @@ import triton.language as tl
 from nemo_ssa.ops.common.launch import is_interpreter as kernels_interpreted
 from nemo_ssa.ops.common.transforms import score_fwd_hoisted, transform_consts, transform_id
 from nemo_ssa.ops.common.validate import Capabilities, check_deterministic, validate_attention_args
-from nemo_ssa.ops.elsa.backward import elsa_bwd_op, fast_log2
+from nemo_ssa.ops.elsa.backward import elsa_bwd, fast_log2
 from nemo_ssa.ops.elsa.routing import ElsaPlan, block_d, make_plan, merge_tiles
 
 __all__ = [
@@ -497,8 +497,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, do, dlse):
     q, k, v, o, lse, n, b = ctx.saved_tensors
-    dq, dk, dv, dn, db = elsa_bwd_op(do, q, k, v, o, lse, n, b, ctx.transform, ctx.causal,
-                                     ctx.scale, ctx.fp32_precision, ctx.deterministic)
+    dq, dk, dv, dn, db = elsa_bwd(do, q, k, v, o, lse, n, b, ctx.transform, ctx.causal,
+                                  ctx.scale, ctx.fp32_precision, ctx.deterministic)
     if ctx.transform == 1:
         dn = dn.reshape(n.shape).to(n.dtype) if ctx.needs_input_grad[3] else None
         db = db.reshape(b.shape).to(b.dtype) if ctx.needs_input_grad[4] else None

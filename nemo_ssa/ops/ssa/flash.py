@@ -27,8 +27,12 @@ int64 ``[2]`` ``(seed, offset)`` tensor; the backward regenerates the identical 
 Autograd: eager calls go through a plain ``torch.autograd.Function`` (``_FlashAttnFn``,
 lowest host cost); under ``torch.compile`` (``torch.compiler.is_compiling()``) the same
 kernels are reached through ``torch.library.custom_op`` (``nemo_ssa::flash_attn_fwd`` /
-``nemo_ssa::flash_attn_bwd``, with fake impls) so models trace without graph breaks. Both
-paths give bitwise-identical outputs and gradients. ``n`` and ``b`` are tensors (never
+``nemo_ssa::attention_bwd``, the backward op shared with ELSA, in ``ops.common.bwd``; with
+fake impls) so models trace without graph breaks. Both paths give bitwise-identical outputs
+and gradients. The eager Function stays beside the custom op for two reasons: it lets the
+kernel write a caller's strided ``out=`` buffer in place and return an alias that carries
+autograd (a functional custom op can only copy into it), and it skips the custom-op dispatch
+on every call. ``n`` and ``b`` are tensors (never
 Python floats) and get gradients.
 
 Differences from ``naive.attention_naive``: no ``keep_mask`` (raises); dropout masks come
@@ -361,37 +365,6 @@ def _(q, k, v, n, b, rng_state, cu_seqlens_q, cu_seqlens_k, transform, causal, s
             q.new_empty(c_shape, dtype=torch.float32))
 
 
-@torch.library.custom_op("nemo_ssa::flash_attn_bwd", mutates_args=())
-def _flash_attn_bwd_op(
-    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, M: Tensor,
-    n: Optional[Tensor], b: Optional[Tensor], rng_state: Optional[Tensor],
-    cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
-    transform: str, causal: bool, scale: float, dropout_p: float,
-    max_seqlen_q: int, max_seqlen_k: int, input_precision: str, fast_math: bool, need_dparams: bool,
-    need_db: bool = True, cstat: Optional[Tensor] = None, deterministic: bool = True,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    dq, dk, dv, dn, db = attention_bwd(
-        do, q, k, v, o, M, transform=transform, n=n, b=b, causal=causal, scale=scale,
-        dropout_p=dropout_p, rng_state=rng_state, cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        input_precision=input_precision, fast_math=fast_math, need_dparams=need_dparams, need_db=need_db,
-        cstat=cstat, deterministic=deterministic)
-    # custom ops return tensors: zeros stand in for "no gradient"
-    if dn is None:
-        dn = torch.zeros(1, dtype=torch.float32, device=q.device)
-    if db is None:
-        db = torch.zeros(1, dtype=torch.float32, device=q.device)
-    return dq, dk, dv, dn, db
-
-
-@_flash_attn_bwd_op.register_fake
-def _(do, q, k, v, o, M, n, b, rng_state, cu_seqlens_q, cu_seqlens_k, transform, causal, scale,
-      dropout_p, max_seqlen_q, max_seqlen_k, input_precision, fast_math, need_dparams, need_db=True,
-      cstat=None, deterministic=True):
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-            q.new_empty((1,), dtype=torch.float32), q.new_empty((1,), dtype=torch.float32))
-
-
 def _fwd_setup_context(ctx, inputs, output):
     (q, k, v, n, b, rng_state, cu_q, cu_k, transform, causal, scale, dropout_p,
      max_q, max_k, input_precision, fast_math, save_c, deterministic) = inputs
@@ -405,7 +378,7 @@ def _fwd_backward(ctx, do, dM, dC):
     transform, causal, scale, dropout_p, max_q, max_k, input_precision, fast_math, det = ctx.scalars
     need_dparams = transform == "ssa" and (ctx.needs_input_grad[3] or ctx.needs_input_grad[4])
     need_db = need_dparams and ctx.needs_input_grad[4]
-    dq, dk, dv, dn, db = torch.ops.nemo_ssa.flash_attn_bwd(
+    dq, dk, dv, dn, db = torch.ops.nemo_ssa.attention_bwd(
         do, q, k, v, o, M, n, b, rng_state, cu_q, cu_k, transform, causal, scale, dropout_p,
         max_q, max_k, input_precision, fast_math, need_dparams, need_db, cstat, det)
     if not need_dparams:  # the op returns placeholder zeros then

@@ -55,3 +55,48 @@ def test_dkv_args_fill_the_dkv_kernel_in_both_paths():
     i_ns = names.index("s_nz")
     assert two[i_ns:i_ns + 3] == (0, 0, 0) and single[i_ns:i_ns + 3] == (4, 2, 1)
     assert single[names.index("DNK")] is dnk and two[names.index("DNK")] is M
+
+
+def test_one_backward_op_serves_flash_and_elsa(monkeypatch):
+    """``nemo_ssa::attention_bwd`` is the registered backward of both forward schedules (the
+    flash custom op's autograd and ELSA's), with a consistent schema and fake impl; it
+    returns exactly ``attention_bwd``'s gradients (zeros standing in for no dn/db)."""
+    import pytest
+
+    from nemo_ssa.ops.common.launch import is_interpreter
+
+    if not (is_interpreter() or torch.cuda.is_available()):
+        pytest.skip("Triton kernels need the interpreter or CUDA")
+    dev = "cpu" if is_interpreter() else "cuda"
+    from nemo_ssa.ops.elsa import elsa_attention
+    from nemo_ssa.ops.ssa.flash import flash_attention_fwd
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 17, 16, device=dev) for _ in range(3))
+    n, b = torch.tensor([1.3], device=dev), torch.tensor([0.8], device=dev)
+    o, M = flash_attention_fwd(q, k, v, transform="ssa", n=n, b=b, causal=True, softmax_scale=0.25)
+    do = torch.randn_like(o)
+    args = (do, q, k, v, o, M, n, b, None, None, None, "ssa", True, 0.25, 0.0, 17, 17, "ieee", False, True,
+            True, None, True)
+    torch.library.opcheck(torch.ops.nemo_ssa.attention_bwd.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+    got = torch.ops.nemo_ssa.attention_bwd(*args)
+    want = bwd.attention_bwd(do, q, k, v, o, M, transform="ssa", n=n, b=b, causal=True, scale=0.25,
+                             input_precision="ieee", fast_math=False, deterministic=True)
+    for x, y in zip(got, want):
+        assert torch.equal(x, y)
+    # both schedules' backward passes through the one op
+    calls = []
+    real = torch.ops.nemo_ssa.attention_bwd
+
+    class Spy:
+        def __call__(self, *a):
+            calls.append(a[11])
+            return real(*a)
+
+    import nemo_ssa.ops.elsa.backward as eb
+
+    monkeypatch.setattr(eb.torch.ops.nemo_ssa, "attention_bwd", Spy(), raising=False)
+    qg = q.clone().requires_grad_()
+    elsa_attention(qg, k, v, transform="softmax", causal=True).sum().backward()
+    assert calls == ["softmax"]
