@@ -483,7 +483,7 @@ def test_opcheck_forward_op():
 
     q, k, v = _qkv(1, 2, 1, 17, 17, 16, requires_grad=True)
     n, b = _params(requires_grad=True)
-    torch.library.opcheck(_elsa_fwd_op, (q, k, v, n, b, 1, True, 0.25, 2, "ieee", False),
+    torch.library.opcheck(_elsa_fwd_op, (q, k, v, n, b, "ssa", True, 0.25, 2, "ieee", False),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 

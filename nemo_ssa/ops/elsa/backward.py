@@ -30,18 +30,17 @@ def fast_log2(device) -> bool:
 
 
 def elsa_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-             lse: torch.Tensor, n: Optional[torch.Tensor], b: Optional[torch.Tensor], transform: int,
+             lse: torch.Tensor, n: Optional[torch.Tensor], b: Optional[torch.Tensor], transform: str,
              causal: bool, scale: float, fp32_precision: str, deterministic: bool,
              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, dn, db)`` through the shared backward op ``nemo_ssa::attention_bwd``;
     ``dn``/``db`` fp32 ``[1]`` (zeros for softmax). ``deterministic``: the two-kernel
     backward (else the shared backward's own choice, ``use_single_pass``)."""
-    name = ("softmax", "ssa")[transform]
-    det = bool(deterministic) or not use_single_pass(name, q.shape[-1])
+    det = bool(deterministic) or not use_single_pass(transform, q.shape[-1])
     prec = fp32_precision if q.dtype == torch.float32 else default_input_precision(q.dtype)
     dq, dk, dv, dn, db = torch.ops.nemo_ssa.attention_bwd(
-        do, q, k, v, o, lse, n, b, None, None, None, name, causal, scale, 0.0,
-        q.shape[2], k.shape[2], prec, fast_log2(q.device), name == "ssa", True, None, det)
+        do, q, k, v, o, lse, n, b, None, None, None, transform, causal, scale, 0.0,
+        q.shape[2], k.shape[2], prec, fast_log2(q.device), transform == "ssa", True, None, det)
     # match the forward's fake: dense, contiguous tensors
     dq, dk, dv = (t if t.is_contiguous() else t.contiguous() for t in (dq, dk, dv))
     return dq, dk, dv, dn, db

@@ -470,12 +470,12 @@ def _merge_spec(m, l, acc, o, lse, *, sk, n_tiles, key_tile, causal, block_m, nu
 def _elsa_fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     n: Optional[torch.Tensor], b: Optional[torch.Tensor],
-    transform: int, causal: bool, scale: float, num_partitions: int, fp32_precision: str,
+    transform: str, causal: bool, scale: float, num_partitions: int, fp32_precision: str,
     deterministic: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     # ``deterministic`` is for the backward (kept by setup_context); the forward is a
     # fixed-order scan either way
-    o, lse, _, _ = elsa_forward(q, k, v, n, b, transform=transform, causal=causal, scale=scale,
+    o, lse, _, _ = elsa_forward(q, k, v, n, b, transform=transform_id(transform), causal=causal, scale=scale,
                                 num_partitions=num_partitions, fp32_precision=fp32_precision)
     return o, lse
 
@@ -499,7 +499,7 @@ def _backward(ctx, do, dlse):
     q, k, v, o, lse, n, b = ctx.saved_tensors
     dq, dk, dv, dn, db = elsa_bwd(do, q, k, v, o, lse, n, b, ctx.transform, ctx.causal,
                                   ctx.scale, ctx.fp32_precision, ctx.deterministic)
-    if ctx.transform == 1:
+    if ctx.transform == "ssa":
         dn = dn.reshape(n.shape).to(n.dtype) if ctx.needs_input_grad[3] else None
         db = db.reshape(b.shape).to(b.dtype) if ctx.needs_input_grad[4] else None
     else:
@@ -578,7 +578,7 @@ def elsa_attention(
     B, Hq, Sq, D = q.shape
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
     plan = make_plan(B, Hq, Sq, k.shape[2], D, q.dtype, q.device, forced=num_partitions)
-    o, _ = _elsa_fwd_op(q, k, v, n, b, transform_id(transform), bool(causal), scale,
+    o, _ = _elsa_fwd_op(q, k, v, n, b, transform, bool(causal), scale,
                         plan.num_partitions, fp32_precision, bool(deterministic))
     return o
 
