@@ -92,7 +92,7 @@ def host_profile(calls: int, dev, dt, H: int, HKV: int, D: int) -> int:
     import triton.language as tl
 
     from nemo_ssa.ops.common import launch as attn_bwd
-    from nemo_ssa.ops.ssa import flash
+    from nemo_ssa.ops.attention import flash
 
     B, N = 1, 128
     torch.manual_seed(0)
@@ -218,7 +218,7 @@ def main(argv=None) -> int:
 
     from nemo_ssa.ops.common import bwd
     from nemo_ssa.ops.common import launch as attn_bwd
-    from nemo_ssa.ops.ssa import flash
+    from nemo_ssa.ops.attention import flash
 
     attn_bwd_fast = attn_bwd.FAST_LAUNCH
 

@@ -171,9 +171,9 @@ def _bench_row(name: str, fn: Callable, q, k, v, go, rep: int, extra_grads=(), g
 def run(args) -> List[Dict]:
     if args.autotune:
         os.environ["NEMO_SSA_AUTOTUNE"] = "1"
-    from nemo_ssa.ops.ssa.flash import fwd_config, softmax_attention_triton, ssa_attention_triton
+    from nemo_ssa.ops.attention.flash import fwd_config, softmax_attention_triton, ssa_attention_triton
     from nemo_ssa.ops.common.bwd_config import bwd_config
-    from nemo_ssa.ops.ssa.naive import attention_naive
+    from nemo_ssa.ops.attention.naive import attention_naive
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     causal = not args.full

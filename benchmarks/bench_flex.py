@@ -11,7 +11,7 @@ Hq=24, Hkv=8, D=32, causal, bf16; n learnable, b fixed at 0.8 as in the training
 Rows: ``sdpa_flash`` (softmax, SDPA pinned to flash, GQA via ``enable_gqa``);
 ``flex_softmax`` (compiled flex, causal BlockMask); ``flex_ssa_const`` (n, b constant:
 q/k/v gradients only); ``flex_ssa_<mode>`` with learnable n for every ``dn_mode`` of
-``nemo_ssa.ops.ssa.flex``: ``capture`` (the naive captured 1-element tensor, flex's
+``nemo_ssa.ops.attention.flex``: ``capture`` (the naive captured 1-element tensor, flex's
 captured-gradient atomics), ``capture_rows`` (n materialised per (b, h, q) row),
 ``triton`` (default: flex with n detached + a Triton dn pass), ``flex`` (an extra fp32
 flex forward with log-weights), ``chunked`` (torch); and ``dnpass_<mode>``: the extra
@@ -79,7 +79,7 @@ def run(args) -> List[Dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import create_block_mask
 
-    import nemo_ssa.ops.ssa.flex as fx
+    import nemo_ssa.ops.attention.flex as fx
 
     cfgd = torch._dynamo.config  # one process compiles several flex graphs
     setattr(cfgd, "recompile_limit" if hasattr(cfgd, "recompile_limit") else "cache_size_limit", 64)

@@ -142,7 +142,7 @@ def sass_of(compiled) -> Tuple[str, int]:
 def capture_launches(fn) -> List[Tuple[object, tuple, tuple, dict]]:
     """Run ``fn`` with every kernel launch recorded instead of executed."""
     import nemo_ssa.ops.common.bwd as ab
-    import nemo_ssa.ops.ssa.flash as fl
+    import nemo_ssa.ops.attention.flash as fl
     got = []
 
     def fake_launch(kernel, grid, args, meta, ntensors=None):
@@ -193,7 +193,7 @@ def kernel_report(name: str, compiled, meta: dict, dump: Optional[str]) -> Dict[
 def collect(transform: str, head_dim: int, causal: bool, dtype: torch.dtype, hq: int, hkv: int,
             params: str, bwd: str = "deterministic", bwd_cfg=None) -> List[Tuple[str, object, tuple, tuple, dict]]:
     from nemo_ssa.ops.common.bwd import attention_bwd
-    from nemo_ssa.ops.ssa.flash import _flash_fwd
+    from nemo_ssa.ops.attention.flash import _flash_fwd
     B, N, D = 1, 256, head_dim
     q = torch.zeros(B, hq, N, D, dtype=dtype)
     k = torch.zeros(B, hkv, N, D, dtype=dtype)

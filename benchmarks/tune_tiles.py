@@ -1,6 +1,6 @@
 """Measure candidate tile configs of the Triton attention kernels on one GPU; print the best.
 
-The static tile tables (``ops/ssa/flash.py`` ``_FWD_16``, ``ops/common/bwd_config.py``
+The static tile tables (``ops/attention/flash.py`` ``_FWD_16``, ``ops/common/bwd_config.py``
 ``_BWD_16``, ``ops/elsa/routing.py`` ``FWD_TILES``) started as register/shared-memory
 estimates from offline sm_90 compiles. This script times every candidate on the real
 shapes so the tables can be filled with measured winners:
@@ -145,7 +145,7 @@ class _Case:
         import torch
 
         from nemo_ssa.ops.common import bwd as attn_bwd  # attention_bwd and, imported there, the tile tables
-        from nemo_ssa.ops.ssa import flash
+        from nemo_ssa.ops.attention import flash
 
         self.torch, self.flash, self.attn_bwd = torch, flash, attn_bwd
         B, Hq, Hkv, N, D = SHAPES[shape]

@@ -71,7 +71,7 @@ def _py_files(root: Path):
 
 
 def test_checker_catches_violations():
-    mod = "nemo_ssa.ops.ssa.fused"
+    mod = "nemo_ssa.ops.attention.fused"
     assert ops_violations("import torch\nimport triton.language as tl", mod) == []
     assert ops_violations("from megatron.core import parallel_state", mod)
     assert ops_violations("def f():\n    import nemo.collections.llm", mod)

@@ -13,7 +13,7 @@ copies: for softmax_triton / ssa_triton our layer spec meets it in the same Trit
 that applies RoPE (``fused_rope_layout``, nemo_ssa/ops/rope, replacing megatron's unfused
 RoPE); other attentions and the fallbacks (packed THD, inference, context parallel,
 recompute) copy with ``.contiguous()`` after megatron's RoPE. See the
-``force_contiguous_qkv`` section of nemo_ssa/ops/ssa/README.md.
+``force_contiguous_qkv`` section of nemo_ssa/ops/attention/README.md.
 
 The attentions themselves (names, families, statuses, options) are the table in
 ``nemo_ssa.config.attentions``; this module applies the policy to them. Pure Python (no

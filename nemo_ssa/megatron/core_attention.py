@@ -532,7 +532,7 @@ _TRITON_MASK_TYPES = (AttnMaskType.causal, AttnMaskType.no_mask)
 
 
 class SSATritonCoreAttention(SSACoreAttention):
-    """``attention=ssa_triton``: the fused Triton SSA kernel (nemo_ssa/ops/ssa/flash.py).
+    """``attention=ssa_triton``: the fused Triton SSA kernel (nemo_ssa/ops/attention/flash.py).
 
     Same parameters and checkpoint names as ``ssa_reference`` (a checkpoint of one resumes
     under the other). Causal / no-mask only (the kernel applies causality itself; there is
@@ -550,7 +550,7 @@ class SoftmaxTritonCoreAttention(SoftmaxCoreAttention):
 
 
 class SSAFlexCoreAttention(SSACoreAttention):
-    """``attention=ssa_flex`` (experimental): SSA through FlexAttention (nemo_ssa/ops/ssa/flex.py).
+    """``attention=ssa_flex`` (experimental): SSA through FlexAttention (nemo_ssa/ops/attention/flex.py).
 
     Every mask type (masks become a mask_mod); n and b stay tensors; dn/db come from a
     separate deterministic pass. No dropout (FlexAttention has none).

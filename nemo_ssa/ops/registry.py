@@ -23,14 +23,14 @@ __all__ = ["ATTENTION_FNS", "UnknownAttentionError", "available", "get_attention
 #: imports (or JIT-compiles) Triton kernels, and ``TRITON_INTERPRET`` set by a test
 #: session before the first use still takes effect.
 ATTENTION_FNS: Dict[Tuple[str, str], Union[str, Callable]] = {
-    ("ssa", "reference"): "nemo_ssa.ops.ssa.naive:ssa_attention_naive",
-    ("softmax", "reference"): "nemo_ssa.ops.ssa.naive:softmax_attention_naive",
+    ("ssa", "reference"): "nemo_ssa.ops.attention.naive:ssa_attention_naive",
+    ("softmax", "reference"): "nemo_ssa.ops.attention.naive:softmax_attention_naive",
     ("softmax", "sdpa"): "nemo_ssa.ops.softmax.sdpa:softmax_attention_sdpa",
-    ("ssa", "triton"): "nemo_ssa.ops.ssa.flash:ssa_attention_triton",
-    ("softmax", "triton"): "nemo_ssa.ops.ssa.flash:softmax_attention_triton",
-    ("ssa", "triton_varlen"): "nemo_ssa.ops.ssa.flash:ssa_attention_triton_varlen",
-    ("softmax", "triton_varlen"): "nemo_ssa.ops.ssa.flash:softmax_attention_triton_varlen",
-    ("ssa", "flex"): "nemo_ssa.ops.ssa.flex:ssa_attention_flex",
+    ("ssa", "triton"): "nemo_ssa.ops.attention.flash:ssa_attention_triton",
+    ("softmax", "triton"): "nemo_ssa.ops.attention.flash:softmax_attention_triton",
+    ("ssa", "triton_varlen"): "nemo_ssa.ops.attention.flash:ssa_attention_triton_varlen",
+    ("softmax", "triton_varlen"): "nemo_ssa.ops.attention.flash:softmax_attention_triton_varlen",
+    ("ssa", "flex"): "nemo_ssa.ops.attention.flex:ssa_attention_flex",
     ("softmax", "elsa"): "nemo_ssa.ops.elsa.scan:elsa_softmax_attention",
     ("ssa", "elsa"): "nemo_ssa.ops.elsa.scan:elsa_ssa_attention",
     # each stage Triton or torch, chosen by the function's own ``impl`` argument

@@ -441,14 +441,14 @@ def _build_dense(s: Spec) -> Inputs:
     causal = s.causal
 
     def reference(L):
-        from nemo_ssa.ops.ssa.naive import attention_naive
+        from nemo_ssa.ops.attention.naive import attention_naive
 
         extra = dict(transform="ssa", n=L["n"], b=L["b"]) if ssa else dict(transform="softmax")
         sc = scale if isinstance(scale, (int, float)) and not isinstance(scale, bool) else None
         return attention_naive(L["q"], L["k"], L["v"], causal=causal, softmax_scale=sc, keep_mask=keep, **extra)
 
     def eager(L):
-        from nemo_ssa.ops.ssa.naive import attention_naive
+        from nemo_ssa.ops.attention.naive import attention_naive
 
         extra = dict(transform="ssa", n=L["n"], b=L["b"]) if ssa else dict(transform="softmax")
         sc = scale if isinstance(scale, (int, float)) and not isinstance(scale, bool) else None
@@ -571,7 +571,7 @@ def _build_varlen(s: Spec) -> Inputs:
     sc = scale if isinstance(scale, (int, float)) and not isinstance(scale, bool) else None
 
     def per_seq(fn, L, **extra_kw):
-        from nemo_ssa.ops.ssa.naive import attention_naive
+        from nemo_ssa.ops.attention.naive import attention_naive
 
         outs = []
         extra = dict(transform="ssa", n=L["n"], b=L["b"]) if ssa else dict(transform="softmax")

@@ -21,7 +21,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from nemo_ssa.megatron.core_attention import SoftmaxCoreAttention, SSAReferenceCoreAttention
 from nemo_ssa.megatron.cpu import cpu_device_shims
-from nemo_ssa.ops.ssa.naive import attention_naive
+from nemo_ssa.ops.attention.naive import attention_naive
 
 SQ, B, NP, NG, HN = 8, 2, 4, 2, 16
 CLASSES = [SoftmaxCoreAttention, SSAReferenceCoreAttention]

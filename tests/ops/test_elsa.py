@@ -37,7 +37,7 @@ from nemo_ssa.ops.elsa import routing
 from nemo_ssa.ops.elsa.introspect import elsa_structure
 from nemo_ssa.ops.elsa.monoid import partial_of
 from nemo_ssa.ops.elsa.scan import elsa_forward, kernels_interpreted, merge_finalize_partials
-from nemo_ssa.ops.ssa.naive import attention_naive
+from nemo_ssa.ops.attention.naive import attention_naive
 from nemo_ssa.testing import (
     assert_scalar_grad_close,
     assert_within_2x_eager,

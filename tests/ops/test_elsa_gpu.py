@@ -26,7 +26,7 @@ from nemo_ssa.ops.elsa import elsa_attention
 from nemo_ssa.ops.elsa.introspect import elsa_structure
 from nemo_ssa.ops.elsa.routing import make_plan
 from nemo_ssa.ops.elsa.scan import kernels_interpreted
-from nemo_ssa.ops.ssa.naive import attention_naive
+from nemo_ssa.ops.attention.naive import attention_naive
 from nemo_ssa.testing import (
     assert_scalar_grad_close,
     assert_within_2x_eager,

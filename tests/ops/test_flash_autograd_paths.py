@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 from nemo_ssa.ops.common import alloc, bwd  # noqa: E402
 from nemo_ssa.ops.common import launch as launcher  # noqa: E402
 from nemo_ssa.ops.common.launch import is_interpreter  # noqa: E402
-from nemo_ssa.ops.ssa import flash as fl  # noqa: E402
+from nemo_ssa.ops.attention import flash as fl  # noqa: E402
 from nemo_ssa.testing import make_qkv  # noqa: E402
 
 DEVICE = "cpu" if is_interpreter() else "cuda"

@@ -24,8 +24,8 @@ import pytest  # noqa: E402
 from nemo_ssa.ops.common import alloc, bwd, bwd_config, bwd_kernels  # noqa: E402
 from nemo_ssa.ops.common.bwd import attention_bwd  # noqa: E402
 from nemo_ssa.ops.common.launch import is_interpreter  # noqa: E402
-from nemo_ssa.ops.ssa import flash as fl  # noqa: E402
-from nemo_ssa.ops.ssa.naive import attention_naive, ssa_transform  # noqa: E402
+from nemo_ssa.ops.attention import flash as fl  # noqa: E402
+from nemo_ssa.ops.attention.naive import attention_naive, ssa_transform  # noqa: E402
 from nemo_ssa.testing import assert_scalar_grad_close, case_id, make_qkv, rel_err, ssa_scalar_grad_terms  # noqa: E402
 
 F64 = torch.float64

@@ -30,7 +30,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from nemo_ssa.ops.ssa.naive import attention_naive  # noqa: E402
+from nemo_ssa.ops.attention.naive import attention_naive  # noqa: E402
 from nemo_ssa.testing import (  # noqa: E402
     assert_grad_close_to_terms,
     assert_scalar_grad_close,
@@ -104,11 +104,11 @@ def _run(attn, q, k, v, n, b, gates=None, block_idx=None, reference=False):
     if reference:
         return attention_naive(q, k, v, transform="ssa" if attn in SSA else "softmax", **kw), None
     if attn in ("ssa_triton", "softmax_triton"):
-        from nemo_ssa.ops.ssa.flash import flash_attention
+        from nemo_ssa.ops.attention.flash import flash_attention
 
         return flash_attention(q, k, v, transform="ssa" if attn in SSA else "softmax", **kw), None
     if attn == "ssa_flex":
-        from nemo_ssa.ops.ssa.flex import ssa_attention_flex
+        from nemo_ssa.ops.attention.flex import ssa_attention_flex
 
         return ssa_attention_flex(q, k, v, n, b, causal=True, compile=True if CUDA else False), None
     from nemo_ssa.ops.elsa import elsa_attention

@@ -42,7 +42,7 @@ from nemo_ssa.ops.nsa.naive import (  # noqa: E402
     selection_keep_mask,
     window_mask,
 )
-from nemo_ssa.ops.ssa.naive import attention_naive  # noqa: E402
+from nemo_ssa.ops.attention.naive import attention_naive  # noqa: E402
 from nemo_ssa.testing import (  # noqa: E402
     assert_scalar_grad_close,
     assert_within_2x_eager,

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from nemo_ssa.ops.softmax import sdpa as sdpa_mod
 from nemo_ssa.ops.softmax.sdpa import softmax_attention_sdpa
-from nemo_ssa.ops.ssa.naive import softmax_attention_naive
+from nemo_ssa.ops.attention.naive import softmax_attention_naive
 from nemo_ssa.testing import case_id, make_qkv, rel_err
 
 
@@ -92,7 +92,7 @@ def test_softmax_reference_matches_torch_softmax(causal):
 
 def test_registry_table_and_unknown_names():
     from nemo_ssa.ops import available, get_attention_fn
-    from nemo_ssa.ops.ssa.naive import ssa_attention_naive
+    from nemo_ssa.ops.attention.naive import ssa_attention_naive
 
     assert {("softmax", "reference"), ("softmax", "sdpa"), ("ssa", "reference"), ("ssa", "triton"),
             ("softmax", "triton")} <= set(available())

@@ -1,4 +1,4 @@
-"""Fused flash SSA/softmax kernel (nemo_ssa/ops/ssa/flash.py + ops/common/bwd*.py).
+"""Fused flash SSA/softmax kernel (nemo_ssa/ops/attention/flash.py + ops/common/bwd*.py).
 
 Runs on CPU through the Triton interpreter (16x16 tiles, so N = 63 spans 4 query and 4 key
 blocks: unmasked blocks, the causal diagonal band and ragged tails are all exercised).
@@ -26,14 +26,14 @@ import pytest  # noqa: E402
 from nemo_ssa.ops.common import alloc, bwd, bwd_config  # noqa: E402
 from nemo_ssa.ops.common.bwd import attention_bwd  # noqa: E402
 from nemo_ssa.ops.common.launch import is_interpreter  # noqa: E402
-from nemo_ssa.ops.ssa.flash import (  # noqa: E402
+from nemo_ssa.ops.attention.flash import (  # noqa: E402
     flash_attention,
     flash_attention_fwd,
     flash_attention_varlen,
     softmax_attention_triton,
     ssa_attention_triton,
 )
-from nemo_ssa.ops.ssa.naive import attention_naive, ssa_transform  # noqa: E402
+from nemo_ssa.ops.attention.naive import attention_naive, ssa_transform  # noqa: E402
 from nemo_ssa.testing import (  # noqa: E402
     assert_scalar_grad_close,
     assert_within_2x_eager,
@@ -586,7 +586,7 @@ def test_dn_db_independent_of_stored_o_rounding():
 def test_varlen_gpu_block_sizes(monkeypatch, dtype):
     """Packed path with the GPU tiles of D=64 16-bit (fwd 128x64, dq 64x64, dkv 32x64):
     sequences of 1 token, shorter than a block, and crossing block boundaries."""
-    from nemo_ssa.ops.ssa import flash as flash_mod
+    from nemo_ssa.ops.attention import flash as flash_mod
 
     monkeypatch.setattr(flash_mod, "INTERPRETER_FWD_CONFIG", flash_mod.FWD_CONFIGS[(64, True, "16bit")])
     monkeypatch.setattr(bwd_config, "INTERPRETER_BWD_CONFIG", bwd_config.BWD_CONFIGS[(64, True, "16bit")])
@@ -626,7 +626,7 @@ def test_traced_host_code_touches_no_triton_kernel():
 
     from nemo_ssa.ops.common import device, launch
     from nemo_ssa.ops.common import validate as va
-    from nemo_ssa.ops.ssa import flash as fl
+    from nemo_ssa.ops.attention import flash as fl
 
     def is_kernel(obj):
         return isinstance(obj, triton.runtime.jit.KernelInterface) or type(obj).__name__ in (

@@ -28,8 +28,8 @@ import pytest
 import torch
 
 from nemo_ssa.ops.common.launch import is_interpreter
-from nemo_ssa.ops.ssa.flash import flash_attention, flash_attention_varlen, ssa_attention_triton
-from nemo_ssa.ops.ssa.naive import attention_naive
+from nemo_ssa.ops.attention.flash import flash_attention, flash_attention_varlen, ssa_attention_triton
+from nemo_ssa.ops.attention.naive import attention_naive
 from nemo_ssa.testing import (
     assert_scalar_grad_close,
     assert_within_2x_eager,

@@ -1,4 +1,4 @@
-"""SSA through FlexAttention (nemo_ssa/ops/ssa/flex.py), CPU side.
+"""SSA through FlexAttention (nemo_ssa/ops/attention/flex.py), CPU side.
 
 FlexAttention has no CPU backward for q/k/v, so here: the score_mod itself through
 autograd (fp64 gradcheck for n and b, with a negative control that detaches n), forward
@@ -23,15 +23,15 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import or_masks
 
-import nemo_ssa.ops.ssa.flex as flex
-from nemo_ssa.ops.ssa.flex import (
+import nemo_ssa.ops.attention.flex as flex
+from nemo_ssa.ops.attention.flex import (
     resolve_compile,
     resolve_dn_mode,
     ssa_attention_flex,
     ssa_flex_param_grads,
     ssa_score_mod,
 )
-from nemo_ssa.ops.ssa.naive import ssa_attention_naive, ssa_transform
+from nemo_ssa.ops.attention.naive import ssa_attention_naive, ssa_transform
 from nemo_ssa.testing import (
     assert_scalar_grad_close,
     assert_within_2x_eager,
@@ -42,7 +42,7 @@ from nemo_ssa.testing import (
 )
 
 F64 = torch.float64
-LOGGER = "nemo_ssa.ops.ssa.flex"
+LOGGER = "nemo_ssa.ops.attention.flex"
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -332,8 +332,8 @@ _TRITON_SCRIPT = textwrap.dedent(
     """
     import json, torch
     torch.set_num_threads(1)
-    import nemo_ssa.ops.ssa.flex as flex
-    from nemo_ssa.ops.ssa.naive import ssa_attention_naive
+    import nemo_ssa.ops.attention.flex as flex
+    from nemo_ssa.ops.attention.naive import ssa_attention_naive
     from nemo_ssa.testing import make_qkv, rel_err, ssa_scalar_grad_terms
     assert flex._TRITON_IMPORT_ERROR is None, flex._TRITON_IMPORT_ERROR
     assert flex._kernel_interpreted()

@@ -21,9 +21,9 @@ import time
 import pytest
 import torch
 
-import nemo_ssa.ops.ssa.flex as flex
-from nemo_ssa.ops.ssa.flex import ssa_attention_flex
-from nemo_ssa.ops.ssa.naive import attention_naive
+import nemo_ssa.ops.attention.flex as flex
+from nemo_ssa.ops.attention.flex import ssa_attention_flex
+from nemo_ssa.ops.attention.naive import attention_naive
 from nemo_ssa.testing import (
     assert_scalar_grad_close,
     assert_within_2x_eager,
@@ -212,7 +212,7 @@ def test_small_head_dim_is_gated_to_eager_with_a_logged_reason(caplog):
     q, k, v = make_qkv(1, 2, 1, 64, 64, 8, torch.float32, device=DEV, requires_grad=True)
     n, b = _params()
     go = torch.randn(1, 2, 64, 8, device=DEV)
-    with caplog.at_level(logging.WARNING, logger="nemo_ssa.ops.ssa.flex"):
+    with caplog.at_level(logging.WARNING, logger="nemo_ssa.ops.attention.flex"):
         out = ssa_attention_flex(q, k, v, n, b, causal=True)  # compile="auto"
     assert "head dim >= 16" in caplog.text
     grads = torch.autograd.grad(out, (q, k, v, n, b), go)

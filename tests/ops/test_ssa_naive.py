@@ -1,4 +1,4 @@
-"""Tests for the SSA / softmax torch reference (nemo_ssa/ops/ssa/naive.py).
+"""Tests for the SSA / softmax torch reference (nemo_ssa/ops/attention/naive.py).
 
 Everything is checked against formulas written independently here (torch.pow closed
 form, hand-built bottom-right masks, per-head loops), not against the reference itself.
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from nemo_ssa.ops.ssa.naive import (
+from nemo_ssa.ops.attention.naive import (
     attention_naive,
     softmax_attention_naive,
     ssa_attention_naive,

@@ -80,7 +80,7 @@ def test_negative_control_silently_wrong_output_fails(monkeypatch):
 def test_negative_control_wrong_db_sign_fails(monkeypatch):
     """db computed without sgn(s) (seed 000's bug) in an otherwise exact reference op."""
     from nemo_ssa.ops import registry
-    from nemo_ssa.ops.ssa import naive
+    from nemo_ssa.ops.attention import naive
 
     def bad_ssa(q, k, v, n, b, **kw):
         class Flip(torch.autograd.Function):  # identity on b, its gradient replaced by |db|-ish

@@ -8,7 +8,7 @@ import math
 import torch
 
 from nemo_ssa.ops.nsa import NSAConfig, nsa_attention_naive
-from nemo_ssa.ops.ssa.naive import attention_naive
+from nemo_ssa.ops.attention.naive import attention_naive
 from nemo_ssa.testing import (
     assert_scalar_grad_close,
     nsa_scalar_grad_terms,

@@ -30,7 +30,7 @@ key are neither launched nor read. Offsets are int64. Any ``Sq``, ``Sk`` (masked
 head dims 16..256 (padded to a power of two and masked). fp32 inputs use IEEE fp32 dots
 by default (``fp32_precision``).
 
-Differences from the reference (``nemo_ssa.ops.ssa.naive``): no ``keep_mask`` and no
+Differences from the reference (``nemo_ssa.ops.attention.naive``): no ``keep_mask`` and no
 dropout (both refused with ``UnsupportedError``, a ValueError; arguments are checked by
 ``nemo_ssa.ops.common.validate`` against ``ELSA_CAPS``).
 

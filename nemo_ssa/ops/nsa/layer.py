@@ -36,7 +36,7 @@ from nemo_ssa.ops.nsa.naive import (
     selection_keep_mask,
     window_mask,
 )
-from nemo_ssa.ops.ssa.naive import ssa_transform
+from nemo_ssa.ops.attention.naive import ssa_transform
 
 __all__ = ["nsa_attention", "STAGES", "IMPLS", "resolve_impl"]
 

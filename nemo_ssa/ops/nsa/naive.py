@@ -9,7 +9,7 @@ mixes them with learned per-head gates::
     g = sigmoid(gate_logits)                          per query head and branch
 
 Every branch is the same thing: a row softmax over *transformed* scores (softmax or SSA,
-as in ``nemo_ssa.ops.ssa.naive``) restricted to the keys a boolean mask keeps. This file
+as in ``nemo_ssa.ops.attention.naive``) restricted to the keys a boolean mask keeps. This file
 therefore writes each branch as "build the mask, run masked attention": the masks are
 the readable definition, the attention is dense (O(N²) memory, fine for tests and for
 N up to a few thousand on a GPU). ``README.md`` next to this file has the conventions
@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from nemo_ssa.ops.common.validate import Capabilities, validate_attention_args
-from nemo_ssa.ops.ssa.naive import ssa_transform
+from nemo_ssa.ops.attention.naive import ssa_transform
 
 __all__ = [
     "NSAConfig",

@@ -1,4 +1,4 @@
-"""Softmax attention: the SDPA baseline (the torch reference lives in ``ops.ssa.naive``)."""
+"""Softmax attention: the SDPA baseline (the torch reference lives in ``ops.attention.naive``)."""
 
 from nemo_ssa.ops.softmax.sdpa import softmax_attention_sdpa
 

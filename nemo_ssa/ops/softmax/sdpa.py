@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from nemo_ssa.ops.common.validate import Capabilities
-from nemo_ssa.ops.ssa.naive import _combined_mask, _validate
+from nemo_ssa.ops.attention.naive import _combined_mask, _validate
 
 __all__ = ["softmax_attention_sdpa"]
 

@@ -69,7 +69,7 @@ def test_one_backward_op_serves_flash_and_elsa(monkeypatch):
         pytest.skip("Triton kernels need the interpreter or CUDA")
     dev = "cpu" if is_interpreter() else "cuda"
     from nemo_ssa.ops.elsa import elsa_attention
-    from nemo_ssa.ops.ssa.flash import flash_attention_fwd
+    from nemo_ssa.ops.attention.flash import flash_attention_fwd
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 17, 16, device=dev) for _ in range(3))

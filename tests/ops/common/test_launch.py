@@ -43,7 +43,7 @@ def test_is_interpreter_follows_the_env_var_at_import(value, want):
 
 def test_no_other_interpreter_check_in_ops():
     """One copy: nothing else under nemo_ssa/ops reads TRITON_INTERPRET or inspects a
-    kernel's class to find out (ops/ssa/flex.py's check of its optional kernel excepted)."""
+    kernel's class to find out (ops/attention/flex.py's check of its optional kernel excepted)."""
     ops = os.path.join(os.path.dirname(launcher.__file__), os.pardir)
     found = []
     for root, _, files in os.walk(os.path.normpath(ops)):

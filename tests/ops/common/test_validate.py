@@ -19,9 +19,9 @@ from nemo_ssa.ops.common.validate import ArgumentTypeError, UnsupportedError
 from nemo_ssa.ops.elsa.scan import elsa_attention
 from nemo_ssa.ops.nsa import NSAConfig, nsa_attention
 from nemo_ssa.ops.softmax.sdpa import softmax_attention_sdpa
-from nemo_ssa.ops.ssa.flash import flash_attention, flash_attention_varlen
-from nemo_ssa.ops.ssa.flex import ssa_attention_flex
-from nemo_ssa.ops.ssa.naive import attention_naive
+from nemo_ssa.ops.attention.flash import flash_attention, flash_attention_varlen
+from nemo_ssa.ops.attention.flex import ssa_attention_flex
+from nemo_ssa.ops.attention.naive import attention_naive
 
 B, HQ, HKV, S, D = 1, 4, 2, 16, 16
 # the Triton ops run on CPU only under the interpreter; on a GPU machine every op gets CUDA inputs

@@ -105,7 +105,7 @@ from torch.nn.attention import flex_attention as _fa
 from torch.nn.attention.flex_attention import and_masks, create_block_mask, create_mask, flex_attention
 
 from nemo_ssa.ops.common.validate import Capabilities
-from nemo_ssa.ops.ssa.naive import _validate
+from nemo_ssa.ops.attention.naive import _validate
 
 try:  # triton (and the shared transform helpers) are needed only for dn_mode="triton"
     import triton
