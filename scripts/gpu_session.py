@@ -21,7 +21,7 @@ what did not.
 Free-form steps (as before)::
 
     python scripts/gpu_session.py --out $OUT --budget 560 \\
-        "flash-tests:150:python -m pytest -m gpu tests/ops/test_ssa_flash_gpu.py -q" \\
+        "flash-tests:150:python -m pytest -m gpu tests/ops/attention/test_flash_gpu.py -q" \\
         "bench:120:python benchmarks/bench_attention.py --quick --out {out}/bench_attention.md"
 
 Each step is ``NAME:SECONDS:COMMAND`` (``{out}`` expands to the output folder). Steps run
@@ -49,8 +49,8 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-GPU_FILES = ["tests/ops/test_ssa_flash_gpu.py", "tests/ops/test_ssa_flex_gpu.py", "tests/ops/test_elsa_gpu.py",
-             "tests/ops/test_nsa_gpu.py", "tests/ops/test_fused_attention_range.py", "tests/ops/test_mlp_gpu.py"]
+GPU_FILES = ["tests/ops/attention/test_flash_gpu.py", "tests/ops/attention/test_flex_gpu.py", "tests/ops/elsa/test_elsa_gpu.py",
+             "tests/ops/nsa/test_nsa_gpu.py", "tests/ops/test_fused_attention_range.py", "tests/ops/mlp/test_mlp_gpu.py"]
 
 # name -> (what it runs, expected seconds on an H100 incl. start-up, budget, steps). A pytest
 # step is ("pytest", NAME, SECONDS, files, marker, per-test timeout); anything else is
@@ -67,10 +67,10 @@ PRESETS = {
               "extreme logits, fused RoPE+layout, LM cross-entropy, fused MLP, the step's foreach/fused-AdamW paths",
         expect=360, budget=530,
         steps=[("pytest", "tests-full-1", 505,
-                ["tests/ops/test_ssa_flash_gpu.py", "tests/ops/test_ssa_flex_gpu.py", "tests/ops/test_elsa_gpu.py",
-                 "tests/ops/test_fused_attention_range.py", "tests/ops/test_ssa_flash.py", "tests/ops/test_flash_autograd_paths.py",
-                 "tests/ops/test_rope.py", "tests/ops/test_cross_entropy.py", "tests/megatron/test_fast_paths.py",
-                 "tests/ops/test_mlp_gpu.py"],
+                ["tests/ops/attention/test_flash_gpu.py", "tests/ops/attention/test_flex_gpu.py", "tests/ops/elsa/test_elsa_gpu.py",
+                 "tests/ops/test_fused_attention_range.py", "tests/ops/attention/test_flash.py", "tests/ops/attention/test_flash_autograd_paths.py",
+                 "tests/ops/rope/test_rope.py", "tests/ops/cross_entropy/test_cross_entropy.py", "tests/megatron/test_fast_paths.py",
+                 "tests/ops/mlp/test_mlp_gpu.py"],
                 None, 240)]),
     "full-2": dict(
         about="NSA GPU file, the CPU op tests of ELSA and NSA run on CUDA, the ops fuzz on CUDA",
@@ -78,8 +78,8 @@ PRESETS = {
         # the N=4088 NSA cases (marker gpu_big, ~15-45 GB each) run alone after the rest: beside
         # three other xdist workers one of them ran out of memory on an 80 GB H100
         steps=[("pytest", "tests-full-2", 180,
-                ["tests/ops/test_nsa_gpu.py", "tests/ops/test_nsa.py", "tests/ops/test_elsa.py"], "not gpu_big", 170),
-               ("pytest", "tests-full-2-big", 250, ["tests/ops/test_nsa_gpu.py"], "gpu_big", 200, 1),
+                ["tests/ops/nsa/test_nsa_gpu.py", "tests/ops/nsa/test_nsa.py", "tests/ops/elsa/test_elsa.py"], "not gpu_big", 170),
+               ("pytest", "tests-full-2-big", 250, ["tests/ops/nsa/test_nsa_gpu.py"], "gpu_big", 200, 1),
                ("cmd", "ops-fuzz", 95,
                 "{py} -m nemo_ssa.testing.ops_fuzz --device cuda --cases 3000 --time-budget 50 "
                 "--out {out}/ops-fuzz-cuda.md")]),

@@ -6,7 +6,7 @@ locked set (megatron-core 0.15.3, numpy 1.26.4).
 The core: the layer spec built for every attention and the optimizer's weight-decay groups
 through our path and NeMo's (tests/megatron/test_spec_model.py), two gloo ranks training
 with the distributed optimizer, saving, stopping and resuming (tests/megatron/test_compat.py),
-the op references (tests/ops/test_ssa_naive.py), config checks (tests/test_policy.py), the
+the op references (tests/ops/attention/test_naive.py), config checks (tests/test_policy.py), the
 version guard (tests/test_versions.py), and the plain megatron-core path (the layer specs
 Megatron-LM's --spec reads, scripts/train_megatron_core.py at one rank and TP2).
 """
@@ -21,7 +21,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OVERLAYS = [os.path.join(sys.prefix, "overlays", name) for name in ("megatron-core-newest", "numpy2")]
-CORE = ["tests/megatron/test_spec_model.py", "tests/megatron/test_compat.py", "tests/ops/test_ssa_naive.py",
+CORE = ["tests/megatron/test_spec_model.py", "tests/megatron/test_compat.py", "tests/ops/attention/test_naive.py",
         "tests/test_policy.py", "tests/test_versions.py", "tests/scripts/test_train_megatron_core.py",
         "tests/megatron/test_layer_specs.py"]
 INSIDE = "NEMO_SSA_STACK_MATRIX"

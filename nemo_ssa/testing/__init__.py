@@ -141,7 +141,7 @@ def assert_within_2x_eager(
 # every term's rounding error is proportional to -- so it is as tight on every draw and
 # still fails a wrong formula (a dropped sign or factor moves the sum by a fraction of
 # sum|terms|, orders of magnitude above these tolerances; see the negative controls in
-# tests/ops/test_ssa_flash.py).
+# tests/ops/attention/test_flash.py).
 #: relative tolerance on ``|got - ref| / sum|terms|`` by input dtype (the floor; 16-bit
 #: inputs also pass when within 2x of the eager same-dtype error)
 SCALAR_GRAD_RTOL = {

@@ -2,7 +2,7 @@
 
 ``attention=nsa`` and ``attention=nsa_ssa`` (the same module with ``transform="ssa"``)
 share every case that applies to both. Ground truths: ``nsa_attention_naive`` (tested
-against brute-force formulations in tests/ops/test_nsa.py) fed with projections
+against brute-force formulations in tests/ops/nsa/test_nsa.py) fed with projections
 recomputed here from the module's weights; megatron's own ``SelfAttention.forward``
 signature; megatron's ``TransformerLayer`` and ``GPTModel`` built from the spec
 functions, forward and backward; the SSA core attentions' n / b conventions.

@@ -21,7 +21,7 @@ from nemo_ssa.megatron.spec import layer_spec
 S, B, HIDDEN, HEADS, GROUPS, VOCAB = 9, 2, 96, 6, 2, 64  # head dim 16, GQA 3, rot dim 8
 
 # CPU models with the Triton kernels in the interpreter (on a GPU machine the GPU side is
-# tests/ops/test_rope.py and benchmarks/bench_rope_layout.py)
+# tests/ops/rope/test_rope.py and benchmarks/bench_rope_layout.py)
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU model-level test (Triton interpreter)")
 
 

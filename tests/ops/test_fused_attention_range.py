@@ -15,7 +15,7 @@ Inputs per row: about half the rows have one key at s = +1e4 and the rest random
 |q|, |k| stay within fp16 range (|q_i|, |k_j| ~ 50-150).
 
 CPU: the Triton interpreter in fp32 and fp16 (the interpreter's bf16 dot is broken; see
-test_ssa_flash.py); flex has no q/k/v backward on CPU, so there dn/db and the forward.
+attention/test_flash.py); flex has no q/k/v backward on CPU, so there dn/db and the forward.
 GPU: the same tests with bf16 added (``gpu_quick`` on the bf16 cases).
 """
 

@@ -44,7 +44,7 @@ def test_presets_fit_the_device_limits():
     full = {f for n in ("full-1", "full-2") for s in gs.PRESETS[n]["steps"] if s[0] == "pytest" for f in s[3]}
     gpu_files = {os.path.relpath(p, REPO) for p in __import__("glob").glob(os.path.join(REPO, "tests/ops/*_gpu.py"))}
     assert gpu_files <= full, gpu_files - full
-    assert {"tests/ops/test_ssa_flash.py", "tests/ops/test_elsa.py", "tests/ops/test_nsa.py",
+    assert {"tests/ops/attention/test_flash.py", "tests/ops/elsa/test_elsa.py", "tests/ops/nsa/test_nsa.py",
             "tests/ops/test_fused_attention_range.py"} <= full
 
 
@@ -61,7 +61,7 @@ def test_memory_heavy_cases_run_alone():
     assert " -n " not in cmd and "-m gpu_big" in cmd
     cmd = gs.pytest_command(["a.py"], "not gpu_big", 100, 4, "/tmp/x.jsonl")
     assert "-m 'not gpu_big'" in cmd
-    src = open(os.path.join(REPO, "tests/ops/test_nsa_gpu.py")).read()
+    src = open(os.path.join(REPO, "tests/ops/nsa/test_nsa_gpu.py")).read()
     assert "BIG = pytest.mark.gpu_big" in src
 
 

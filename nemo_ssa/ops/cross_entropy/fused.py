@@ -12,7 +12,7 @@ liger-kernel's and cut-cross-entropy's fused linear+CE at this shape (they save 
 by chunking the output GEMM, which the 114M model does not need at 80 GB).
 
 ``lm_cross_entropy(logits [s, b, V], labels [b, s]) -> loss [b, s] fp32`` equals
-``naive.lm_cross_entropy_naive`` (tests/ops/test_cross_entropy.py: against fp64 within
+``naive.lm_cross_entropy_naive`` (tests/ops/cross_entropy/test_cross_entropy.py: against fp64 within
 2x the eager fp32 error, forward and gradient). On CUDA the compiled function is used
 (compiled once per shape; ``dynamic=False`` keeps the kernels specialised for the
 recipe's fixed shape); on CPU and under ``NEMO_SSA_CE_COMPILE=0`` the eager reference

@@ -286,7 +286,7 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 def triton_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the Triton path runs for ``dtype`` tensors on ``device``: bf16/fp16 on CUDA;
     fp16 on CPU under ``TRITON_INTERPRET=1`` (the interpreter's bf16 ``tl.dot`` is wrong:
-    it stores bf16 as uint16, so bf16 is checked on the GPU, tests/ops/test_mlp_gpu.py)."""
+    it stores bf16 as uint16, so bf16 is checked on the GPU, tests/ops/mlp/test_mlp_gpu.py)."""
     if device.type == "cuda":
         return dtype in SUPPORTED_DTYPES
     return device.type == "cpu" and dtype == torch.float16 and is_interpreter()

@@ -14,7 +14,7 @@ it is the "eager same-dtype" implementation of the 2x-eager rule (the same chain
 roundings megatron's MLP makes: u rounded, relu, square rounded, GEMM).
 
 ``mlp_relu2_naive_backward`` is the backward written out (README.md derives it); autograd
-of ``mlp_relu2_naive`` gives the same, which tests/ops/test_mlp.py checks.
+of ``mlp_relu2_naive`` gives the same, which tests/ops/mlp/test_mlp.py checks.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """ops/common/bwd.py: the two backward paths' shared argument builder fits the kernels.
 
-The numerics of ``attention_bwd`` are tested against references in tests/ops/test_ssa_flash.py
-and tests/ops/test_flash_single_pass.py; here, that each builder fills exactly the kernel's
+The numerics of ``attention_bwd`` are tested against references in tests/ops/attention/test_flash.py
+and tests/ops/attention/test_flash_single_pass.py; here, that each builder fills exactly the kernel's
 runtime parameters, tensors first, in both paths.
 """
 

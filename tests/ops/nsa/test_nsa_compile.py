@@ -1,6 +1,6 @@
 """Every NSA kernel compiles for sm_90 (H100/H200) -- on a CPU-only machine.
 
-The interpreter (tests/ops/test_nsa.py) checks the math but accepts code the compiler
+The interpreter (tests/ops/nsa/test_nsa.py) checks the math but accepts code the compiler
 rejects (tile shapes below 16, scalar/tensor type mixes in branches, early returns);
 this ahead-of-time compile through Triton's bundled ptxas catches those before the
 GPU run. Runs in a subprocess because TRITON_INTERPRET is fixed when a kernel is
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 SCRIPT = r"""
 import os, sys

@@ -134,7 +134,7 @@ def test_single_pass_equals_two_kernel_backward(monkeypatch):
 def test_dn_bitwise_repeatable_and_independent_of_stored_o_rounding():
     """dn = sum dz (smag - C_i): the delta inside dz (do . o, from the *stored* o) multiplies
     sum_j p (smag - C_i) = 0, so rounding o to bf16 must not move dn (it moved the naive
-    sum by 3.8e-3 of its value at this shape, test_ssa_flash.py); and it repeats bitwise."""
+    sum by 3.8e-3 of its value at this shape, attention/test_flash.py); and it repeats bitwise."""
     torch.manual_seed(0)
     Hq, Hkv, S, D = 4, 2, 70, 32
     bf = lambda t: t.to(torch.bfloat16).float()  # noqa: E731

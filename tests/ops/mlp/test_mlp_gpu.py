@@ -1,6 +1,6 @@
 """Fused squared-ReLU MLP on a CUDA GPU: bf16/fp16 at the recipe's widths, 2x-eager rule.
 
-Run on its own (``pytest -m gpu tests/ops/test_mlp_gpu.py -q``); skips when a CPU test
+Run on its own (``pytest -m gpu tests/ops/mlp/test_mlp_gpu.py -q``); skips when a CPU test
 module decorated the kernels under ``TRITON_INTERPRET=1`` in the same session. The
 recipe's shape (hidden 768, ffn 3072) at an odd token count (the last row tile wraps), with
 the default tiles; a megatron-like ``[s, b, h]`` input; and ``torch.compile`` (inductor,

@@ -2,7 +2,7 @@
 
 Run (prints one line of errors per case)::
 
-    python -m pytest -m gpu tests/ops/test_ssa_flex_gpu.py -v -s
+    python -m pytest -m gpu tests/ops/attention/test_flex_gpu.py -v -s
 
 Compiled flex only (``compile=True``: a gated or failed compile raises instead of quietly
 running eager). bf16: output, dq, dk, dv within 2x the error of the eager bf16 reference

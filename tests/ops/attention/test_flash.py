@@ -7,7 +7,7 @@ Forward and every gradient (q, k, v, n, b) are compared with the float64 referen
 On a machine with CUDA (and the interpreter off) the same tests run on the GPU.
 
 The interpreter's bf16 ``tl.dot`` is wrong (bf16 is stored as uint16), so the 16-bit path
-is tested with fp16 here; bf16 bounds live in ``test_ssa_flash_gpu.py``.
+is tested with fp16 here; bf16 bounds live in ``test_flash_gpu.py``.
 """
 
 import os

@@ -2,7 +2,7 @@
 
 Run on its own (another test module may set TRITON_INTERPRET=1 for the whole session):
 
-    pytest -m gpu tests/ops/test_ssa_flash_gpu.py -q
+    pytest -m gpu tests/ops/attention/test_flash_gpu.py -q
 
 Gates (flash-attention's rule, docs/design.md):
 * bf16: rel. error of o, dq, dk, dv vs the fp32 reference <= 2x the error of the eager

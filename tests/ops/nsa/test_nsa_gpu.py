@@ -12,7 +12,7 @@ Each (dtype, head dim, transform) compiles the whole kernel set once, so the cas
 the head dims over the two dtypes instead of crossing them. The dense reference needs
 ~15 GB at N=4088 (marker ``gpu_big``: scripts/gpu_session.py runs them alone, with one worker).
 
-Run:  pytest -q -m gpu tests/ops/test_nsa_gpu.py      (skips without CUDA)
+Run:  pytest -q -m gpu tests/ops/nsa/test_nsa_gpu.py      (skips without CUDA)
 """
 
 import math

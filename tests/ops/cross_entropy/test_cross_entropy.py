@@ -260,7 +260,7 @@ def test_linear_ce_contract_violation_fails_loudly():
         import subprocess
         import sys
 
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
         proc = subprocess.run([sys.executable, "-c", _VIOLATION], capture_output=True, text=True, timeout=300,
                               env=env)

@@ -1,6 +1,6 @@
 """ELSA two-pass scan on a CUDA GPU: exactness bounds, bf16 2x-eager rule, structure.
 
-Run on its own (``pytest -m gpu tests/ops/test_elsa_gpu.py -q``): a CPU test module imported in the
+Run on its own (``pytest -m gpu tests/ops/elsa/test_elsa_gpu.py -q``): a CPU test module imported in the
 same session may have set ``TRITON_INTERPRET=1`` before the kernels were decorated, in which
 case these tests skip rather than run interpreted.
 

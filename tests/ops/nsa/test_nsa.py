@@ -4,12 +4,12 @@
 Ground truths, independent of the code under test:
  - per-token Python loops that follow the paper's definitions literally (compressed
    blocks, overlap scores, top-n with forced blocks, window), in fp64;
- - ``attention_naive`` (tests/ops/test_ssa_naive.py) with each branch's ``keep_mask``;
+ - ``attention_naive`` (tests/ops/attention/test_naive.py) with each branch's ``keep_mask``;
  - torch.autograd.gradcheck of the reference in fp64.
 Kernels are compared with the fp32 reference for the output and every gradient (q, each
 branch's k and v, gate logits, φ parameters, SSA's n and b), and fp16 with the "≤ 2×
 eager same-dtype error" rule (the interpreter's bf16 ``tl.dot`` is broken; bf16 runs in
-tests/ops/test_nsa_gpu.py). Sizes are tiny (block_len 4, stride 2, select_block 8);
+tests/ops/nsa/test_nsa_gpu.py). Sizes are tiny (block_len 4, stride 2, select_block 8);
 GQA ratio 3 throughout; odd N.
 """
 

@@ -8,7 +8,7 @@ that require grad, which CPU flex allows), the Triton dn kernel under the interp
 (in a subprocess: TRITON_INTERPRET must be set before triton is imported), backend
 validation and compile gating (its log lines). Eager flex only (compile=False or
 gated): compiled CPU flex is inference-only and takes ~20 s to build.
-GPU forward + all gradients: test_ssa_flex_gpu.py.
+GPU forward + all gradients: test_flex_gpu.py.
 """
 
 import json
@@ -43,7 +43,7 @@ from nemo_ssa.testing import (
 
 F64 = torch.float64
 LOGGER = "nemo_ssa.ops.attention.flex"
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 @pytest.fixture(autouse=True)
