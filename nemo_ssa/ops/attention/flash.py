@@ -73,6 +73,7 @@ from nemo_ssa.ops.common.launch import (
     autotuned,
     cdiv,
     default_input_precision,
+    for_lengths,
     is_interpreter,
     launch,
     next_pow2,
@@ -326,7 +327,7 @@ def _flash_fwd(
         kern[lambda m: (triton.cdiv(sq, m["BLOCK_M"]), bz * hq)](*args, **meta)
     else:
         cfg = config or fwd_config(d, causal, q.dtype)
-        launch(_attn_fwd_kernel, (cdiv(sq, cfg.block_m), bz * hq), args,
+        launch(for_lengths(_attn_fwd_kernel, sq, sk), (cdiv(sq, cfg.block_m), bz * hq), args,
                dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta), 11)
     return o, M, cstat

@@ -47,6 +47,7 @@ from nemo_ssa.ops.common.launch import (
     autotuned,
     cdiv,
     default_input_precision,
+    for_lengths,
     is_interpreter,
     launch,
     next_pow2,
@@ -230,7 +231,7 @@ def _preprocess(c: _BwdCall, o, do, delta, M, dqa=None) -> None:
     if dqa is not None:
         meta["ZERO_DQ"] = True
     az = zhsd_strides(dqa, c.varlen) if dqa is not None else _NO_STRIDES4
-    launch(attn_bwd_preprocess, (cdiv(c.sq, pre_bm), c.bz * c.hq),
+    launch(for_lengths(attn_bwd_preprocess, c.sq), (cdiv(c.sq, pre_bm), c.bz * c.hq),
            (o, do, delta, c.cu_q, M if dqa is None else dqa, *zhsd_strides(o, c.varlen),
             *zhsd_strides(do, c.varlen), *c.ms, *az, c.hq, c.sq),
            meta, 5)
@@ -298,7 +299,8 @@ def _attention_bwd_two_kernels(c: _BwdCall, do, q, k, v, o, M, cfg: BwdConfig, *
         kern[lambda meta: (triton.cdiv(c.sq, meta["BLOCK_M"]), c.bz * c.hq)](
             *dq_args, DPARAMS=dparams, DB=want_db, FUSED_DELTA=fused, **c.meta)
     else:
-        launch(attn_bwd_kernel_dq, (cdiv(c.sq, cfg.block_m_dq), c.bz * c.hq), dq_args,
+        launch(for_lengths(attn_bwd_kernel_dq, c.sq, c.sk), (cdiv(c.sq, cfg.block_m_dq), c.bz * c.hq),
+               dq_args,
                dict(BLOCK_M=cfg.block_m_dq, BLOCK_N=cfg.block_n_dq, DPARAMS=dparams, DB=want_db,
                     FUSED_DELTA=fused,
                     num_warps=cfg.warps_dq, num_stages=cfg.stages_dq, **c.meta), 15)
@@ -309,7 +311,8 @@ def _attention_bwd_two_kernels(c: _BwdCall, do, q, k, v, o, M, cfg: BwdConfig, *
                           "HAS_DROPOUT"])
         kern[lambda meta: (triton.cdiv(c.sk, meta["BLOCK_N"]), c.bz * c.hkv)](*kv_args, **c.meta)
     else:
-        launch(attn_bwd_kernel_dkv, (cdiv(c.sk, cfg.block_n_kv), c.bz * c.hkv), kv_args,
+        launch(for_lengths(attn_bwd_kernel_dkv, c.sq, c.sk), (cdiv(c.sk, cfg.block_n_kv), c.bz * c.hkv),
+               kv_args,
                dict(BLOCK_M=cfg.block_m_kv, BLOCK_N=cfg.block_n_kv, EVEN_Q=_even_q(c, cfg),
                     num_warps=cfg.warps_kv, num_stages=cfg.stages_kv, **c.meta), 16)
     if stacked is not None:
@@ -367,7 +370,8 @@ def _attention_bwd_single(c: _BwdCall, do, q, k, v, o, M, cstat, cfg: BwdConfig)
         nk, dnk, ns = 0, None, (0, 0, 0)
     _preprocess(c, o, do, delta, M, dqa=dqa)
     kv_args = _dkv_args(c, q, k, v, do, dk, dv, M, delta, dqa=dqa, cstat=cstat, dnk=dnk, dn_strides=ns)
-    launch(attn_bwd_kernel_dkv, (cdiv(c.sk, cfg.block_n_kv), c.bz * c.hkv), kv_args,
+    launch(for_lengths(attn_bwd_kernel_dkv, c.sq, c.sk), (cdiv(c.sk, cfg.block_n_kv), c.bz * c.hkv),
+           kv_args,
            dict(BLOCK_M=cfg.block_m_kv, BLOCK_N=cfg.block_n_kv, EVEN_Q=_even_q(c, cfg), ATOMIC_DQ=True,
                 DN_KV=dparams, num_warps=cfg.warps_kv, num_stages=cfg.stages_kv, **c.meta), 16)
     if cast or dparams:

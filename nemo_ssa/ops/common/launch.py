@@ -9,6 +9,8 @@
   with ``NEMO_SSA_FAST_LAUNCH=0``.
 * ``autotuned`` / ``autotune_enabled``: the ``NEMO_SSA_AUTOTUNE=1`` alternative to the
   static tile tables.
+* ``for_lengths``: the kernel to launch for given sequence lengths (a length of 1 takes a
+  twin that does not specialise on lengths).
 * ``cdiv``, ``next_pow2``, stride and pointer helpers the attention launchers share.
 """
 
@@ -22,7 +24,12 @@ import triton
 
 from nemo_ssa.ops.common import env
 
+#: The sequence-length parameters of the attention kernels (see ``for_lengths``).
+LENGTH_ARGS = ("SEQ_Q", "SEQ_K")
+
 __all__ = [
+    "LENGTH_ARGS",
+    "for_lengths",
     "is_interpreter",
     "launch",
     "launch_key",
@@ -82,6 +89,28 @@ def _launch_hooks_active() -> bool:
     rt = triton.knobs.runtime
     hooks = (rt.launch_enter_hook, rt.launch_exit_hook)
     return any(h is not None and getattr(h, "calls", True) for h in hooks)
+
+
+_LENGTH_GENERIC: Dict[int, object] = {}
+
+
+def for_lengths(kernel, *lengths: int):
+    """``kernel``, or for any length equal to 1 its twin compiled with ``LENGTH_ARGS``
+    ``do_not_specialize``.
+
+    Triton compiles a separate kernel for an int argument equal to 1, folding it in as a
+    constant. With the lengths folded to 1, the softmax backward's dQ kernel (bf16, causal,
+    D32) makes ptxas segfault on sm_90 (``PTXASError ... error code -11``;
+    ``python -m benchmarks.tiny_shapes`` reproduces it). One-token documents and prompts
+    therefore run the kernel every other length runs, with the lengths as run-time values;
+    every other length keeps Triton's usual specialisation (multiples of 16 included), so
+    the kernels users time are unchanged."""
+    if _INTERPRETED or 1 not in lengths:
+        return kernel
+    twin = _LENGTH_GENERIC.get(id(kernel))
+    if twin is None:
+        twin = _LENGTH_GENERIC[id(kernel)] = triton.runtime.jit.JITFunction(kernel.fn, do_not_specialize=LENGTH_ARGS)
+    return twin
 
 
 def launch_key(kernel, device_index: int, args: tuple, meta: dict) -> tuple:

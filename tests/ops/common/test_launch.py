@@ -295,3 +295,25 @@ def test_cached_launch_steps_aside_for_launch_hooks(monkeypatch):
     finally:
         triton.knobs.runtime.launch_enter_hook.remove(hook)
     assert not launcher._launch_hooks_active()
+
+
+def test_for_lengths_takes_a_length_generic_twin_only_for_length_one(monkeypatch):
+    """A length of 1 launches the kernel's twin with the sequence lengths unspecialised
+    (the ptxas crash at N=1); every other length launches the kernel itself."""
+    import triton
+
+    from nemo_ssa.ops.common import launch as L
+    from nemo_ssa.ops.common.bwd_kernels import attn_bwd_kernel_dq
+
+    monkeypatch.setattr(L, "_INTERPRETED", False)
+    monkeypatch.setattr(L, "_LENGTH_GENERIC", {})
+    assert L.for_lengths(attn_bwd_kernel_dq, 16, 17) is attn_bwd_kernel_dq
+    assert L.for_lengths(attn_bwd_kernel_dq, 1024, 1024) is attn_bwd_kernel_dq
+    twin = L.for_lengths(attn_bwd_kernel_dq, 1, 17)
+    assert isinstance(twin, triton.runtime.jit.JITFunction) and twin is not attn_bwd_kernel_dq
+    assert twin.fn is attn_bwd_kernel_dq.fn and L.for_lengths(attn_bwd_kernel_dq, 3, 1) is twin  # built once
+    flags = {p.name: p.do_not_specialize for p in twin.params}
+    assert flags["SEQ_Q"] and flags["SEQ_K"] and set(L.LENGTH_ARGS) <= set(flags)
+    assert not any(v for k, v in flags.items() if k not in L.LENGTH_ARGS)  # nothing else changes
+    monkeypatch.setattr(L, "_INTERPRETED", True)  # the interpreter never specialises: the kernel itself
+    assert L.for_lengths(attn_bwd_kernel_dq, 1, 1) is attn_bwd_kernel_dq
