@@ -114,7 +114,7 @@ def _pretrain_cmd(name: str, seed: int, steps: int, runs_root: str, extra: List[
             *PROTOCOL, *extra]
 
 
-def _prepare_corpus(overrides: List[str]) -> None:
+def prepare_corpus(overrides: List[str], tag: str = "parity") -> None:
     """Build the embedded corpus once, before several runs would race to build it."""
     if any(o.startswith("data.prefix=") for o in overrides):
         return
@@ -125,7 +125,7 @@ def _prepare_corpus(overrides: List[str]) -> None:
     data = OmegaConf.load(os.path.join(REPO, "configs", "data", "stdlib.yaml"))
     info = build_corpus(data.get("dir") or default_corpus_dir(), source=data.source,
                         vocab_size=int(data.vocab_size), max_bytes=data.get("max_bytes"))
-    print(f"[parity] corpus {info.prefix} ({info.num_tokens:,} tokens{', reused' if info.reused else ''})", flush=True)
+    print(f"[{tag}] corpus {info.prefix} ({info.num_tokens:,} tokens{', reused' if info.reused else ''})", flush=True)
 
 
 def train(args) -> int:
@@ -159,7 +159,7 @@ def train(args) -> int:
         raise SystemExit(f"duplicate runs: {labels}")
     print(f"[parity] {len(jobs)} run(s) on {n_gpus} GPU(s) x {args.per_gpu}: {', '.join(labels)}", flush=True)
     t0 = time.time()
-    _prepare_corpus(common)
+    prepare_corpus(common)
     pending, running, done = list(jobs), [], []
     free = list(slots)
 

@@ -2,6 +2,7 @@
 
     python scripts/study.py                                          # softmax vs ssa, 3 seeds (train=auto)
     python scripts/study.py --attentions softmax,ssa,nsa --seeds 5 -- train.max_steps=500
+    python scripts/study.py --parallel 3                             # 3 runs at once on one GPU
     python -m nemo_ssa study ...                                     # the same
 
 Every (attention, seed) run is ``scripts/pretrain.py attention=A seed=S compare_to=[]``
@@ -74,19 +75,47 @@ def read_curve(run_dir: str, name: str = "metrics.csv", column: str = "loss") ->
     return (steps, [by_step[s] for s in steps]) if steps else None
 
 
+def _launch_logged(cmd: List[str], log: str) -> int:
+    """One run with its output in ``log`` (runs that share the terminal would interleave)."""
+    with open(log, "a") as f:
+        return subprocess.call(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+
+
 def train_all(out: str, attentions: Sequence[str], seeds: Sequence[int], overrides: Sequence[str],
-              launch: Callable[[List[str]], int] = lambda cmd: subprocess.call(cmd, cwd=REPO)) -> Dict[str, int]:
-    """Every (attention, seed) run, seed-major; returns {run: exit code}."""
+              launch: Optional[Callable[[List[str]], int]] = None, parallel: int = 1) -> Dict[str, int]:
+    """Every (attention, seed) run, seed-major, ``parallel`` at a time (on the same
+    GPU(s): their tokens/s are then not speed results); returns {run: exit code}. With
+    ``parallel > 1`` each run's output goes to ``<out>/<run>.log``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if parallel < 1:
+        raise ValueError(f"parallel must be >= 1, got {parallel}")
     jobs = [(a, s) for s in seeds for a in attentions]
-    codes, t0 = {}, time.time()
-    for i, (attention, seed) in enumerate(jobs, 1):
+    codes, t0, done = {}, time.time(), [0]
+
+    def one(i: int, attention: str, seed: int) -> None:
         name = f"{attention}-s{seed}"
         print(f"[study] run {i}/{len(jobs)}: {name}", flush=True)
         t = time.time()
-        codes[name] = launch(command(out, attention, seed, overrides))
+        cmd = command(out, attention, seed, overrides)
+        if launch is not None:
+            codes[name] = launch(cmd)
+        elif parallel > 1:
+            codes[name] = _launch_logged(cmd, os.path.join(out, f"{name}.log"))
+        else:
+            codes[name] = subprocess.call(cmd, cwd=REPO)
+        done[0] += 1
         spent = time.time() - t0
-        print(f"[study] {name}: exit {codes[name]} in {time.time() - t:.0f} s; {i}/{len(jobs)} done, "
-              f"about {spent / i * (len(jobs) - i):.0f} s left", flush=True)
+        print(f"[study] {name}: exit {codes[name]} in {time.time() - t:.0f} s; {done[0]}/{len(jobs)} done, "
+              f"about {spent / done[0] * (len(jobs) - done[0]):.0f} s left", flush=True)
+
+    if parallel == 1:
+        for i, (attention, seed) in enumerate(jobs, 1):
+            one(i, attention, seed)
+    else:
+        with ThreadPoolExecutor(max_workers=parallel) as pool:
+            for f in [pool.submit(one, i, a, s) for i, (a, s) in enumerate(jobs, 1)]:
+                f.result()
     return codes
 
 
@@ -254,6 +283,8 @@ def main(argv=None) -> int:
     ap.add_argument("--first-seed", type=int, default=1234)
     ap.add_argument("--out", default="runs/study")
     ap.add_argument("--summarize-only", action="store_true", help="no training: the table and plot of what is there")
+    ap.add_argument("--parallel", type=int, default=1,
+                    help="runs at once on the same GPU(s) (loss study only: tokens/s are then shared)")
     args = ap.parse_args(argv)
     attentions = [a for a in args.attentions.split(",") if a]
     if len(attentions) < 2:
@@ -263,7 +294,15 @@ def main(argv=None) -> int:
     if not args.summarize_only:
         import torch
 
-        codes = train_all(args.out, attentions, seeds, with_cpu_heldout(overrides, torch.cuda.is_available()))
+        overrides = with_cpu_heldout(overrides, torch.cuda.is_available())
+        if args.parallel > 1:
+            import importlib.util  # scripts/ is not a package (site-packages may hold a "scripts")
+
+            spec = importlib.util.spec_from_file_location("_nemo_ssa_parity", os.path.join(REPO, "scripts", "parity.py"))
+            parity = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(parity)
+            parity.prepare_corpus(overrides, tag="study")
+        codes = train_all(args.out, attentions, seeds, overrides, parallel=args.parallel)
         failed = [k for k, v in codes.items() if v]
         if failed:
             print(f"[study] runs that failed (run the study again to resume them): {failed}", flush=True)

@@ -47,3 +47,22 @@ def test_smoke_run_evaluates_every_shift(smoke):
     # same prompts per seed: the least-squares curves agree across attentions
     assert res[0]["eval"]["x x4"]["least_squares"] == res[1]["eval"]["x x4"]["least_squares"]
     assert md.count("| x x8 |") == len(sorted({1, d // 2, d, k - 1} - {0}))
+
+
+def test_finished_runs_are_reused_and_a_changed_config_retrains(smoke, tmp_path, monkeypatch, megatron_cpu):
+    out = tmp_path / "icl"
+    calls = []
+    real = icl_train.train_one
+
+    def counting(cfg, attention, seed, log_every=0):
+        calls.append((attention, seed, cfg.steps))
+        return real(cfg, attention, seed, log_every)
+
+    monkeypatch.setattr(icl_train, "train_one", counting)
+    args = ["--cpu-smoke", "--seeds", "1", "--attentions", "softmax", "--steps", "3", "--out", str(out)]
+    assert icl_train.main(args) == 0 and calls == [("softmax", 1, 3)]
+    first = json.loads((out / "icl.json").read_text())["results"][0]["train_loss"]
+    assert icl_train.main(args) == 0 and calls == [("softmax", 1, 3)]  # reused, nothing trained
+    assert json.loads((out / "icl.json").read_text())["results"][0]["train_loss"] == first
+    assert icl_train.main(args[:-3] + ["4", "--out", str(out)]) == 0  # another schedule: trained again
+    assert calls[-1] == ("softmax", 1, 4)

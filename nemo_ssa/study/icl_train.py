@@ -15,7 +15,10 @@ Evaluation: squared error per number of in-context examples, divided by ``d`` (s
 predicting 0 scores ~1 in distribution), on held-out prompts in distribution and under
 shift — ``x`` and/or ``w`` at scale 2/4/8, and ``x`` from uniform, Laplace and Student-t —
 beside least squares on the same prompts (the floor). Results: ``icl.json`` (every curve
-per seed) and ``icl.md`` (mean and spread over seeds at a few example counts).
+per seed) and ``icl.md`` (mean and spread over seeds at a few example counts); each run is
+also saved as it finishes (``runs/<attention>-s<seed>.json``) and reused by a later call
+with the same configuration, so an interrupted call loses at most the run in progress and
+several processes (one per attention) can share one ``--out``.
 """
 
 from __future__ import annotations
@@ -132,6 +135,28 @@ def train_one(cfg: ICLConfig, attention: str, seed: int, log_every: int = 0) -> 
             "seconds": time.time() - t0}
 
 
+def run_path(out: str, attention: str, seed: int) -> str:
+    return os.path.join(out, "runs", f"{attention}-s{seed}.json")
+
+
+def save_run(out: str, cfg: ICLConfig, result: Dict) -> None:
+    """One finished run, written as it finishes (a later call reuses it)."""
+    path = run_path(out, result["attention"], result["seed"])
+    with open(path + ".tmp", "w") as f:
+        json.dump({"config": asdict(cfg), "result": result}, f)
+    os.replace(path + ".tmp", path)
+
+
+def load_run(out: str, cfg: ICLConfig, attention: str, seed: int) -> Optional[Dict]:
+    """A finished run with this exact configuration, else None (a changed task retrains)."""
+    path = run_path(out, attention, seed)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        saved = json.load(f)
+    return saved["result"] if saved.get("config") == asdict(cfg) else None
+
+
 def table(results: List[Dict], cfg: ICLConfig, at: Optional[List[int]] = None) -> str:
     """Mean (± sd over seeds) error per shift at a few example counts, least squares beside."""
     at = at or sorted({1, cfg.d // 2, cfg.d, cfg.k - 1} - {0})
@@ -162,14 +187,21 @@ def main(argv=None) -> int:
     cfg = CPU_SMOKE if args.cpu_smoke else ICLConfig()
     if args.steps:
         cfg = ICLConfig(**{**asdict(cfg), "steps": args.steps})
-    os.makedirs(args.out, exist_ok=True)
-    results, t0 = [], time.time()
+    os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
+    results, t0, trained = [], time.time(), 0
     jobs = [(a, s) for s in range(1, args.seeds + 1) for a in args.attentions.split(",")]
     for i, (attention, seed) in enumerate(jobs):
-        results.append(train_one(cfg, attention, seed, log_every=max(cfg.steps // 5, 1)))
+        r = load_run(args.out, cfg, attention, seed)
+        if r is None:
+            r = train_one(cfg, attention, seed, log_every=max(cfg.steps // 5, 1))
+            save_run(args.out, cfg, r)
+            trained += 1
+        else:
+            print(f"[icl] {attention} seed {seed}: reused {run_path(args.out, attention, seed)}", flush=True)
+        results.append(r)
         done = time.time() - t0
-        print(f"[icl] {i + 1}/{len(jobs)} runs done, {done:.0f} s; about {done / (i + 1) * (len(jobs) - i - 1):.0f} s "
-              "left", flush=True)
+        left = done / max(trained, 1) * (len(jobs) - i - 1) if trained else 0.0
+        print(f"[icl] {i + 1}/{len(jobs)} runs done, {done:.0f} s; about {left:.0f} s left", flush=True)
     with open(os.path.join(args.out, "icl.json"), "w") as f:
         json.dump({"config": asdict(cfg), "results": results}, f)
     text = table(results, cfg)

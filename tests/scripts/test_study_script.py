@@ -145,3 +145,29 @@ def test_cpu_study_end_to_end_records_heldout_and_n(tmp_path):
             assert held is not None and held[0] == [2, 4], (a, s)
     text = open(os.path.join(out, "study.md")).read()
     assert ": training loss" in text and ": held-out loss" in text and "n per layer" in text
+
+
+def test_parallel_runs_overlap_and_all_finish(tmp_path, capsys):
+    import threading
+    import time
+
+    out = str(tmp_path)
+    calls, live, peak, lock = [], [0], [0], threading.Lock()
+    inner = _fake_launcher(out, {"softmax": 0.0, "ssa": 0.1}, calls)
+
+    def launch(cmd):
+        with lock:
+            live[0] += 1
+            peak[0] = max(peak[0], live[0])
+        time.sleep(0.2)
+        rc = inner(cmd)
+        with lock:
+            live[0] -= 1
+        return rc
+
+    codes = study.train_all(out, ["softmax", "ssa"], [1234, 1235, 1236], [], launch=launch, parallel=3)
+    assert sorted(codes) == sorted(f"{a}-s{s}" for a in ("softmax", "ssa") for s in (1234, 1235, 1236))
+    assert not any(codes.values()) and peak[0] == 3
+    assert "6/6 done" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="parallel"):
+        study.train_all(out, ["softmax", "ssa"], [1], [], launch=launch, parallel=0)
