@@ -181,9 +181,6 @@ def summarize(out: str, attentions: Sequence[str], seeds: Sequence[int], plot: b
         if held_steps:  # NeMo's validation on the held-out split, one bucket per validation
             hv = compare_pair(held[other], held[base], [(st, st) for st in held_steps], names=(other, base))
             lines += ["", f"## {other} vs {base}: held-out loss", "", format_table(hv, (other, base))]
-    text = "\n".join(lines) + "\n"
-    with open(os.path.join(out, "study.md"), "w") as f:
-        f.write(text)
     n_final = {a: {s: n for s in seeds if (n := final_n(run_dir_of(out, a, s)))} for a in attentions}
     n_layers = sorted({layer for runs in n_final.values() for n in runs.values() for layer in n})
     if n_layers:
@@ -199,22 +196,6 @@ def summarize(out: str, attentions: Sequence[str], seeds: Sequence[int], plot: b
                 cells.append(f"{statistics.fmean(vals):.3f}" + (f" ± {statistics.stdev(vals):.3f}" if len(vals) > 1 else "")
                              if vals else "-")
             lines.append(f"| {a} | " + " | ".join(cells) + " |")
-    text = "\n".join(lines) + "\n"
-    with open(os.path.join(out, "study.md"), "w") as f:
-        f.write(text)
-    n_final = {a: {s: n for s in seeds if (n := final_n(run_dir_of(out, a, s)))} for a in attentions}
-    n_rows = []
-    for a in attentions:
-        if n_final[a]:
-            layers = sorted(set.intersection(*(set(n) for n in n_final[a].values())))
-            cells = []
-            for layer in layers:
-                vals = [n[layer] for n in n_final[a].values()]
-                cells.append(f"{statistics.fmean(vals):.3f}" + (f" ± {statistics.stdev(vals):.3f}" if len(vals) > 1 else ""))
-            n_rows.append(f"| {a} | " + " | ".join(f"{layer}: {c}" for layer, c in zip(layers, cells)) + " |")
-    if n_rows:
-        lines += ["", "## n per layer at the last step (mean ± sd over seeds)", "", "| attention | layers |", "|---|---|",
-                  *n_rows]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, "study.md"), "w") as f:
         f.write(text)

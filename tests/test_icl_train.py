@@ -46,7 +46,9 @@ def test_smoke_run_evaluates_every_shift(smoke):
             assert max(curves["least_squares"][d:]) < 1e-9  # noiseless: the floor is exact from d on
     # same prompts per seed: the least-squares curves agree across attentions
     assert res[0]["eval"]["x x4"]["least_squares"] == res[1]["eval"]["x x4"]["least_squares"]
-    assert md.count("| x x8 |") == len(sorted({1, d // 2, d, k - 1} - {0}))
+    table, verdicts = md.split("## Seed-paired verdicts")
+    assert table.count("| x x8 |") == len(sorted({1, d // 2, d, k - 1} - {0}))
+    assert verdicts.count("one seed: no verdict") == 2 * len(icl_train.SHIFTS)  # at d and k - 1
 
 
 def test_finished_runs_are_reused_and_a_changed_config_retrains(smoke, tmp_path, monkeypatch, megatron_cpu):
@@ -66,3 +68,29 @@ def test_finished_runs_are_reused_and_a_changed_config_retrains(smoke, tmp_path,
     assert json.loads((out / "icl.json").read_text())["results"][0]["train_loss"] == first
     assert icl_train.main(args[:-3] + ["4", "--out", str(out)]) == 0  # another schedule: trained again
     assert calls[-1] == ("softmax", 1, 4)
+
+
+def _synthetic(offset, seeds=(1, 2, 3, 4)):
+    """ICL results whose 'b' curve sits ``offset`` below 'a' in every condition."""
+    import random
+
+    cfg = icl_train.CPU_SMOKE
+    out = []
+    for s in seeds:
+        rng = random.Random(s)
+        base = [1.0 - 0.05 * i + rng.gauss(0, 0.01) for i in range(cfg.k)]
+        for name, off in (("a", 0.0), ("b", -offset)):
+            ev = {sh: {"model": [v + off + random.Random(s * 31 + len(name)).gauss(0, 0.002) for v in base],
+                       "least_squares": [0.0] * cfg.k} for sh in icl_train.SHIFTS}
+            out.append({"attention": name, "seed": s, "eval": ev})
+    return cfg, out
+
+
+def test_verdicts_find_a_planted_difference_and_not_an_absent_one():
+    cfg, res = _synthetic(0.2)
+    text = icl_train.verdict_table(res, cfg, ["a", "b"])
+    rows = [r for r in text.splitlines() if r.startswith("| in-distribution")]
+    assert rows and all("b lower by 0.200" in r for r in rows)
+    cfg, res = _synthetic(0.0)
+    text = icl_train.verdict_table(res, cfg, ["a", "b"])
+    assert "lower by" not in text and text.count("no difference beyond the seed spread") == 2 * len(icl_train.SHIFTS)

@@ -2,6 +2,7 @@
 
     python -m nemo_ssa.study.icl_train --attentions softmax,ssa --seeds 3 --out runs/icl   # GPU: minutes
     python -m nemo_ssa.study.icl_train --cpu-smoke --out /tmp/icl                         # CPU: seconds
+    python -m nemo_ssa.study.icl_train --attentions ssa --first-seed 4 --seeds 1 --out runs/icl &   # one run per process
 
 The model is megatron-core's ``TransformerBlock`` built from
 ``nemo_ssa.megatron.spec.layer_spec(config, attention)`` — the same core attentions and
@@ -176,10 +177,36 @@ def table(results: List[Dict], cfg: ICLConfig, at: Optional[List[int]] = None) -
     return "\n".join(lines)
 
 
+def verdict_table(results: List[Dict], cfg: ICLConfig, names: List[str], at: Optional[List[int]] = None) -> str:
+    """Every attention against the first, per condition at a few example counts: the
+    seed-paired difference of error / d, its 95 % interval and the seed spread, with the
+    study's rule (``nemo_ssa.study.verdict``: detected when the interval excludes 0 and the
+    difference exceeds the spread). Lower is better."""
+    from nemo_ssa.study.verdict import compare_pair
+
+    at = at or sorted({cfg.d, cfg.k - 1})
+    base = names[0]
+    lines = []
+    for other in names[1:]:
+        lines += [f"| condition | examples | {other} - {base} | 95 % CI | seed spread | verdict |",
+                  "|---|---|---|---|---|---|"]
+        for shift in SHIFTS:
+            runs = {n: {r["seed"]: (list(range(cfg.k)), r["eval"][shift]["model"]) for r in results
+                        if r["attention"] == n} for n in (other, base)}
+            for v in compare_pair(runs[other], runs[base], [(i, i) for i in at], names=(other, base)):
+                ci = f"[{v.ci[0]:+.3f}, {v.ci[1]:+.3f}]" if v.ci else "-"
+                spread = f"{v.seed_spread:.3f}" if v.seed_spread is not None else "-"
+                lines.append(f"| {shift} | {v.bucket[0]} | {v.diff:+.3f} | {ci} | {spread} | {v.verdict} |")
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--attentions", default="softmax,ssa")
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--first-seed", type=int, default=1,
+                    help="seeds first..first+seeds-1 (one process per seed range can share an --out)")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--cpu-smoke", action="store_true", help="the tiny configuration (seconds on CPU)")
     ap.add_argument("--out", required=True)
@@ -189,7 +216,8 @@ def main(argv=None) -> int:
         cfg = ICLConfig(**{**asdict(cfg), "steps": args.steps})
     os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
     results, t0, trained = [], time.time(), 0
-    jobs = [(a, s) for s in range(1, args.seeds + 1) for a in args.attentions.split(",")]
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
+    jobs = [(a, s) for s in seeds for a in args.attentions.split(",")]
     for i, (attention, seed) in enumerate(jobs):
         r = load_run(args.out, cfg, attention, seed)
         if r is None:
@@ -205,6 +233,9 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "icl.json"), "w") as f:
         json.dump({"config": asdict(cfg), "results": results}, f)
     text = table(results, cfg)
+    names = list(dict.fromkeys(args.attentions.split(",")))
+    if len(names) > 1:
+        text += "\n\n## Seed-paired verdicts (error / d; lower is better)\n\n" + verdict_table(results, cfg, names)
     with open(os.path.join(args.out, "icl.md"), "w") as f:
         f.write(f"# In-context linear regression, d={cfg.d}, k={cfg.k}\n\nerror / d (mean ± sd over seeds)\n\n"
                 f"{text}\n")

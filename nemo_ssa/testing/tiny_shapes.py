@@ -25,14 +25,15 @@ def _leaf(t: torch.Tensor, dtype=None) -> torch.Tensor:
     return t.detach().to(dtype or t.dtype).requires_grad_(True)
 
 
-def _check(got: List[torch.Tensor], eager: List[torch.Tensor], ref: List[torch.Tensor], names: List[str]) -> str:
-    """'' when every tensor is finite and within 2x eager (+1e-5) of the reference."""
+def _check(got: List[torch.Tensor], eager: List[torch.Tensor], ref: List[torch.Tensor], names: List[str],
+           floor: float = 1e-5) -> str:
+    """'' when every tensor is finite and within 2x eager (+ ``floor``) of the reference."""
     for name, g, e, r in zip(names, got, eager, ref):
         if g.shape != r.shape:
             return f"{name}: shape {tuple(g.shape)} != {tuple(r.shape)}"
         if not torch.isfinite(g).all():
             return f"{name}: non-finite"
-        err, bound = rel_err(g, r), 2 * rel_err(e, r) + 1e-5
+        err, bound = rel_err(g, r), 2 * rel_err(e, r) + floor
         if err > bound:
             return f"{name}: rel err {err:.2e} > {bound:.2e}"
     return ""
@@ -122,13 +123,18 @@ def run_case(op, dt, D, N, tr, causal, hq, hkv, dev) -> Tuple[str, str]:
 
             cfg = NSAConfig(compress="mean")
             gates = torch.randn(B, hq, N, 3, device=dev).to(dtype)
+            # one selection for all three (the fp32 reference's): a bf16 near-tie must not
+            # flip a block between the kernel and its references
+            _, aux = nsa_attention_naive(q.float(), k.float(), v.float(), gates.float(), cfg, **kw_t,
+                                         return_aux=True)
+            idx = aux["block_idx"]
 
             def fused(q, k, v):
-                return nsa_attention(q, k, v, gates, cfg, **kw_t)
+                return nsa_attention(q, k, v, gates, cfg, **kw_t, block_idx=idx)
 
             def naive(q, k, v, upcast=True):
-                g = gates.float() if upcast else gates
-                return nsa_attention_naive(q, k, v, g, cfg, **kw_t)
+                g = gates.to(q.dtype) if upcast else gates
+                return nsa_attention_naive(q, k, v, g, cfg, **kw_t, upcast=upcast, block_idx=idx)
         else:
             raise ValueError(op)
     leaves = [_leaf(t) for t in (q, k, v)]
@@ -145,7 +151,8 @@ def run_case(op, dt, D, N, tr, causal, hq, hkv, dev) -> Tuple[str, str]:
         eager, ref = ref, ref64
     else:
         eager = _fwd_bwd(lambda *a: naive(*a, upcast=False), [_leaf(t) for t in (q, k, v)], go)
-    msg = _check(got, eager, ref, ["o", "dq", "dk", "dv"])
+    # NSA's dq sums three branches' bf16-rounded gradients: the floor of its GPU tests
+    msg = _check(got, eager, ref, ["o", "dq", "dk", "dv"], floor=1e-4 if op == "nsa" else 1e-5)
     return ("ok", "") if not msg else ("WRONG", msg)
 
 
