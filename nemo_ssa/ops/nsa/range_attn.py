@@ -24,8 +24,15 @@ output is 0 and any probability recomputed from it is 0). The compressed branch'
 
 Backward: FA2-style, ``dq`` per query tile and ``dk, dv`` per key tile; the dK/dV program
 owns its key tile and loops over the GROUP query heads that read it, so there are no
-atomics and the result is deterministic. SSA's ``dn, db`` are per-program fp32 partials
-summed on the host.
+atomics and the result is deterministic. A key tile of the compressed branch is read by
+every later query (up to all N), so one program per key tile would leave few, long and
+unequal programs at long N; the dK/dV grid therefore has a third axis that cuts each key
+tile's visible query range into ``SPLIT`` equal BLOCK_M-aligned chunks (``_dkv_split``
+picks it from the problem). With ``SPLIT > 1`` each program writes fp32 partial
+``dk, dv`` to its own slot of a ``[SPLIT, B, Hkv, NK, D]`` buffer, summed over the split
+axis in a fixed order on the host (still no atomics, still deterministic); with
+``SPLIT == 1`` (the window branch, small problems) they go straight to ``dk, dv``. SSA's
+``dn, db`` are per-program fp32 partials summed on the host in fp64.
 
 Differences from the reference (``naive.masked_attention``): online softmax in fp32
 (statistics never in half precision), ``p`` cast to the value dtype before ``p @ v``
@@ -34,6 +41,7 @@ for half inputs (as flash attention does); no dropout.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Tuple
 
@@ -205,8 +213,8 @@ def _range_bwd_kernel_dkv(
     skb, skh, skn, skd,
     svb, svh, svn, svd,
     sdob, sdoh, sdon, sdod,
-    sdkb, sdkh, sdkn, sdkd,
-    sdvb, sdvh, sdvn, sdvd,
+    sdks, sdkb, sdkh, sdkn, sdkd,
+    sdvs, sdvb, sdvh, sdvn, sdvd,
     Hq, Hkv, N, NK, D, GROUP,
     scale, KSTRIDE, KOFF, WINDOW,
     TRANSFORM: tl.constexpr, HAS_WINDOW: tl.constexpr, PREC: tl.constexpr,
@@ -214,6 +222,7 @@ def _range_bwd_kernel_dkv(
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)  # over B * Hkv
+    pid_s = tl.program_id(2)  # query chunk; DK/DV are then this chunk's partial (split stride sdks/sdvs)
     b = (pid_bh // Hkv).to(tl.int64)
     hk = (pid_bh % Hkv).to(tl.int64)
     n_ssa = tl.load(NP).to(tl.float32)
@@ -237,12 +246,19 @@ def _range_bwd_kernel_dkv(
     q_hi = N
     if HAS_WINDOW:
         q_hi = tl.minimum(N, n_last * KSTRIDE + KOFF + WINDOW)
+    # this program's chunk: blocks [s*nb // SPLIT, (s+1)*nb // SPLIT) of the range's nb
+    # BLOCK_M blocks, so every key tile's work is divided evenly, whatever its length
+    # (SPLIT = 1: all of [q_lo, q_hi), the unsplit schedule)
+    n_split = tl.num_programs(2)
+    nb = tl.maximum(q_hi - q_lo + BLOCK_M - 1, 0) // BLOCK_M
+    c_lo = q_lo + (pid_s * nb // n_split) * BLOCK_M
+    c_hi = tl.minimum(q_hi, q_lo + ((pid_s + 1) * nb // n_split) * BLOCK_M)
     for g in range(GROUP):
         h = hk * GROUP + g
         bh_q = b * Hq + h
         q_base = Q + b * sqb + h * sqh
         do_base = DO + b * sdob + h * sdoh
-        for start_m in range(q_lo, q_hi, BLOCK_M):
+        for start_m in range(c_lo, c_hi, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
             m_ok = offs_m < N
             row_mask = m_ok[:, None] & d_ok[None, :]
@@ -265,18 +281,31 @@ def _range_bwd_kernel_dkv(
                 dn_acc += tl.where(ok, dn_e, 0.0)
                 db_acc += tl.where(ok, db_e, 0.0)
 
-    tl.store(DK + b * sdkb + hk * sdkh + cols * sdkn + offs_d[None, :] * sdkd, dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + b * sdvb + hk * sdvh + cols * sdvn + offs_d[None, :] * sdvd, dv.to(DV.dtype.element_ty), mask=kv_mask)
+    # stored even for an empty chunk (zeros): the partial buffer is never cleared
+    s64 = pid_s.to(tl.int64)
+    tl.store(DK + s64 * sdks + b * sdkb + hk * sdkh + cols * sdkn + offs_d[None, :] * sdkd,
+             dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + s64 * sdvs + b * sdvb + hk * sdvh + cols * sdvn + offs_d[None, :] * sdvd,
+             dv.to(DV.dtype.element_ty), mask=kv_mask)
     if TRANSFORM == 1:
-        pid = pid_bh.to(tl.int64) * tl.num_programs(0) + pid_n
+        pid = (s64 * tl.num_programs(1) + pid_bh) * tl.num_programs(0) + pid_n
         tl.store(DNB + 2 * pid, tl.sum(tl.sum(dn_acc, 1), 0))
         tl.store(DNB + 2 * pid + 1, tl.sum(tl.sum(db_acc, 1), 0))
 
 
 # ----------------------------------------------------------------------------- launchers
 #: tuning hook: ``{"fwd" | "bwd": (BLOCK_M, BLOCK_N, num_warps, num_stages)}`` overrides
-#: the defaults below (benchmarks sweep it; BLOCK_* must be powers of two >= 16)
+#: the defaults below (benchmarks sweep it; BLOCK_* must be powers of two >= 16), and
+#: ``{"dkv_split": S}`` (S >= 1; 0 or absent: automatic) forces the dK/dV query split
 TILE_OVERRIDE: dict = {}
+
+# dK/dV split heuristic (``_dkv_split``); the numbers are starting points for a sweep
+# (``benchmarks/bench_nsa.py --dkv-split``), not measured optima
+DKV_PROGRAMS_PER_SM = 4          # programs to aim for per SM (no window): waves hide the causal imbalance
+DKV_MAX_ITERS = 1024             # query-block iterations (over the GROUP heads) one program may run
+DKV_MIN_CHUNK_BLOCKS = 4         # BLOCK_M blocks a chunk of the longest range keeps at least
+DKV_MAX_SPLIT = 16
+DKV_PARTIAL_BYTES = 512 << 20    # fp32 dk + dv partials of all chunks together
 
 
 def _blocks(d: int, kind: str) -> Tuple[int, int, int, int]:
@@ -290,6 +319,54 @@ def _blocks(d: int, kind: str) -> Tuple[int, int, int, int]:
     if kind == "fwd":
         return (64, 32, 4, 3) if d <= 64 else (64, 32, 4, 2)
     return (128, 64, 4, 2) if d <= 64 else (64, 64, 4, 2)
+
+
+def _dkv_split(n_tok: int, nk: int, bsz: int, hkv: int, group: int, d: int, block_m: int, block_n: int,
+               kstride: int, window: Optional[int], n_sm: int = 132, override: int = 0) -> int:
+    """Number of query chunks ``SPLIT`` the dK/dV kernel cuts each key tile's work into.
+
+    Without a split the grid is ``cdiv(nk, block_n) * bsz * hkv`` programs, and the program of
+    key tile ``i`` runs ``group`` x (query blocks that see tile ``i``) iterations: for the
+    compressed branch at 64K (nk = 4095, block_n = 64, B*Hkv = 4, group 16, block_m 128)
+    that is 256 programs, the first running 16 x 512 iterations and the last a few -- too
+    few programs for 132 SMs, and a tail of long ones. ``SPLIT`` is the largest of
+
+    * bounded work: ``ceil(group * longest / DKV_MAX_ITERS)``, ``longest`` = the query
+      blocks of the longest key tile's range (all ``cdiv(n_tok, block_m)`` without a
+      window; about ``(block_n * kstride + window) / block_m`` with one);
+    * without a window only, enough programs: ``ceil(DKV_PROGRAMS_PER_SM * n_sm / programs)``.
+      There the ranges shrink from all queries to a few across the key tiles, so a grid
+      of a wave or two ends on its longest programs; a window gives every key tile the
+      same short range, and a grid of a wave or so of them gains nothing from partials;
+
+    then capped by ``DKV_MAX_SPLIT``, by ``longest // DKV_MIN_CHUNK_BLOCKS`` (a chunk of
+    a few blocks at least: each program reloads its key tile and stores its partials) and
+    by memory (the fp32 dk + dv partials, ``SPLIT * 2 * bsz*hkv*nk*d * 4`` bytes, within
+    ``DKV_PARTIAL_BYTES``). The window branch at NSA's sizes and small problems get 1,
+    i.e. no partial buffer. ``override > 0`` forces ``SPLIT`` (clamped to
+    ``[1, cdiv(n_tok, block_m)]``: never more chunks than query blocks).
+    """
+    q_blocks = max(1, -(-n_tok // block_m))
+    if override > 0:
+        return max(1, min(int(override), q_blocks))
+    if nk <= 0:
+        return 1
+    if window:
+        longest = min(q_blocks, -(-(block_n * kstride + window) // block_m) + 1)
+    else:
+        longest = q_blocks
+    split = -(-group * longest // DKV_MAX_ITERS)
+    if not window:
+        programs = -(-nk // block_n) * bsz * hkv
+        split = max(split, -(-DKV_PROGRAMS_PER_SM * n_sm // programs))
+    per_split_bytes = 2 * bsz * hkv * nk * d * 4
+    split = min(split, DKV_MAX_SPLIT, longest // DKV_MIN_CHUNK_BLOCKS, DKV_PARTIAL_BYTES // per_split_bytes)
+    return max(1, split)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _range_fwd(q, k, v, n_t, b_t, tid, scale, kstride, koff, window):
@@ -318,10 +395,9 @@ def _range_bwd(q, k, v, o, lse, do, n_t, b_t, tid, scale, kstride, koff, window)
     bsz, hq, n_tok, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
     if nk == 0:
-        return dq.zero_(), dk, dv, torch.zeros(2, device=q.device, dtype=torch.float32)
+        dnb = torch.zeros(2, device=q.device, dtype=torch.float32)
+        return dq.zero_(), torch.empty_like(k), torch.empty_like(v), dnb
     delta = (o.float() * do.float()).sum(-1).contiguous()  # [B, Hq, N]
     bm, bn, warps, stages = _blocks(d, "bwd")
     common = dict(TRANSFORM=tid, HAS_WINDOW=bool(window), PREC=dot_precision(q.dtype),
@@ -331,14 +407,40 @@ def _range_bwd(q, k, v, o, lse, do, n_t, b_t, tid, scale, kstride, koff, window)
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
         hq, n_tok, nk, d, hq // hkv, scale, kstride, koff, window if window else 0, **common,
     )
-    grid = (triton.cdiv(nk, bn), bsz * hkv)
-    dnb = torch.zeros(grid[0] * grid[1], 2, device=q.device, dtype=torch.float32)
+    split = _dkv_split(n_tok, nk, bsz, hkv, hq // hkv, d, bm, bn, kstride, window,
+                       n_sm=_num_sms(q.device.index) if q.is_cuda else 132,
+                       override=int(TILE_OVERRIDE.get("dkv_split", 0)))
+    dk, dv, dnb = _range_bwd_dkv(q, k, v, do, lse, delta, n_t, b_t, scale, kstride, koff, window, split, common)
+    if split > 1:  # fixed-order fp32 sum over the chunks (deterministic), then k's dtype
+        dk = dk.sum(0).to(k.dtype)
+        dv = dv.sum(0).to(v.dtype)
+    return dq, dk, dv, dnb.sum(0, dtype=torch.float64)
+
+
+def _range_bwd_dkv(q, k, v, do, lse, delta, n_t, b_t, scale, kstride, koff, window, split, common):
+    """The dK/dV kernel on the grid ``(cdiv(NK, BLOCK_N), B*Hkv, split)``: ``(dk, dv, dnb)``.
+
+    ``split == 1``: ``dk, dv`` in k's dtype; ``split > 1``: their fp32 partials
+    ``[split, B, Hkv, NK, D]``, one slot per query chunk, for the caller to sum.
+    ``dnb [programs, 2]``: SSA's per-program dn, db partials (zeros for softmax).
+    """
+    bsz, hq, n_tok, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    grid = (triton.cdiv(nk, common["BLOCK_N"]), bsz * hkv, split)
+    if split == 1:
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        sk, sv = (0, *dk.stride()), (0, *dv.stride())
+    else:  # every slot is written (zeros for an empty chunk), so no clearing
+        dk = torch.empty(split, *k.shape, device=k.device, dtype=torch.float32)
+        dv = torch.empty(split, *v.shape, device=v.device, dtype=torch.float32)
+        sk, sv = dk.stride(), dv.stride()
+    dnb = torch.zeros(grid[0] * grid[1] * grid[2], 2, device=q.device, dtype=torch.float32)
     _range_bwd_kernel_dkv[grid](
         q, k, v, do, dk, dv, lse, delta, n_t, b_t, dnb,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *sk, *sv,
         hq, hkv, n_tok, nk, d, hq // hkv, scale, kstride, koff, window if window else 0, **common,
     )
-    return dq, dk, dv, dnb.sum(0, dtype=torch.float64)
+    return dk, dv, dnb
 
 
 class _BandedAttention(torch.autograd.Function):

@@ -458,6 +458,165 @@ def test_compressed_kernel_and_lse(K, case):
             keep=vis)
 
 
+# ------------------------------------------------ dK/dV split along the query axis
+# (B, Hq, Hkv, N, D, transform, branch, split): odd N, GQA 2 and 3, uneven chunks
+SPLIT_CASES = [
+    (1, 6, 2, 37, 32, "softmax", "compressed", 2),
+    (2, 6, 2, 70, 32, "softmax", "compressed", 3),
+    (2, 4, 2, 53, 32, "ssa", "compressed", 3),
+    (2, 6, 2, 70, 32, "softmax", "window", 2),
+    (1, 4, 2, 53, 32, "ssa", "window", 3),
+]
+SPLIT_WINDOW = 20  # spans two 16-row tiles: a key tile's range is ~3 query blocks
+
+
+def _split_ids(c):
+    return f"B{c[0]}-T{c[3]}-HQ{c[1]}-HKV{c[2]}-{c[5]}-{c[6]}-S{c[7]}"
+
+
+def _branch_inputs(case, seed):
+    B, Hq, Hkv, N, D, transform, branch, _ = case
+    nk = num_compressed_blocks(N, TINY) if branch == "compressed" else N
+    g = gen(seed)
+    q, k, v = rnd(B, Hq, N, D, g=g), rnd(B, Hkv, nk, D, g=g), rnd(B, Hkv, nk, D, g=g)
+    do = torch.randn(B, Hq, N, D, generator=g).to(DEV)
+    mask = compressed_visibility(N, TINY, DEV) if branch == "compressed" else window_mask(N, SPLIT_WINDOW, DEV)
+    return q, k, v, do, mask, ssa_scalars(transform)
+
+
+def _branch_grads(K, branch, leaves, do):
+    """The branch's kernel output and the gradients of every leaf."""
+    l = leaves
+    ssa = {n: l[n] for n in ("n", "b") if n in l}
+    transform = "ssa" if ssa else "softmax"
+    if branch == "compressed":
+        out, _ = K.range_attn.compressed_attention(l["q"], l["k"], l["v"], TINY.block_len, TINY.stride,
+                                                   transform=transform, **ssa)
+    else:
+        out = K.range_attn.window_attention(l["q"], l["k"], l["v"], SPLIT_WINDOW, transform=transform, **ssa)
+    return out, grads(out, leaves, do)
+
+
+@pytest.fixture
+def spy_dkv(K, monkeypatch):
+    """Records every dK/dV launch: ``(split, dk, dv, dnb)`` as ``_range_bwd_dkv`` returned them
+    (fp32 partials ``[split, B, Hkv, NK, D]`` when split > 1)."""
+    calls = []
+    real = K.range_attn._range_bwd_dkv
+
+    def wrapped(*args):
+        res = real(*args)
+        calls.append((args[-2], *(t.detach().clone() for t in res)))
+        return res
+
+    monkeypatch.setattr(K.range_attn, "_range_bwd_dkv", wrapped)
+    return calls
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=_split_ids)
+def test_dkv_split_matches_unsplit_and_reference(K, monkeypatch, spy_dkv, case):
+    """Forced SPLIT in {2, 3}: dq, dk, dv (dn, db) equal the unsplit kernel's up to fp32
+    summation order, and the naive reference within the branch tests' bound."""
+    branch, split = case[6], case[7]
+    q, k, v, do, mask, ssa = _branch_inputs(case, 31)
+    leaves = dict(q=q, k=k, v=v, **ssa)
+    monkeypatch.setitem(K.range_attn.TILE_OVERRIDE, "dkv_split", 1)
+    _, g1 = _branch_grads(K, branch, leaves, do)
+    monkeypatch.setitem(K.range_attn.TILE_OVERRIDE, "dkv_split", split)
+    out, gs = _branch_grads(K, branch, leaves, do)
+    assert [c[0] for c in spy_dkv] == [1, split]  # the override reached the launcher
+    assert spy_dkv[1][1].shape == (split, *k.shape) and spy_dkv[1][1].dtype == torch.float32
+    assert torch.equal(gs["q"], g1["q"])  # the dQ kernel is not split
+    for name in ("k", "v"):
+        torch.testing.assert_close(gs[name], g1[name], rtol=1e-5, atol=1e-6, msg=f"d{name} split {split} vs 1")
+    if ssa:
+        terms = dict(zip("nb", ssa_scalar_grad_terms(q, k, v, ssa["n"], ssa["b"], do, mask=mask)))
+        for name in ("n", "b"):
+            assert abs(gs[name].item() - g1[name].item()) <= 1e-6 * terms[name], f"d{name} split {split} vs 1"
+    transform = case[5]
+    check_grads_fp64(gs, leaves, lambda l: masked_attention(
+        l["q"], l["k"], l["v"], mask, transform=transform, n=l.get("n"), b=l.get("b"))[0], do, 1e-5,
+        f"{branch} split {split}", keep=mask)
+
+
+@pytest.mark.parametrize("transform", ["softmax", "ssa"])
+def test_dkv_split_is_deterministic(K, monkeypatch, transform):
+    """Two backward passes through the split path give bit-identical gradients (no atomics,
+    fixed-order reduction)."""
+    case = (2, 6, 2, 70, 32, transform, "compressed", 3)
+    q, k, v, do, _, ssa = _branch_inputs(case, 32)
+    leaves = dict(q=q, k=k, v=v, **ssa)
+    monkeypatch.setitem(K.range_attn.TILE_OVERRIDE, "dkv_split", 3)
+    _, a = _branch_grads(K, "compressed", leaves, do)
+    _, b = _branch_grads(K, "compressed", leaves, do)
+    for name in leaves:
+        assert torch.equal(a[name], b[name]), f"d{name} differs between two runs"
+
+
+def test_dkv_split_every_chunk_counts(K, monkeypatch, spy_dkv):
+    """Negative control: every chunk's partial carries a share of dk, dv that the reduction
+    cannot drop -- a sum that left any one chunk out would miss the tolerance above by orders
+    of magnitude. Compressed branch, N = 70 (5 query blocks of 16), SPLIT = 3: key tile 0
+    (keys 0..15, positions 3..33) is seen by rows 3..69, so each chunk (blocks 0 | 1-2 | 3-4)
+    has visible keys."""
+    case = (1, 6, 2, 70, 32, "ssa", "compressed", 3)
+    q, k, v, do, _, ssa = _branch_inputs(case, 33)
+    leaves = dict(q=q, k=k, v=v, **ssa)
+    monkeypatch.setitem(K.range_attn.TILE_OVERRIDE, "dkv_split", 3)
+    _, gs = _branch_grads(K, "compressed", leaves, do)
+    (split, dk_p, dv_p, dnb), = spy_dkv
+    assert split == 3 and dk_p.shape == (3, *k.shape)
+    n_tiles = -(-k.shape[2] // 16)
+    assert dnb.shape == (n_tiles * k.shape[0] * k.shape[1] * split, 2)  # one dn/db slot per program
+    for name, part in (("k", dk_p), ("v", dv_p)):
+        assert torch.equal(part.sum(0), gs[name])  # fp32 inputs: no cast after the reduction
+        for s in range(split):
+            assert part[s, :, :, :16].abs().sum() > 0, f"d{name} chunk {s} is empty"
+            dropped = part.sum(0) - part[s]
+            err = rel_err(dropped, gs[name])
+            assert err > 1e-3, f"dropping chunk {s} of d{name} moves it by only {err:.2e}"
+
+
+def test_dkv_split_choice(K):
+    """The host heuristic: 1 for the window branch and small problems, > 1 for the 64K
+    compressed branch (enough programs, bounded per-program work), never more chunks than
+    query blocks, memory-capped, and the override wins."""
+    R = K.range_attn
+    split = R._dkv_split
+    # compressed branch, N = 64K, Hq 64 / Hkv 4, D 64, l 32, d 16, bwd tiles 128 x 64
+    nk = (65536 - 32) // 16 + 1
+    s64k = split(65536, nk, 1, 4, 16, 64, 128, 64, 16, None)
+    tiles = -(-nk // 64)
+    assert s64k > 1
+    assert tiles * 4 * s64k >= R.DKV_PROGRAMS_PER_SM * 132  # fills an H100
+    assert 16 * -(-512 // s64k) <= R.DKV_MAX_ITERS  # longest program's iterations
+    assert s64k * 2 * 4 * nk * 64 * 4 <= R.DKV_PARTIAL_BYTES
+    # window branch at the same size; tiny problems (the interpreter tests' sizes)
+    assert split(65536, 65536, 1, 4, 16, 64, 128, 64, 1, 512) == 1
+    assert split(70, num_compressed_blocks(70, TINY), 2, 2, 3, 32, 16, 16, 2, None) == 1
+    assert split(4096, 4096, 1, 8, 3, 128, 64, 64, 1, 512) == 1
+    # a window as long as the sequence is causal attention: split for bounded work
+    assert split(65536, 65536, 1, 1, 64, 128, 64, 64, 1, 65536) > 1
+    # memory cap: a huge batch at 64K keeps the partials within budget (here: no split)
+    assert split(65536, nk, 64, 8, 2, 128, 64, 64, 16, None) == 1
+    # never more chunks than query blocks, automatic or forced
+    for n_tok in (1, 15, 17, 100, 1000, 4088, 65536):
+        for window, kstride in ((None, 16), (512, 1), (7, 1)):
+            nk_ = n_tok if window else max(0, (n_tok - 32) // 16 + 1)
+            for bsz, hkv, group in ((1, 1, 1), (1, 4, 16), (4, 8, 3)):
+                for ov in (0, 2, 3, 1000):
+                    s = split(n_tok, nk_, bsz, hkv, group, 64, 128, 64, kstride, window, override=ov)
+                    assert 1 <= s <= max(1, -(-n_tok // 128)), (n_tok, window, bsz, hkv, group, ov, s)
+    # the override wins over the heuristic (both ways), clamped to the query blocks
+    assert split(65536, nk, 1, 4, 16, 64, 128, 64, 16, None, override=1) == 1
+    assert split(65536, 65536, 1, 4, 16, 64, 128, 64, 1, 512, override=5) == 5
+    assert split(37, 17, 1, 2, 3, 32, 16, 16, 2, None, override=3) == 3
+    assert split(37, 17, 1, 2, 3, 32, 16, 16, 2, None, override=9) == 3
+    # more SMs: more programs wanted
+    assert split(16384, 1023, 1, 8, 3, 32, 128, 64, 16, None, n_sm=264) >= \
+        split(16384, 1023, 1, 8, 3, 32, 128, 64, 16, None, n_sm=132)
+
+
 @pytest.mark.parametrize("transform", ["softmax", "ssa"])
 def test_selection_kernels_match_reference(K, transform):
     cfg = NSAConfig(block_len=4, stride=2, select_block=8, top_n=5, window=8)

@@ -41,6 +41,8 @@ for dt, D, T in (("fp32", 32, 0), ("bf16", 128, 1)):
         c = dict(TRANSFORM=T, HAS_WINDOW=W, PREC=prec, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=D)
         for k in (R._range_fwd_kernel, R._range_bwd_kernel_dq, R._range_bwd_kernel_dkv):
             compile(k, P, c)
+        if dt == "bf16":  # SPLIT > 1: dK/dV go to fp32 partials
+            compile(R._range_bwd_kernel_dkv, {**P, "DK": "*fp32", "DV": "*fp32"}, c)
     compile(S._importance_kernel, P, dict(TRANSFORM=T, PREC=prec, BLOCK_M=64, BLOCK_C=32, BLOCK_S=16, BLOCK_D=D))
     bq = 64 if D <= 64 else 32
     for PASS in (0, 1):
