@@ -21,6 +21,7 @@ Usage:
     python benchmarks/bench_nsa.py                    # N = 4K, 16K, 32K, 64K; D = 32, 128
     python benchmarks/bench_nsa.py --quick            # N = 4K, 16K; D = 32; shorter timing
     python benchmarks/bench_nsa.py --out results.md   # also write the table (.md or .csv)
+    python benchmarks/bench_nsa.py --dkv-split 1      # A/B: range backward's dK/dV without a query split
 """
 
 from __future__ import annotations
@@ -55,9 +56,13 @@ def parse_args(argv=None):
     p.add_argument("--rep-ms", type=int, default=200)
     p.add_argument("--only", default="", help="comma-separated subset of rows (sdpa_flash,nsa_layer,...)")
     p.add_argument("--out", default=None, help="write the table to this .md or .csv path")
+    p.add_argument("--dkv-split", type=int, default=0,
+                   help="query chunks of the range backward's dK/dV kernel (0: automatic; A/B switch)")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="check the script itself on CPU: Triton interpreter, N=128, one timed call (numbers meaningless)")
     args = p.parse_args(argv)
+    if args.dkv_split < 0:
+        p.error("--dkv-split must be >= 0")
     if args.cpu_smoke:
         args.ns, args.dims, args.hq, args.hkv = "128", "32", 6, 2
     if args.quick:
@@ -231,6 +236,10 @@ def main(argv=None) -> int:
         return 2
     import triton
 
+    if args.dkv_split:
+        from nemo_ssa.ops.nsa import range_attn
+
+        range_attn.TILE_OVERRIDE["dkv_split"] = args.dkv_split
     ns = [int(x) for x in args.ns.split(",") if x]
     dims = [int(x) for x in args.dims.split(",") if x]
     only = {x for x in args.only.split(",") if x}
