@@ -237,3 +237,32 @@ def test_window_and_compressed_kernels_fp32_at_4k():
     for a, b in zip(torch.autograd.grad(out, (q, kc, vc), do), torch.autograd.grad(ref, (q, kc, vc), do)):
         assert rel_err(a, b) < 1e-4
     assert math.isfinite(out.float().sum().item())
+
+
+def test_compressed_dkv_split_matches_unsplit_and_is_deterministic(monkeypatch):
+    """The range backward's dK/dV query split where the heuristic picks SPLIT > 1 (the
+    compressed branch at N = 4088: 4 key tiles x 8 kv heads): fp32 gradients equal the
+    unsplit kernel's up to summation order, bf16 within a rounding of them, and two runs
+    are bit-identical (no atomics, fixed-order reduction)."""
+    from nemo_ssa.ops.nsa import range_attn as R
+
+    N, D = 4088, 64
+    nc = num_compressed_blocks(N, PAPER)
+    bm, bn = R._blocks(D, "bwd")[:2]
+    assert R._dkv_split(N, nc, 1, HKV, HQ // HKV, D, bm, bn, PAPER.stride, None) > 1
+    g = torch.Generator(device="cpu").manual_seed(5)
+    for dt, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        q = torch.randn(1, HQ, N, D, generator=g).to(DEV, dt).requires_grad_()
+        kc, vc = (torch.randn(1, HKV, nc, D, generator=g).to(DEV, dt).requires_grad_() for _ in range(2))
+        do = torch.randn(1, HQ, N, D, generator=g).to(DEV, dt)
+
+        def run(split):
+            monkeypatch.setitem(R.TILE_OVERRIDE, "dkv_split", split)  # 0: automatic
+            out, _ = R.compressed_attention(q, kc, vc, PAPER.block_len, PAPER.stride)
+            return torch.autograd.grad(out, (q, kc, vc), do)
+
+        auto, again, one = run(0), run(0), run(1)
+        for name, a, b, c in zip(("q", "k", "v"), auto, again, one):
+            assert torch.equal(a, b), f"{dt} d{name}: two runs differ"
+            assert rel_err(a, c) < tol, f"{dt} d{name}: split vs unsplit {rel_err(a, c):.2e}"
+        assert torch.equal(auto[0], one[0])  # the dQ kernel is not split
