@@ -167,9 +167,10 @@ def summarize(out: str, attentions: Sequence[str], seeds: Sequence[int], plot: b
     for a in attentions:
         cells = []
         for bk in buckets:
-            vals = [m for c in curves[a].values() if (m := bucket_means(*c, bk)) is not None]
+            # runs that reached the bucket's end (as the verdicts count them); (k) when not every seed did
+            vals = [m for c in curves[a].values() if c[0][-1] >= bk[1] and (m := bucket_means(*c, bk)) is not None]
             cells.append(f"{statistics.fmean(vals):.4f}" + (f" ± {statistics.stdev(vals):.4f}" if len(vals) > 1 else "")
-                         if vals else "-")
+                         + (f" ({len(vals)})" if len(vals) < len(curves[a]) else "") if vals else "-")
         lines.append(f"| {a} | {len(curves[a])} | " + " | ".join(cells) + " |")
     base = attentions[0]
     held = {a: {s: c for s in seeds if (c := read_curve(run_dir_of(out, a, s), "heldout.csv", "val_loss"))}

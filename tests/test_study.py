@@ -60,6 +60,19 @@ def test_one_seed_gives_no_verdict_and_the_table_says_so():
     assert "| 201-300 | 1 |" in format_table(v, ("x", "y"))
 
 
+def test_a_run_that_stopped_inside_a_bucket_does_not_count_there():
+    """A run cut off at step 150 would bring only the bucket's early (higher) losses into
+    101-200: it counts in 1-100 and nowhere after."""
+    a, b = _curves(random.Random(3), [1, 2, 3], offset=0.0)
+    b[3] = (STEPS[:150], b[3][1][:150])
+    v = {x.bucket: x for x in compare_pair(a, b, BUCKETS)}
+    assert v[(1, 100)].seeds == 3 and v[(101, 200)].seeds == 2 and v[(201, 300)].seeds == 2
+    b[2] = (STEPS[:150], b[2][1][:150])
+    b[1] = (STEPS[:90], b[1][1][:90])
+    v = {x.bucket: x for x in compare_pair(a, b, BUCKETS)}
+    assert v[(1, 100)].seeds == 2 and (101, 200) not in v and (201, 300) not in v
+
+
 def test_t_quantiles():
     assert t_quantile_975(2) == pytest.approx(4.303) and t_quantile_975(200) == 1.96
     with pytest.raises(ValueError):

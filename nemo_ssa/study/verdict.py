@@ -55,15 +55,24 @@ def bucket_means(steps: Sequence[int], values: Sequence[float], bucket: Tuple[in
     return statistics.fmean(inside) if inside else None
 
 
+def _last_step(run: Tuple[Sequence[int], Sequence[float]]) -> int:
+    return max(run[0]) if len(run[0]) else -1
+
+
 def compare_pair(runs_a: Dict[int, Tuple[Sequence[int], Sequence[float]]],
                  runs_b: Dict[int, Tuple[Sequence[int], Sequence[float]]],
                  buckets: Sequence[Tuple[int, int]], names: Tuple[str, str] = ("a", "b")) -> List[BucketVerdict]:
-    """One verdict per bucket from the seeds both attentions have (``{seed: (steps, values)}``)."""
+    """One verdict per bucket from the seeds both attentions have (``{seed: (steps, values)}``).
+
+    A run that stopped inside a bucket (its last step before the bucket's end) does not
+    count there: its mean would cover only the bucket's earlier, higher-loss steps."""
     out = []
     seeds = sorted(set(runs_a) & set(runs_b))
     for bucket in buckets:
         pairs = []
         for s in seeds:
+            if min(_last_step(runs_a[s]), _last_step(runs_b[s])) < bucket[1]:
+                continue
             a, b = bucket_means(*runs_a[s], bucket), bucket_means(*runs_b[s], bucket)
             if a is not None and b is not None:
                 pairs.append((a, b))
