@@ -11,6 +11,10 @@ with ``triton.testing.do_bench`` (median, ms), forward and forward+backward:
   selection    selection scores + top-n (forward only; no gradient)
   selected     selected-block attention on a fixed selection
   window       sliding-window attention
+  fla_nsa      fla's ``parallel_nsa`` (fla-core, when installed; GQA a power of 2 >= 16) with
+               compressed + selected branches and no window branch (fla runs that one through
+               flash_attn), non-overlapping 64-token compression blocks: a forward/backward
+               speed reference, not the same configuration as ours (l=32, d=16, window 512)
 
 and prints (last) a table with ms, tokens/s and the speedup of SDPA time over the
 row's time (``x_sdpa`` > 1: faster than SDPA-flash), plus the compressed/window
@@ -72,12 +76,13 @@ def parse_args(argv=None):
 
 def fmt_table(rows: List[Dict]) -> str:
     """Markdown table of the result rows (also what is printed)."""
-    head = "| " + " | ".join(COLUMNS) + " |"
-    sep = "|" + "|".join("---" for _ in COLUMNS) + "|"
+    cols = COLUMNS + ["note"]
+    head = "| " + " | ".join(cols) + " |"
+    sep = "|" + "|".join("---" for _ in cols) + "|"
     lines = [head, sep]
     for r in rows:
         cells = []
-        for c in COLUMNS:
+        for c in cols:
             v = r.get(c, "")
             if isinstance(v, float):
                 v = "nan" if math.isnan(v) else (f"{v:.3f}" if c in ("ms", "x_sdpa") else f"{v:,.0f}")
@@ -178,8 +183,30 @@ def run_case(args, D: int, N: int, only: set) -> List[Dict]:
         with sdpa_kernel(backends):
             return F.scaled_dot_product_attention(qd, kexp, vexp, is_causal=True)
 
+    fla_nsa, fla_why, fla_in = None, "", []
+    group = HQ // HKV
+    try:
+        from fla.ops.nsa import parallel_nsa
+    except ImportError:
+        fla_why = "fla-core not installed"
+    else:
+        if group < 16 or group & (group - 1):
+            fla_why = f"fla's parallel_nsa needs GQA a power of 2 >= 16 (here {group})"
+        else:
+            # fla's layout [B, T, H, D]; its compression pools non-overlapping blocks of its
+            # selection block size (64) and it runs no window branch without flash_attn
+            fq, fk, fv = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, kv[0], kv[1]))
+            gc, gs = (torch.sigmoid(gates.detach()[..., i]).transpose(1, 2).contiguous().requires_grad_()
+                      for i in (0, 1))
+            fla_in = [fq, fk, fv, gc, gs]
+
+            def fla_nsa():
+                return parallel_nsa(fq, fk, fv, g_cmp=gc, g_slc=gs, block_counts=cfg.top_n,
+                                    block_size=cfg.select_block, window_size=0).transpose(1, 2)
+
     def leaves(name):
         return {
+            "fla_nsa": fla_in,
             "sdpa_flash": [qd, kexp, vexp],
             "nsa_layer": [q, *kv, gates] + ([*phi[0], *phi[1]] if cfg.compress == "mlp" else []),
             "compressed": [q, kv[0], kv[1]] + ([*phi[0], *phi[1]] if cfg.compress == "mlp" else []),
@@ -188,11 +215,16 @@ def run_case(args, D: int, N: int, only: set) -> List[Dict]:
         }[name]
 
     fns = dict(sdpa_flash=sdpa, nsa_layer=layer, compressed=compressed, selection=selection,
-               selected=selected, window=window)
+               selected=selected, window=window, fla_nsa=fla_nsa)
     rows: List[Dict] = []
     sdpa_ms: Dict[str, float] = {}
     for name, fn in fns.items():
         if only and name not in only and name != "sdpa_flash":
+            continue
+        if fn is None:  # fla: say why there is no row
+            rows.append(dict(D=D, N=N, what=name, mode="-", ms=float("nan"), tok_per_s=float("nan"),
+                             x_sdpa=float("nan"), note=fla_why))
+            print(f"  D={D:<4} N={N:<6} {name:<11} skipped: {fla_why}", flush=True)
             continue
         modes = ["fwd"] if name == "selection" else ["fwd", "fwd+bwd"]
         for mode in modes:

@@ -59,6 +59,8 @@ NOT_IN_LOCK = {
     # lacks it. Verified on an H200: without it llm.pretrain fails at ModelCheckpoint setup.
     "nvidia-resiliency-ext": "NeMo checkpoint callback setup on GPU",
     "defusedxml": "dependency of nvidia-resiliency-ext",
+    # benchmarks/bench_nsa.py times fla's parallel_nsa beside ours; GPU only (Triton kernels)
+    "fla-core": "benchmark comparison (fla's parallel_nsa) in benchmarks/bench_nsa.py",
 }
 
 # Left out on purpose (docs/offline-bundle.md): these must not creep back in.
