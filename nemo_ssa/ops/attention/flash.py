@@ -67,6 +67,8 @@ from nemo_ssa.ops.common.device import (
     mask_scores,
     seq_info,
     tile_ptrs,
+    tma_store,
+    tma_tile,
 )
 from nemo_ssa.ops.common.launch import (
     autotune_enabled,
@@ -82,6 +84,7 @@ from nemo_ssa.ops.common.launch import (
     use_fast_math,
     zhsd_strides,
 )
+from nemo_ssa.ops.common.tma import descriptor, use_tma
 from nemo_ssa.ops.common.transforms import (
     log2_mode,
     score_fwd_hoisted,
@@ -119,17 +122,23 @@ def _attn_fwd_inner(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, TRANSFORM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FAST_LOG2: tl.constexpr,
-    SAVE_C: tl.constexpr = False,
+    SAVE_C: tl.constexpr = False, TMA: tl.constexpr = 0, off_z=0, off_h=0,
 ):
+    """Key blocks ``lo .. hi`` of one query block. ``TMA`` (dense only; ``k_base``,
+    ``v_base`` are then rank-4 tensor descriptors, ``off_z``/``off_h`` the batch and kv
+    head): tiles come through the tensor-memory accelerator, zero-filled past ``Sk`` and
+    ``HEAD_DIM``."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     kT_off = offs_n[None, :] * s_ks + offs_d[:, None] * s_kd  # [BLOCK_D, BLOCK_N]
     v_off = offs_n[:, None] * s_vs + offs_d[None, :] * s_vd  # [BLOCK_N, BLOCK_D]
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        k_ptrs = k_base + start_n * s_ks64 + kT_off  # int64 block base, int32 in-tile offsets
-        v_ptrs = v_base + start_n * s_vs64 + v_off
-        kT = load_kv_tile(k_ptrs, cols, k_len, offs_d, HEAD_DIM, BLOCK_D, MASKED, True)
+        if TMA:
+            kT = tl.trans(tma_tile(k_base, off_z, off_h, start_n, BLOCK_N, BLOCK_D))
+        else:
+            k_ptrs = k_base + start_n * s_ks64 + kT_off  # int64 block base, int32 in-tile offsets
+            kT = load_kv_tile(k_ptrs, cols, k_len, offs_d, HEAD_DIM, BLOCK_D, MASKED, True)
         qk = tl.dot(q, kT, input_precision=INPUT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
         if SAVE_C:
             z2, smag = score_fwd_smag(qk, c0, c1, TRANSFORM, FAST_LOG2)
@@ -149,7 +158,11 @@ def _attn_fwd_inner(
         if SAVE_C:  # sum_j p smag (undropped p; masked keys have p = 0, finite smag)
             c_i = c_i * alpha + tl.sum(p * smag, 1)
         acc = acc * alpha[:, None]
-        v = load_kv_tile(v_ptrs, cols, k_len, offs_d, HEAD_DIM, BLOCK_D, MASKED, False)
+        if TMA:
+            v = tma_tile(v_base, off_z, off_h, start_n, BLOCK_N, BLOCK_D)
+        else:
+            v = load_kv_tile(v_base + start_n * s_vs64 + v_off, cols, k_len, offs_d, HEAD_DIM, BLOCK_D, MASKED,
+                             False)
         if HAS_DROPOUT:
             keep = dropout_keep(seed, rbase, offs_m, cols, RSTRIDE, dropout_p, False)
             p = tl.where(keep, p, 0.0)  # l_i keeps the undropped normaliser
@@ -172,8 +185,10 @@ def _attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TRANSFORM: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FAST_LOG2: tl.constexpr,
-    SAVE_C: tl.constexpr = False,
+    SAVE_C: tl.constexpr = False, TMA: tl.constexpr = 0,
 ):
+    """``TMA`` (``FwdConfig.tma``; dense inputs only): ``Q``, ``K``, ``V``, ``O`` are rank-4
+    ``[B, H, S, D]`` tensor descriptors (``ops.common.tma``) instead of pointers."""
     pid_m = tl.program_id(0)
     if CAUSAL:
         pid_m = tl.num_programs(0) - 1 - pid_m  # longest rows first (tail balance)
@@ -183,8 +198,9 @@ def _attn_fwd_kernel(
     off_hkv = off_hq // GROUP
     q_start, q_len, k_start, k_len = seq_info(CU_Q, CU_K, off_z, SEQ_Q, SEQ_K, VARLEN)
     start_m = pid_m * BLOCK_M
-    if start_m >= q_len:
-        return
+    if not TMA:  # (dense: the grid has no block past Sq; no early exit for the TMA path's loops)
+        if start_m >= q_len:
+            return
     z64 = off_z.to(tl.int64)
     hq64 = off_hq.to(tl.int64)
     hkv64 = off_hkv.to(tl.int64)
@@ -195,15 +211,19 @@ def _attn_fwd_kernel(
     row = q_start + start_m  # int64
     row_ok = offs_m < q_len
     ld = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    q = tl.load(tile_ptrs(Q, z64, hq64, row, s_qz, s_qh, s_qs, s_qd, offs_mb, offs_d), mask=ld, other=0.0)
+    if TMA:
+        q = tma_tile(Q, off_z, off_hq, start_m, BLOCK_M, BLOCK_D)
+        k_base = K
+        v_base = V
+    else:
+        q = tl.load(tile_ptrs(Q, z64, hq64, row, s_qz, s_qh, s_qs, s_qd, offs_mb, offs_d), mask=ld, other=0.0)
+        k_base = K + z64 * s_kz + hkv64 * s_kh + k_start * s_ks
+        v_base = V + z64 * s_vz + hkv64 * s_vh + k_start * s_vs
 
     n, b = load_params(NP, BP, TRANSFORM)
     c0, c1 = transform_consts(scale, n, b, TRANSFORM)
     seed, rng_off, inv_keep = dropout_state(RNG, dropout_p, HAS_DROPOUT)
     rbase = rng_off + z64 * RNG_SZ + hq64 * RNG_SH + q_start * RNG_SS
-
-    k_base = K + z64 * s_kz + hkv64 * s_kh + k_start * s_ks
-    v_base = V + z64 * s_vz + hkv64 * s_vh + k_start * s_vs
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -214,19 +234,22 @@ def _attn_fwd_kernel(
     acc, l_i, m_i, c_i = _attn_fwd_inner(
         acc, l_i, m_i, c_i, q, k_base, v_base, s_ks, s_kd, s_vs, s_vd, s_ks + zero64, s_vs + zero64, offs_m, 0, full, k_len, off_c,
         c0, c1, seed, rbase, RNG_SS, dropout_p, HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL,
-        TRANSFORM, HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2, SAVE_C)
+        TRANSFORM, HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2, SAVE_C, TMA, off_z, off_hkv)
     # stage 2: causal diagonal band and the ragged tail of Sk
     acc, l_i, m_i, c_i = _attn_fwd_inner(
         acc, l_i, m_i, c_i, q, k_base, v_base, s_ks, s_kd, s_vs, s_vd, s_ks + zero64, s_vs + zero64, offs_m, full, hi, k_len, off_c,
         c0, c1, seed, rbase, RNG_SS, dropout_p, HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL,
-        TRANSFORM, HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2, SAVE_C)
+        TRANSFORM, HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2, SAVE_C, TMA, off_z, off_hkv)
 
     empty = l_i == 0.0  # no visible key: o = 0, M = +inf (backward then gets p = 0)
     l_safe = tl.where(empty, 1.0, l_i)
     o = acc * (inv_keep / l_safe)[:, None]
     m_out = tl.where(empty, float("inf"), m_i + tl.math.log2(l_safe))
-    tl.store(tile_ptrs(O, z64, hq64, row, s_oz, s_oh, s_os, s_od, offs_mb, offs_d),
-             o.to(O.dtype.element_ty), mask=ld)
+    if TMA:
+        tma_store(O, off_z, off_hq, start_m, o.to(q.dtype), BLOCK_M, BLOCK_D)
+    else:
+        tl.store(tile_ptrs(O, z64, hq64, row, s_oz, s_oh, s_os, s_od, offs_mb, offs_d),
+                 o.to(O.dtype.element_ty), mask=ld)
     tl.store(M + z64 * s_mz + hq64 * s_mh + (q_start + offs_m) * s_ms, m_out, mask=row_ok)
     if SAVE_C:  # C = E_p[smag] per row (0 for rows without a key), M's layout
         tl.store(CS + z64 * s_mz + hq64 * s_mh + (q_start + offs_m) * s_ms, c_i / l_safe, mask=row_ok)
@@ -242,20 +265,25 @@ class FwdConfig(NamedTuple):
     block_n: int
     num_warps: int
     num_stages: int
+    tma: int = 0  # 1: tiles through TMA tensor descriptors where the layout allows (ops.common.tma)
 
 
 # (BLOCK_D bucket, causal, "16bit" | "fp32") -> FwdConfig. 16-bit rows 32/64/128: measured
-# winners of benchmarks/tune_tiles.py (bf16, causal SSA; results in docs/results)
+# winners of benchmarks/tune_tiles.py (bf16, causal SSA; results in docs/results; the D64
+# and D128 rows on the Hopper path, ``tune_tiles --tma``, SSA and softmax: 2026-11-26-hopper)
 # (D=32: best for both B4 N4K and N=16K; D=32/64 re-tuned after the SSA instruction diet).
 # 256 and fp32: compile-time estimates (largest tiles without spills; fp32 runs IEEE dots
 # on FMA units, exactness tests only, small tiles). Tune with NEMO_SSA_AUTOTUNE=1
 # (candidates: _FWD_TUNE).
 _FWD_16 = {32: FwdConfig(64, 64, 4, 2),     # tuned on B4 N4K and B32 N1K, SSA and softmax
-           64: FwdConfig(64, 128, 4, 3),    # tuned on B1 N16K H16
-           128: FwdConfig(64, 64, 4, 3),
+           64: FwdConfig(64, 128, 4, 2, 1),  # TMA; tuned on B2 N8K H16 (softmax 1.14x, SSA 1.06x the pointers)
+           128: FwdConfig(64, 64, 4, 3, 1),  # TMA; B2 N8K H8 (SSA 1.03x; softmax 0.99x)
            256: FwdConfig(64, 32, 8, 2)}   # estimate: 181 regs
 _FWD_32 = {32: FwdConfig(64, 32, 4, 2), 64: FwdConfig(32, 32, 4, 2),
            128: FwdConfig(32, 32, 8, 2), 256: FwdConfig(16, 16, 4, 2)}
+# the rows a table entry with ``tma`` falls back to where the call cannot take the TMA path
+# (pre-Hopper GPU, packed THD, unaligned strides, short call): the pointer kernels' winners
+_FWD_16_POINTERS = {64: FwdConfig(64, 128, 4, 3), 128: FwdConfig(64, 64, 4, 3)}
 FWD_CONFIGS: Dict[Tuple[int, bool, str], FwdConfig] = {}
 for _causal in (False, True):
     for _bd in (32, 64, 128, 256):
@@ -273,6 +301,11 @@ def fwd_config(head_dim: int, causal: bool, dtype: torch.dtype, interpret: Optio
         return INTERPRETER_FWD_CONFIG
     kind = "fp32" if dtype == torch.float32 else "16bit"
     return FWD_CONFIGS[(d_bucket(head_dim), bool(causal), kind)]
+
+
+def pointer_fwd_config(cfg: FwdConfig, head_dim: int) -> FwdConfig:
+    """The table's row for a call that cannot take the TMA path ``cfg`` asks for."""
+    return _FWD_16_POINTERS.get(d_bucket(head_dim), cfg._replace(tma=0)) if cfg.tma else cfg
 
 
 def _flash_fwd(
@@ -327,9 +360,16 @@ def _flash_fwd(
         kern[lambda m: (triton.cdiv(sq, m["BLOCK_M"]), bz * hq)](*args, **meta)
     else:
         cfg = config or fwd_config(d, causal, q.dtype)
+        tma = use_tma(cfg.tma, varlen, q, k, v, o, scores=None if config else bz * hq * sq * sk)
+        if not tma and config is None:
+            cfg = pointer_fwd_config(cfg, d)
+        if tma:
+            args = (descriptor(q, cfg.block_m, block_d), descriptor(k, cfg.block_n, block_d),
+                    descriptor(v, cfg.block_n, block_d), descriptor(o, cfg.block_m, block_d)) + args[4:]
+            meta["TMA"] = tma
         launch(for_lengths(_attn_fwd_kernel, sq, sk), (cdiv(sq, cfg.block_m), bz * hq), args,
                dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta), 11)
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta), 11, cached=not tma)
     return o, M, cstat
 
 
@@ -475,7 +515,12 @@ def _flash_apply(q, k, v, n, b, rng, cu_q, cu_k, transform, causal, scale, dropo
     wanted and ``b`` fixed (the pinned policy) the forward then also writes the row means
     ``C`` the single-pass ``dn`` needs (``b`` learnable: the two-kernel backward).
     ``deterministic=True`` always takes the two-kernel backward."""
-    det = bool(deterministic) or not use_single_pass(transform, q.shape[-1])
+    d = q.shape[-1]
+    # whether the call can take the TMA path matters to the choice only for SSA at D64 (and
+    # costs a stride check): see bwd_config.single_pass_pays
+    tma = (transform == "ssa" and d_bucket(d) == 64
+           and bool(use_tma(1, cu_q is not None, q, k, v, scores=q.shape[0] * q.shape[1] * max_q * max_k)))
+    det = bool(deterministic) or not use_single_pass(transform, d, tma=tma)
     save_c = (not det and transform == "ssa" and n is not None and torch.is_grad_enabled() and n.requires_grad
               and not (b is not None and b.requires_grad))
     if torch.compiler.is_compiling() or not EAGER_FASTPATH:

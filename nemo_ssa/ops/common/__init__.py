@@ -7,6 +7,7 @@ Modules, by concern (import them directly; this package re-exports nothing):
 * ``alloc``: kernel outputs (NaN-poisoned on request).
 * ``device``: ``@triton.jit`` helpers of the forward and backward kernels, and the dropout mask.
 * ``transforms``: the score transforms (softmax, SSA) as compile-time choices.
+* ``tma``: tensor descriptors for the Hopper path (TMA loads/stores) and when it applies.
 * ``bwd_kernels``, ``bwd_config``, ``bwd``: the shared attention backward -- its kernels,
   its tile tables and mode choice, and its host driver ``attention_bwd``.
 """

@@ -32,6 +32,8 @@ from nemo_ssa.ops.common.bwd_config import (
     BwdConfig,
     bwd_config,
     fused_delta,
+    pointer_bwd_config,
+    pointer_single_config,
     single_config,
     use_single_pass,
 )
@@ -56,6 +58,7 @@ from nemo_ssa.ops.common.launch import (
     use_fast_math,
     zhsd_strides,
 )
+from nemo_ssa.ops.common.tma import descriptor, use_tma
 from nemo_ssa.ops.common.transforms import TRANSFORM_SSA, log2_mode, transform_id
 
 __all__ = ["attention_bwd", "attention_bwd_op", "SUPPORTED_DTYPES", "MIN_HEAD_DIM", "MAX_HEAD_DIM"]
@@ -189,12 +192,13 @@ def attention_bwd(
                   FAST_LOG2=log2_mode(fast_math) if is_ssa else int(bool(fast_math))))
     tune = config is None and autotune_enabled()
     if deterministic is None:
-        deterministic = not use_single_pass(transform, d)
+        deterministic = not use_single_pass(
+            transform, d, tma=bool(use_tma(1, varlen, q, k, v, do, o, scores=bz * hq * sq * sk)))
     if not deterministic and not tune and not want_db and (not dparams or cstat is not None):
         return _attention_bwd_single(call, do, q, k, v, o, M, cstat if dparams else None,
-                                     config or single_config(d, q.dtype))
+                                     config or single_config(d, q.dtype), table=config is None)
     return _attention_bwd_two_kernels(call, do, q, k, v, o, M, config or bwd_config(d, causal, q.dtype),
-                                      dparams=dparams, want_db=want_db, tune=tune)
+                                      dparams=dparams, want_db=want_db, tune=tune, table=config is None)
 
 
 class _BwdCall(NamedTuple):
@@ -260,15 +264,55 @@ def _dkv_args(c: _BwdCall, q, k, v, do, dk, dv, M, delta, dqa=None, cstat=None, 
             c.sq, c.sk, c.scale, c.dropout_p, *c.rng_strides)
 
 
+def _scores(c: _BwdCall) -> int:
+    """``B * Hq * Sq * Sk`` of the call (``tma.MIN_SCORES``)."""
+    return c.bz * c.hq * c.sq * c.sk
+
+
+def _tma_modes(c: _BwdCall, cfg: BwdConfig, table: bool, single: bool, q, k, v, do, o
+               ) -> Tuple[BwdConfig, int, int]:
+    """``(cfg, tma_dq, tma_kv)`` of one backward call: the config's TMA modes where the
+    device, the layout of the inputs (the outputs are allocated like them) and, for a
+    ``table`` config, the call's size allow (``ops.common.tma``); a table config that
+    cannot take the TMA path falls back to the pointer kernels' rows."""
+    ok = use_tma(1, c.varlen, q, k, v, do, o, scores=_scores(c) if table else None)
+    if ok:
+        return cfg, cfg.tma_dq, cfg.tma_kv
+    if table:
+        if single:
+            cfg = pointer_single_config(cfg, c.d)
+        else:
+            cfg = pointer_bwd_config(pointer_bwd_config(cfg, c.d, dq=True), c.d, dq=False)
+    return cfg, 0, 0
+
+
+def _launch_dkv(c: _BwdCall, cfg: BwdConfig, tma: int, kv_args: tuple, q, k, v, do, dk, dv, meta: dict,
+                dqa=None) -> None:
+    """``attn_bwd_kernel_dkv`` with ``kv_args`` (``_dkv_args``); with ``tma`` its six tiled
+    tensors (and the single pass's fp32 ``dqa``, off the interpreter) go as tensor
+    descriptors (``ops.common.tma``)."""
+    if tma:
+        bm, bn, bd = cfg.block_m_kv, cfg.block_n_kv, c.block_d
+        kv_args = (descriptor(q, bm, bd), descriptor(k, bn, bd), descriptor(v, bn, bd), descriptor(do, bm, bd),
+                   descriptor(dk, bn, bd), descriptor(dv, bn, bd)) + kv_args[6:]
+        meta = dict(meta, TMA=tma)
+        if dqa is not None and not is_interpreter():  # the interpreter has no descriptor reduce
+            kv_args = kv_args[:13] + (descriptor(dqa, bm, bd),) + kv_args[14:]  # position 13: DQA
+            meta["TMA_REDUCE"] = True
+    launch(for_lengths(attn_bwd_kernel_dkv, c.sq, c.sk), (cdiv(c.sk, cfg.block_n_kv), c.bz * c.hkv),
+           kv_args, meta, 16, cached=not tma)
+
+
 def _even_q(c: _BwdCall, cfg: BwdConfig) -> bool:
     """Whole query blocks in the dK/dV kernel's unmasked loop: its loads drop their masks."""
     return (not c.varlen) and c.sq % cfg.block_m_kv == 0 and c.d == c.block_d
 
 
 def _attention_bwd_two_kernels(c: _BwdCall, do, q, k, v, o, M, cfg: BwdConfig, *, dparams: bool,
-                               want_db: bool, tune: bool):
+                               want_db: bool, tune: bool, table: bool = False):
     """dQ kernel (with the per-row dn/db partials), then the dK/dV kernel; every
     gradient bit-identical run to run."""
+    cfg, tma_dq, tma_kv = _tma_modes(c, cfg, table, False, q, k, v, do, o)
     dq = new_output_like(q)
     dk = new_output_like(k)
     dv = new_output_like(v)
@@ -299,11 +343,16 @@ def _attention_bwd_two_kernels(c: _BwdCall, do, q, k, v, o, M, cfg: BwdConfig, *
         kern[lambda meta: (triton.cdiv(c.sq, meta["BLOCK_M"]), c.bz * c.hq)](
             *dq_args, DPARAMS=dparams, DB=want_db, FUSED_DELTA=fused, **c.meta)
     else:
+        tma = tma_dq
+        meta = dict(BLOCK_M=cfg.block_m_dq, BLOCK_N=cfg.block_n_dq, DPARAMS=dparams, DB=want_db,
+                    FUSED_DELTA=fused, num_warps=cfg.warps_dq, num_stages=cfg.stages_dq, **c.meta)
+        if tma:
+            bm, bn, bd = cfg.block_m_dq, cfg.block_n_dq, c.block_d
+            dq_args = (descriptor(q, bm, bd), descriptor(k, bn, bd), descriptor(v, bn, bd), descriptor(do, bm, bd),
+                       descriptor(o, bm, bd), descriptor(dq, bm, bd)) + dq_args[6:]
+            meta["TMA"] = tma
         launch(for_lengths(attn_bwd_kernel_dq, c.sq, c.sk), (cdiv(c.sq, cfg.block_m_dq), c.bz * c.hq),
-               dq_args,
-               dict(BLOCK_M=cfg.block_m_dq, BLOCK_N=cfg.block_n_dq, DPARAMS=dparams, DB=want_db,
-                    FUSED_DELTA=fused,
-                    num_warps=cfg.warps_dq, num_stages=cfg.stages_dq, **c.meta), 15)
+               dq_args, meta, 15, cached=not tma)
     kv_args = _dkv_args(c, q, k, v, do, dk, dv, M, delta)
     if tune:
         kern = autotuned("dkv", attn_bwd_kernel_dkv, BWD_TUNE_KV, ("BLOCK_M", "BLOCK_N"),
@@ -311,10 +360,9 @@ def _attention_bwd_two_kernels(c: _BwdCall, do, q, k, v, o, M, cfg: BwdConfig, *
                           "HAS_DROPOUT"])
         kern[lambda meta: (triton.cdiv(c.sk, meta["BLOCK_N"]), c.bz * c.hkv)](*kv_args, **c.meta)
     else:
-        launch(for_lengths(attn_bwd_kernel_dkv, c.sq, c.sk), (cdiv(c.sk, cfg.block_n_kv), c.bz * c.hkv),
-               kv_args,
-               dict(BLOCK_M=cfg.block_m_kv, BLOCK_N=cfg.block_n_kv, EVEN_Q=_even_q(c, cfg),
-                    num_warps=cfg.warps_kv, num_stages=cfg.stages_kv, **c.meta), 16)
+        _launch_dkv(c, cfg, tma_kv, kv_args, q, k, v, do, dk, dv,
+                    dict(BLOCK_M=cfg.block_m_kv, BLOCK_N=cfg.block_n_kv, EVEN_Q=_even_q(c, cfg),
+                         num_warps=cfg.warps_kv, num_stages=cfg.stages_kv, **c.meta))
     if stacked is not None:
         # fixed-size buffer, fixed order, accumulated in float64 (sum's dtype= casts each
         # element before accumulating, no fp64 copy): bit-identical run to run
@@ -341,12 +389,13 @@ def _pre_block_m(block_d: int) -> int:
     return 16 if is_interpreter() else max(16, min(128, 8192 // block_d))
 
 
-def _attention_bwd_single(c: _BwdCall, do, q, k, v, o, M, cstat, cfg: BwdConfig):
+def _attention_bwd_single(c: _BwdCall, do, q, k, v, o, M, cstat, cfg: BwdConfig, table: bool = False):
     """Single-pass backward (``attention_bwd(deterministic=False)``): one preprocess launch
     (delta, and the fp32 dq accumulator zeroed), one dK/dV launch that also adds ``dq``
     with atomics and (``cstat`` given) writes one float64 ``dn`` partial per key block, and
     one tail launch (``attn_bwd_postprocess``: dq cast, dn sum) unless dq is fp32 and
     there is no dn."""
+    cfg, _, tma_kv = _tma_modes(c, cfg, table, True, q, k, v, do, o)
     dparams = cstat is not None
     dqa = new_output_like(q, dtype=torch.float32)  # zeroed by the preprocess kernel
     cast = q.dtype != torch.float32
@@ -370,10 +419,9 @@ def _attention_bwd_single(c: _BwdCall, do, q, k, v, o, M, cstat, cfg: BwdConfig)
         nk, dnk, ns = 0, None, (0, 0, 0)
     _preprocess(c, o, do, delta, M, dqa=dqa)
     kv_args = _dkv_args(c, q, k, v, do, dk, dv, M, delta, dqa=dqa, cstat=cstat, dnk=dnk, dn_strides=ns)
-    launch(for_lengths(attn_bwd_kernel_dkv, c.sq, c.sk), (cdiv(c.sk, cfg.block_n_kv), c.bz * c.hkv),
-           kv_args,
-           dict(BLOCK_M=cfg.block_m_kv, BLOCK_N=cfg.block_n_kv, EVEN_Q=_even_q(c, cfg), ATOMIC_DQ=True,
-                DN_KV=dparams, num_warps=cfg.warps_kv, num_stages=cfg.stages_kv, **c.meta), 16)
+    _launch_dkv(c, cfg, tma_kv, kv_args, q, k, v, do, dk, dv,
+                dict(BLOCK_M=cfg.block_m_kv, BLOCK_N=cfg.block_n_kv, EVEN_Q=_even_q(c, cfg), ATOMIC_DQ=True,
+                     DN_KV=dparams, num_warps=cfg.warps_kv, num_stages=cfg.stages_kv, **c.meta), dqa=dqa)
     if cast or dparams:
         # dq's cast and dn's fixed-order float64 sum: one launch
         numel = dqa.numel() if cast else 0

@@ -31,6 +31,8 @@ __all__ = [
     "BWD_MODES",
     "d_bucket",
     "bwd_config",
+    "pointer_bwd_config",
+    "pointer_single_config",
     "single_config",
     "single_pass_pays",
     "use_single_pass",
@@ -49,6 +51,8 @@ class BwdConfig(NamedTuple):
     block_n_kv: int
     warps_kv: int
     stages_kv: int
+    tma_dq: int = 0  # 1: tiles through TMA tensor descriptors where the layout allows (ops.common.tma)
+    tma_kv: int = 0
 
 
 def d_bucket(head_dim: int) -> int:
@@ -62,14 +66,19 @@ def d_bucket(head_dim: int) -> int:
 # the best for both the model shape (B4 N4K) and N=16K. 256 and fp32 are still
 # compile-time estimates (largest tiles without spills; fp32 uses IEEE dots on FMA units,
 # hence small tiles). NEMO_SSA_AUTOTUNE=1 tunes instead.
+# D64 / D128: the Hopper path (TMA tiles, ``tune_tiles --tma``, B2 N8K, SSA and softmax;
+# docs/results/2026-11-26-hopper): dQ 1.01-1.03x, dK/dV 1.04-1.17x the pointer kernels
 _BWD_16 = {32: BwdConfig(64, 32, 4, 2, 64, 64, 4, 2),
-           64: BwdConfig(64, 128, 4, 2, 64, 64, 4, 2),
-           128: BwdConfig(64, 64, 4, 2, 32, 64, 4, 2),
+           64: BwdConfig(64, 128, 4, 3, 64, 64, 4, 2, 1, 1),
+           128: BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 1, 1),
            256: BwdConfig(32, 32, 4, 2, 32, 32, 8, 2)}    # estimate: regs 235 / 247
 _BWD_32 = {32: BwdConfig(32, 32, 4, 2, 32, 32, 8, 2),
            64: BwdConfig(32, 32, 4, 2, 16, 16, 4, 2),
            128: BwdConfig(32, 32, 8, 2, 16, 16, 4, 2),
            256: BwdConfig(16, 16, 8, 2, 16, 16, 8, 2)}
+# what a TMA row falls back to where a call cannot take the TMA path (pre-Hopper GPU,
+# packed THD, unaligned strides, short call): the pointer kernels' measured winners
+_BWD_16_POINTERS = {64: BwdConfig(64, 128, 4, 2, 64, 64, 4, 2), 128: BwdConfig(64, 64, 4, 2, 32, 64, 4, 2)}
 BWD_CONFIGS: Dict[Tuple[int, bool, str], BwdConfig] = {}
 for _causal in (False, True):
     for _bd in (32, 64, 128, 256):
@@ -82,11 +91,12 @@ INTERPRETER_BWD_CONFIG = BwdConfig(16, 16, 1, 1, 16, 16, 1, 1)
 # of the dK/dV kernel's registers, so it gets its own row (16-bit rows 32/64/128 measured
 # with benchmarks/tune_tiles.py bwd_single, results in docs/results; 256 and fp32: estimates).
 _SINGLE_16 = {32: (64, 64, 4, 2),
-              64: (64, 64, 4, 2),
+              64: (64, 64, 4, 3, 1),   # TMA (dq by bulk tensor reduce): tune_tiles --tma, B2 N8K H16
               128: (32, 128, 8, 2),
               256: (32, 32, 8, 2)}    # estimate
 _SINGLE_32 = {32: (32, 32, 8, 2), 64: (16, 16, 4, 2), 128: (16, 16, 4, 2), 256: (16, 16, 8, 2)}
-SINGLE_CONFIGS: Dict[Tuple[int, str], Tuple[int, int, int, int]] = {}
+_SINGLE_16_POINTERS: Dict[int, Tuple[int, int, int, int]] = {64: (64, 64, 4, 2)}  # pointer rows of TMA entries
+SINGLE_CONFIGS: Dict[Tuple[int, str], Tuple[int, ...]] = {}
 for _bd in (32, 64, 128, 256):
     SINGLE_CONFIGS[(_bd, "16bit")] = _SINGLE_16[_bd]
     SINGLE_CONFIGS[(_bd, "fp32")] = _SINGLE_32[_bd]
@@ -106,6 +116,26 @@ def bwd_config(head_dim: int, causal: bool, dtype: torch.dtype, interpret: Optio
     return BWD_CONFIGS[(d_bucket(head_dim), bool(causal), kind)]
 
 
+def pointer_bwd_config(cfg: BwdConfig, head_dim: int, dq: bool) -> BwdConfig:
+    """``cfg`` with the dQ (``dq``) or dK/dV kernel's fields replaced by the pointer row
+    where the table asked for TMA and the call cannot take it."""
+    ptr = _BWD_16_POINTERS.get(d_bucket(head_dim))
+    if dq and cfg.tma_dq:
+        return cfg._replace(**({} if ptr is None else dict(zip(BwdConfig._fields[:4], ptr[:4]))), tma_dq=0)
+    if not dq and cfg.tma_kv:
+        return cfg._replace(**({} if ptr is None else dict(zip(BwdConfig._fields[4:8], ptr[4:8]))), tma_kv=0)
+    return cfg
+
+
+def pointer_single_config(cfg: BwdConfig, head_dim: int) -> BwdConfig:
+    """The single pass's pointer row where the table asked for TMA and the call cannot
+    take it."""
+    if not cfg.tma_kv:
+        return cfg
+    ptr = _SINGLE_16_POINTERS.get(d_bucket(head_dim))
+    return cfg._replace(tma_kv=0) if ptr is None else BwdConfig(0, 0, 0, 0, *ptr)
+
+
 def single_config(head_dim: int, dtype: torch.dtype, interpret: Optional[bool] = None) -> BwdConfig:
     """Tiles of the single-pass backward (the dK/dV fields of a ``BwdConfig``; the dQ
     fields are unused there)."""
@@ -114,19 +144,27 @@ def single_config(head_dim: int, dtype: torch.dtype, interpret: Optional[bool] =
     if interpret:
         return INTERPRETER_BWD_CONFIG
     kind = "fp32" if dtype == torch.float32 else "16bit"
-    return BwdConfig(0, 0, 0, 0, *SINGLE_CONFIGS[(d_bucket(head_dim), kind)])
+    bm, bn, w, s, *tma = SINGLE_CONFIGS[(d_bucket(head_dim), kind)]
+    return BwdConfig(0, 0, 0, 0, bm, bn, w, s, tma_kv=tma[0] if tma else 0)
 
 
-def single_pass_pays(transform: str, head_dim: int) -> bool:
+def single_pass_pays(transform: str, head_dim: int, tma: bool = False) -> bool:
     """Where the single-pass backward is the faster one (measured, bf16, causal; results
     in docs/results): SSA at head dim <= 32, whose dQ kernel spends many instructions per
     score recomputing what the dK/dV loop already has. Softmax's dQ loop is cheap and the
     fp32 atomics (``D / BLOCK_N`` per score, per-thread ``red`` into L2) cost more than
-    it: single pass measured slower there; so did D >= 64 for both."""
-    return transform in ("ssa", TRANSFORM_SSA) and d_bucket(int(head_dim)) == 32
+    it: single pass measured slower there; so did D >= 64 for both -- except SSA at D64
+    on the TMA path (``tma``: the call can take it, ``ops.common.tma``), where each dq tile
+    is added by one bulk tensor reduce: 2.43 ms against the two kernels' 2.80 (H200,
+    B2 N8K H16, docs/results/2026-11-26-hopper). Softmax D64 (1.88 vs 1.90) and D128
+    (both transforms) stay on the two kernels."""
+    if transform not in ("ssa", TRANSFORM_SSA):
+        return False
+    bucket = d_bucket(int(head_dim))
+    return bucket == 32 or (bucket == 64 and bool(tma))
 
 
-def use_single_pass(transform: str, head_dim: int) -> bool:
+def use_single_pass(transform: str, head_dim: int, tma: bool = False) -> bool:
     """Which backward a call takes. ``NEMO_SSA_BWD`` = ``auto`` (default): the two-kernel
     backward when ``torch.are_deterministic_algorithms_enabled()`` (e.g. Megatron's
     ``deterministic_mode``), else the single pass where it is measured faster
@@ -136,7 +174,7 @@ def use_single_pass(transform: str, head_dim: int) -> bool:
     (a dQ kernel recomputes ``p``; every gradient bit-identical run to run)."""
     mode = env.bwd_mode()
     if mode == "auto":
-        return (not torch.are_deterministic_algorithms_enabled()) and single_pass_pays(transform, head_dim)
+        return (not torch.are_deterministic_algorithms_enabled()) and single_pass_pays(transform, head_dim, tma)
     return mode == "atomic"
 
 

@@ -45,6 +45,8 @@ from nemo_ssa.ops.common.device import (
     q_range_for_kv_block,
     seq_info,
     tile_ptrs,
+    tma_store,
+    tma_tile,
 )
 from nemo_ssa.ops.common.transforms import grad_consts, score_bwd_parts, transform_consts
 
@@ -60,18 +62,24 @@ def _bwd_dq_inner(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, TRANSFORM: tl.constexpr, DPARAMS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FAST_LOG2: tl.constexpr,
-    DB: tl.constexpr = True,
+    DB: tl.constexpr = True, TMA: tl.constexpr = 0, off_z=0, off_h=0,
 ):
+    """Key blocks ``lo .. hi`` of one query block; ``TMA`` as in the forward's inner loop
+    (``k_base``/``v_base`` rank-4 descriptors, ``off_z``/``off_h`` batch and kv head)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     kT_off = offs_n[None, :] * s_ks + offs_d[:, None] * s_kd  # [BLOCK_D, BLOCK_N]
     vT_off = offs_n[None, :] * s_vs + offs_d[:, None] * s_vd
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        k_ptrs = k_base + start_n * s_ks64 + kT_off  # int64 block base, int32 in-tile offsets
-        v_ptrs = v_base + start_n * s_vs64 + vT_off
-        kT = load_kv_tile(k_ptrs, cols, k_len, offs_d, HEAD_DIM, BLOCK_D, MASKED, True)
-        vT = load_kv_tile(v_ptrs, cols, k_len, offs_d, HEAD_DIM, BLOCK_D, MASKED, True)
+        if TMA:
+            kT = tl.trans(tma_tile(k_base, off_z, off_h, start_n, BLOCK_N, BLOCK_D))
+            vT = tl.trans(tma_tile(v_base, off_z, off_h, start_n, BLOCK_N, BLOCK_D))
+        else:
+            k_ptrs = k_base + start_n * s_ks64 + kT_off  # int64 block base, int32 in-tile offsets
+            v_ptrs = v_base + start_n * s_vs64 + vT_off
+            kT = load_kv_tile(k_ptrs, cols, k_len, offs_d, HEAD_DIM, BLOCK_D, MASKED, True)
+            vT = load_kv_tile(v_ptrs, cols, k_len, offs_d, HEAD_DIM, BLOCK_D, MASKED, True)
         qk = tl.dot(q, kT, input_precision=INPUT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
         z2, smag, rinv = score_bwd_parts(qk, c0, c1, TRANSFORM, FAST_LOG2)
         if MASKED:
@@ -184,8 +192,10 @@ def attn_bwd_kernel_dq(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TRANSFORM: tl.constexpr, DPARAMS: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FAST_LOG2: tl.constexpr,
-    FUSED_DELTA: tl.constexpr = True, DB: tl.constexpr = True,
+    FUSED_DELTA: tl.constexpr = True, DB: tl.constexpr = True, TMA: tl.constexpr = 0,
 ):
+    """``TMA`` (``BwdConfig.tma_dq``; dense inputs only): ``Q``, ``K``, ``V``, ``DO``, ``O``,
+    ``DQ`` are rank-4 ``[B, H, S, D]`` tensor descriptors (``ops.common.tma``)."""
     pid_m = tl.program_id(0)
     pid_zh = tl.program_id(1)
     off_z = pid_zh // HQ
@@ -206,13 +216,25 @@ def attn_bwd_kernel_dq(
     ld = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
 
     offs_mb = tl.arange(0, BLOCK_M)
-    q = tl.load(tile_ptrs(Q, z64, hq64, row, s_qz, s_qh, s_qs, s_qd, offs_mb, offs_d), mask=ld, other=0.0)
-    do = tl.load(tile_ptrs(DO, z64, hq64, row, s_doz, s_doh, s_dos, s_dod, offs_mb, offs_d), mask=ld, other=0.0)
+    if TMA:
+        q = tma_tile(Q, off_z, off_hq, start_m, BLOCK_M, BLOCK_D)
+        do = tma_tile(DO, off_z, off_hq, start_m, BLOCK_M, BLOCK_D)
+        k_base = K
+        v_base = V
+    else:
+        q = tl.load(tile_ptrs(Q, z64, hq64, row, s_qz, s_qh, s_qs, s_qd, offs_mb, offs_d), mask=ld, other=0.0)
+        do = tl.load(tile_ptrs(DO, z64, hq64, row, s_doz, s_doh, s_dos, s_dod, offs_mb, offs_d), mask=ld,
+                     other=0.0)
+        k_base = K + z64 * s_kz + hkv64 * s_kh + k_start * s_ks
+        v_base = V + z64 * s_vz + hkv64 * s_vh + k_start * s_vs
     m_off = z64 * s_mz + hq64 * s_mh + (q_start + offs_m) * s_ms
     m_row = tl.load(M + m_off, mask=row_ok, other=float("inf"))
     if FUSED_DELTA:
         # delta = rowsum(o * do) (fp32), stored for the dK/dV kernel that runs next
-        o = tl.load(tile_ptrs(O, z64, hq64, row, s_oz, s_oh, s_os, s_od, offs_mb, offs_d), mask=ld, other=0.0)
+        if TMA:
+            o = tma_tile(O, off_z, off_hq, start_m, BLOCK_M, BLOCK_D)
+        else:
+            o = tl.load(tile_ptrs(O, z64, hq64, row, s_oz, s_oh, s_os, s_od, offs_mb, offs_d), mask=ld, other=0.0)
         delta_row = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
         tl.store(Delta + m_off, delta_row, mask=row_ok)
     else:  # written by attn_bwd_preprocess
@@ -224,8 +246,6 @@ def attn_bwd_kernel_dq(
     seed, rng_off, inv_keep = dropout_state(RNG, dropout_p, HAS_DROPOUT)
     rbase = rng_off + z64 * RNG_SZ + hq64 * RNG_SH + q_start * RNG_SS
 
-    k_base = K + z64 * s_kz + hkv64 * s_kh + k_start * s_ks
-    v_base = V + z64 * s_vz + hkv64 * s_vh + k_start * s_vs
     full, hi = kv_range_for_q_block(start_m, q_len, k_len, BLOCK_M, BLOCK_N, CAUSAL)
     off_c = k_len - q_len
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -238,12 +258,12 @@ def attn_bwd_kernel_dq(
         dq, dn_r, db_r, gn_r, gb_r, de_r, q, do, m_row, delta_row, k_base, v_base, s_ks, s_kd, s_vs, s_vd,
         s_ks + zero64, s_vs + zero64, offs_m, 0, full, k_len, off_c, c0, c1, seed, rbase, RNG_SS, dropout_p,
         inv_keep, HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, TRANSFORM, DPARAMS,
-        HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2, DB)
+        HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2, DB, TMA, off_z, off_hkv)
     dq, dn_r, db_r, gn_r, gb_r, de_r = _bwd_dq_inner(
         dq, dn_r, db_r, gn_r, gb_r, de_r, q, do, m_row, delta_row, k_base, v_base, s_ks, s_kd, s_vs, s_vd,
         s_ks + zero64, s_vs + zero64, offs_m, full, hi, k_len, off_c, c0, c1, seed, rbase, RNG_SS, dropout_p,
         inv_keep, HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, TRANSFORM, DPARAMS,
-        HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2, DB)
+        HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2, DB, TMA, off_z, off_hkv)
     if TRANSFORM == 1:
         if DPARAMS:
             # delta_row = do . o comes from the *stored* o (rounded to the input dtype,
@@ -257,8 +277,11 @@ def attn_bwd_kernel_dq(
                 db_row = (db_r + corr * gb_r) * g_b
                 tl.store(DBP + m_off, db_row, mask=row_ok)
     dq = dq * g_s
-    tl.store(tile_ptrs(DQ, z64, hq64, row, s_dqz, s_dqh, s_dqs, s_dqd, offs_mb, offs_d),
-             dq.to(DQ.dtype.element_ty), mask=ld)
+    if TMA:
+        tma_store(DQ, off_z, off_hq, start_m, dq.to(q.dtype), BLOCK_M, BLOCK_D)
+    else:
+        tl.store(tile_ptrs(DQ, z64, hq64, row, s_dqz, s_dqh, s_dqs, s_dqd, offs_mb, offs_d),
+                 dq.to(DQ.dtype.element_ty), mask=ld)
 
 
 @triton.jit
@@ -273,6 +296,7 @@ def _bwd_dkv_inner(
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, TRANSFORM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FAST_LOG2: tl.constexpr,
     EVEN: tl.constexpr = False, ATOMIC_DQ: tl.constexpr = False, DN_KV: tl.constexpr = False,
+    TMA: tl.constexpr = 0, off_z=0, off_h0=0, TMA_REDUCE: tl.constexpr = False,
 ):
     """Query blocks ``lo + i*BLOCK_M`` (``i < n_blk``) of each of the GROUP query heads.
 
@@ -280,14 +304,17 @@ def _bwd_dkv_inner(
     the q/dO/M/delta loads need no masks.
 
     ``ATOMIC_DQ`` (single-pass backward): also ``dq += g_s * ds @ k`` for the block,
-    added into the fp32 accumulator at ``a_base`` (same head/row addressing as ``q``)
+    added into the fp32 accumulator at ``a_base`` (same head/row addressing as ``q``; with
+    ``TMA_REDUCE`` a descriptor, the tile added by one bulk tensor reduce)
     with atomics -- no dQ kernel recomputing ``p``. ``DN_KV``: ``dnk`` (per key row, summed
     per key block in the kernel's epilogue) accumulates ``sum_i p dp (smag - C_i)`` with the forward's row means ``C`` at
     ``c_base`` (M's layout), i.e. ``dn / ln 2`` split by key rows, without atomics.
 
     One flat loop over (head, block) pairs, head-major: a nested runtime loop around the
     software-pipelined block loop made ptxas spill heavily (sm_90), a flat one does not.
-    Base pointers are those of the group's first query head.
+    Base pointers are those of the group's first query head. ``TMA``: ``q_base`` and
+    ``do_base`` are rank-4 descriptors, ``off_z``/``off_h0`` the batch and the group's
+    first query head.
     """
     offs_mb = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -301,7 +328,20 @@ def _bwd_dkv_inner(
         offs_m = start_m + offs_mb
         row_ok = offs_m < q_len
         m_off = g * s_mh64 + offs_m.to(tl.int64) * s_ms
-        if EVEN:
+        if TMA:
+            qT = tl.trans(tma_tile(q_base, off_z, off_h0 + g, start_m, BLOCK_M, BLOCK_D))
+            do = tma_tile(do_base, off_z, off_h0 + g, start_m, BLOCK_M, BLOCK_D)
+            if EVEN:
+                m_row = tl.load(m_base + m_off)
+                delta_row = tl.load(d_base + m_off)
+                if DN_KV:
+                    c_row = tl.load(c_base + m_off)
+            else:
+                m_row = tl.load(m_base + m_off, mask=row_ok, other=float("inf"))
+                delta_row = tl.load(d_base + m_off, mask=row_ok, other=0.0)
+                if DN_KV:
+                    c_row = tl.load(c_base + m_off, mask=row_ok, other=0.0)
+        elif EVEN:
             qT = tl.load(q_base + row0 + qT_off)
             do = tl.load(do_base + (start_m * s_dos64 + g * s_doh64) + do_off)
             m_row = tl.load(m_base + m_off)
@@ -342,7 +382,12 @@ def _bwd_dkv_inner(
             dsT = dzT
         ds_lp = dsT.to(qT.dtype)
         dk = tl.dot(ds_lp, tl.trans(qT), dk, input_precision=INPUT_PRECISION)
-        if ATOMIC_DQ:
+        if ATOMIC_DQ and TMA_REDUCE:
+            # the TMA adds the whole tile into the fp32 accumulator (a bulk tensor reduce: one
+            # instruction from one thread instead of BLOCK_M * BLOCK_D / threads atomics each)
+            dq_t = tl.dot(tl.trans(ds_lp), k, input_precision=INPUT_PRECISION) * g_s
+            a_base.atomic_add([off_z, off_h0 + g, start_m, 0], dq_t.reshape(1, 1, BLOCK_M, BLOCK_D))
+        elif ATOMIC_DQ:
             dq_t = tl.dot(tl.trans(ds_lp), k, input_precision=INPUT_PRECISION) * g_s  # [BLOCK_M, BLOCK_D]
             a_ptrs = (a_base + (start_m * s_as64 + g * s_ah64)
                       + offs_mb[:, None] * s_as + offs_d[None, :] * s_ad)
@@ -372,7 +417,12 @@ def attn_bwd_kernel_dkv(
     TRANSFORM: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FAST_LOG2: tl.constexpr,
     EVEN_Q: tl.constexpr = False, ATOMIC_DQ: tl.constexpr = False, DN_KV: tl.constexpr = False,
+    TMA: tl.constexpr = 0, TMA_REDUCE: tl.constexpr = False,
 ):
+    """``TMA`` (``BwdConfig.tma_kv``; dense inputs only): ``Q``, ``K``, ``V``, ``DO``, ``DK``,
+    ``DV`` are rank-4 ``[B, H, S, D]`` tensor descriptors (``ops.common.tma``);
+    ``TMA_REDUCE`` (with ``ATOMIC_DQ``; not in Triton's interpreter, which lacks it): so is
+    the fp32 accumulator ``DQA``, each dq tile added by a bulk tensor reduce."""
     pid_n = tl.program_id(0)
     pid_zh = tl.program_id(1)
     off_z = pid_zh // HKV
@@ -392,8 +442,12 @@ def attn_bwd_kernel_dkv(
     offs_d = tl.arange(0, BLOCK_D)
     col = k_start + start_n  # int64 first key row of the block
     ld = (offs_n < k_len)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    k = tl.load(tile_ptrs(K, z64, hkv64, col, s_kz, s_kh, s_ks, s_kd, offs_nb, offs_d), mask=ld, other=0.0)
-    v = tl.load(tile_ptrs(V, z64, hkv64, col, s_vz, s_vh, s_vs, s_vd, offs_nb, offs_d), mask=ld, other=0.0)
+    if TMA:
+        k = tma_tile(K, off_z, off_hkv, start_n, BLOCK_N, BLOCK_D)
+        v = tma_tile(V, off_z, off_hkv, start_n, BLOCK_N, BLOCK_D)
+    else:
+        k = tl.load(tile_ptrs(K, z64, hkv64, col, s_kz, s_kh, s_ks, s_kd, offs_nb, offs_d), mask=ld, other=0.0)
+        v = tl.load(tile_ptrs(V, z64, hkv64, col, s_vz, s_vh, s_vs, s_vd, offs_nb, offs_d), mask=ld, other=0.0)
 
     n, b = load_params(NP, BP, TRANSFORM)
     c0, c1 = transform_consts(scale, n, b, TRANSFORM)
@@ -407,12 +461,19 @@ def attn_bwd_kernel_dkv(
     off_c = k_len - q_len
     # the GQA group's query heads, in a fixed order (deterministic, no atomics)
     hq0 = (off_hkv * GROUP).to(tl.int64)
-    q_base = Q + z64 * s_qz + hq0 * s_qh + q_start * s_qs
-    do_base = DO + z64 * s_doz + hq0 * s_doh + q_start * s_dos
+    if TMA:
+        q_base = Q
+        do_base = DO
+    else:
+        q_base = Q + z64 * s_qz + hq0 * s_qh + q_start * s_qs
+        do_base = DO + z64 * s_doz + hq0 * s_doh + q_start * s_dos
     m_base = M + z64 * s_mz + hq0 * s_mh + q_start * s_ms
     d_base = Delta + z64 * s_mz + hq0 * s_mh + q_start * s_ms
     rbase = rng_off + z64 * RNG_SZ + hq0 * RNG_SH + q_start * RNG_SS
-    a_base = DQA + z64 * s_az + hq0 * s_ah + q_start * s_as
+    if TMA_REDUCE:
+        a_base = DQA  # a descriptor of the fp32 dq accumulator (single pass)
+    else:
+        a_base = DQA + z64 * s_az + hq0 * s_ah + q_start * s_as
     c_base = CS + z64 * s_mz + hq0 * s_mh + q_start * s_ms
     n_masked = (mid - lo) // BLOCK_M
     n_full = (q_len - mid + BLOCK_M - 1) // BLOCK_M
@@ -423,7 +484,8 @@ def attn_bwd_kernel_dkv(
         offs_n, lo, n_masked, q_len, k_len, off_c, c0, c1, seed, rbase, RNG_SH + zero64, RNG_SS, dropout_p,
         inv_keep, GROUP, a_base, c_base, s_as, s_ad, s_ah + zero64, s_as + zero64, g_s,
         HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, TRANSFORM,
-        HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2, False, ATOMIC_DQ, DN_KV)
+        HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2, False, ATOMIC_DQ, DN_KV, TMA, off_z, off_hkv * GROUP,
+        TMA_REDUCE)
     dk, dv, dnk = _bwd_dkv_inner(
         dk, dv, dnk, k, v,
         q_base, do_base, m_base, d_base, s_qs, s_qd, s_dos, s_dod, s_ms,
@@ -431,13 +493,18 @@ def attn_bwd_kernel_dkv(
         offs_n, mid, n_full, q_len, k_len, off_c, c0, c1, seed, rbase, RNG_SH + zero64, RNG_SS, dropout_p,
         inv_keep, GROUP, a_base, c_base, s_as, s_ad, s_ah + zero64, s_as + zero64, g_s,
         HEAD_DIM, BLOCK_D, BLOCK_M, False, CAUSAL, TRANSFORM,
-        HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2, EVEN_Q, ATOMIC_DQ, DN_KV)
+        HAS_DROPOUT, INPUT_PRECISION, FAST_LOG2, EVEN_Q, ATOMIC_DQ, DN_KV, TMA, off_z, off_hkv * GROUP,
+        TMA_REDUCE)
 
     dk = dk * g_s
-    tl.store(tile_ptrs(DK, z64, hkv64, col, s_dkz, s_dkh, s_dks, s_dkd, offs_nb, offs_d),
-             dk.to(DK.dtype.element_ty), mask=ld)
-    tl.store(tile_ptrs(DV, z64, hkv64, col, s_dvz, s_dvh, s_dvs, s_dvd, offs_nb, offs_d),
-             dv.to(DV.dtype.element_ty), mask=ld)
+    if TMA:
+        tma_store(DK, off_z, off_hkv, start_n, dk.to(k.dtype), BLOCK_N, BLOCK_D)
+        tma_store(DV, off_z, off_hkv, start_n, dv.to(k.dtype), BLOCK_N, BLOCK_D)
+    else:
+        tl.store(tile_ptrs(DK, z64, hkv64, col, s_dkz, s_dkh, s_dks, s_dkd, offs_nb, offs_d),
+                 dk.to(DK.dtype.element_ty), mask=ld)
+        tl.store(tile_ptrs(DV, z64, hkv64, col, s_dvz, s_dvh, s_dvs, s_dvd, offs_nb, offs_d),
+                 dv.to(DV.dtype.element_ty), mask=ld)
     if DN_KV:  # one float64 dn partial per key block: its rows summed in a fixed order
         part = tl.sum(tl.where(offs_n < k_len, dnk * g_n, 0.0).to(tl.float64), axis=0)
         tl.store(DNK.to(tl.pointer_type(tl.float64), bitcast=True) + z64 * s_nz + hkv64 * s_nh + pid_n * s_ns,

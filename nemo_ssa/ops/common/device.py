@@ -20,6 +20,8 @@ __all__ = [
     "seq_info",
     "dropout_keep",
     "tile_ptrs",
+    "tma_tile",
+    "tma_store",
     "load_params",
     "dropout_state",
     "load_kv_tile",
@@ -74,6 +76,22 @@ def tile_ptrs(X, z64, h64, row, s_z, s_h, s_s, s_d, offs_r, offs_d):
     """Pointers of the ``[len(offs_r), len(offs_d)]`` tile at rows ``row + offs_r`` of head
     ``h64`` of batch ``z64`` (int64 block base, in-tile offsets)."""
     return X + z64 * s_z + h64 * s_h + row * s_s + offs_r[:, None] * s_s + offs_d[None, :] * s_d
+
+
+@triton.jit
+def tma_tile(desc, z, h, row, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The ``[BLOCK_R, BLOCK_D]`` tile at rows ``row..`` of head ``h`` of batch ``z`` through
+    a rank-4 ``[B, H, S, D]`` tensor descriptor (``ops.common.tma``): the tensor-memory
+    accelerator reads rows ``>= S`` and columns ``>= D`` as 0 -- no masks, no address
+    arithmetic in the threads."""
+    return desc.load([z, h, row, 0]).reshape(BLOCK_R, BLOCK_D)
+
+
+@triton.jit
+def tma_store(desc, z, h, row, x, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Store the ``[BLOCK_R, BLOCK_D]`` tile ``x`` where ``tma_tile`` reads it; rows ``>= S``
+    and columns ``>= D`` are dropped by the hardware."""
+    desc.store([z, h, row, 0], x.reshape(1, 1, BLOCK_R, BLOCK_D))
 
 
 @triton.jit

@@ -184,7 +184,7 @@ def _cache_entry(compiled, kernel, args: tuple, meta: dict):
     return run, (compiled.function, compiled.packed_metadata, None, None, None), tail
 
 
-def launch(kernel, grid: tuple, args: tuple, meta: dict, ntensors: Optional[int] = None):
+def launch(kernel, grid: tuple, args: tuple, meta: dict, ntensors: Optional[int] = None, cached: bool = True):
     """``kernel[grid](*args, **meta)`` with the compiled kernel cached per launch key.
 
     A hit skips ``JITFunction.run``'s binder, option parsing and cache-key hashing and
@@ -199,9 +199,11 @@ def launch(kernel, grid: tuple, args: tuple, meta: dict, ntensors: Optional[int]
     by value (floats too: a new ``scale`` is a new entry, never a wrong one), ``meta`` in
     insertion order, kernel and device. The split
     is checked on every normal-path call (the interpreter's CPU tests cover each call
-    site). ``ntensors=None``: ``launch_key`` (any argument order)."""
-    if _INTERPRETED or not FAST_LAUNCH or _launch_hooks_active():
-        if ntensors is not None:
+    site). ``ntensors=None``: ``launch_key`` (any argument order). ``cached=False``: the
+    normal path always (arguments the cached launch does not handle, e.g. the TMA path's
+    tensor descriptors, which Triton's launcher expands)."""
+    if _INTERPRETED or not FAST_LAUNCH or not cached or _launch_hooks_active():
+        if ntensors is not None and cached:
             _check_split(args, ntensors)
         return kernel[grid](*args, **meta)
     dev = torch.cuda.current_device()

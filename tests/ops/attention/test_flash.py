@@ -791,9 +791,9 @@ def test_dkv_even_q_flag_only_for_whole_blocks(monkeypatch, sq, d, even):
     seen = []
     real = bwd.launch
 
-    def spy(kernel, grid, args, meta, ntensors=None):
+    def spy(kernel, grid, args, meta, ntensors=None, cached=True):
         seen.append(dict(meta))
-        return real(kernel, grid, args, meta, ntensors)
+        return real(kernel, grid, args, meta, ntensors, cached)
 
     monkeypatch.setattr(bwd, "launch", spy)
     q, k, v = make_qkv(1, 2, 1, sq, sq, d, torch.float32, device=DEVICE)

@@ -67,9 +67,9 @@ def _launched(monkeypatch):
     got = []
 
     def recorder(real):
-        def rec(kernel, grid, args, meta, ntensors=None):
+        def rec(kernel, grid, args, meta, ntensors=None, cached=True):
             got.append((getattr(kernel, "__name__", str(kernel)), dict(meta)))
-            return real(kernel, grid, args, meta, ntensors)
+            return real(kernel, grid, args, meta, ntensors, cached)
         return rec
     monkeypatch.setattr(bwd, "launch", recorder(_REAL_LAUNCH[0]))
     monkeypatch.setattr(fl, "launch", recorder(_REAL_LAUNCH[1]))
@@ -295,10 +295,10 @@ def test_postprocess_tail_casts_dq_and_sums_dn(monkeypatch, dtype, tr, layout):
     tail_args = []
     rec = bwd.launch
 
-    def keep_tail(kernel, grid, args, meta, ntensors=None):
+    def keep_tail(kernel, grid, args, meta, ntensors=None, cached=True):
         if kernel is bwd_kernels.attn_bwd_postprocess:
             tail_args.append(args)
-        return rec(kernel, grid, args, meta, ntensors)
+        return rec(kernel, grid, args, meta, ntensors, cached)
     monkeypatch.setattr(bwd, "launch", keep_tail)
     kw = dict(n=n, b=b) if tr == "ssa" else {}
     o = fl.flash_attention(q, k, v, transform=tr, causal=True, **kw)

@@ -16,14 +16,15 @@ def test_d_bucket_is_the_padded_block_d(d, bucket):
 def test_tables_cover_every_bucket_causal_and_dtype_kind():
     for bd in (32, 64, 128, 256):
         for kind in ("16bit", "fp32"):
-            assert isinstance(bc.SINGLE_CONFIGS[(bd, kind)], tuple) and len(bc.SINGLE_CONFIGS[(bd, kind)]) == 4
+            row = bc.SINGLE_CONFIGS[(bd, kind)]  # (BM, BN, warps, stages[, tma])
+            assert isinstance(row, tuple) and len(row) in (4, 5) and (len(row) == 4 or row[4] in (0, 1))
             for causal in (False, True):
                 assert isinstance(bc.BWD_CONFIGS[(bd, causal, kind)], BwdConfig)
     assert len(bc.BWD_CONFIGS) == 16 and len(bc.SINGLE_CONFIGS) == 8
 
 
 def test_tile_sizes_are_powers_of_two_at_least_16():
-    for cfg in list(bc.BWD_CONFIGS.values()) + [BwdConfig(0, 0, 0, 0, *t) for t in bc.SINGLE_CONFIGS.values()]:
+    for cfg in list(bc.BWD_CONFIGS.values()) + [BwdConfig(0, 0, 0, 0, *t[:4]) for t in bc.SINGLE_CONFIGS.values()]:
         for blk in (cfg.block_m_kv, cfg.block_n_kv) + ((cfg.block_m_dq, cfg.block_n_dq) if cfg.block_m_dq else ()):
             assert blk >= 16 and blk & (blk - 1) == 0, cfg
 
@@ -34,7 +35,9 @@ def test_tile_sizes_are_powers_of_two_at_least_16():
 def test_bwd_config_looks_up_the_table_off_the_interpreter(d, dtype, kind, causal):
     assert bc.bwd_config(d, causal, dtype, interpret=False) == bc.BWD_CONFIGS[(bc.d_bucket(d), causal, kind)]
     single = bc.single_config(d, dtype, interpret=False)
-    assert tuple(single[4:]) == bc.SINGLE_CONFIGS[(bc.d_bucket(d), kind)] and tuple(single[:4]) == (0, 0, 0, 0)
+    row = bc.SINGLE_CONFIGS[(bc.d_bucket(d), kind)]
+    assert tuple(single[4:8]) == row[:4] and tuple(single[:4]) == (0, 0, 0, 0)
+    assert single.tma_kv == (row[4] if len(row) > 4 else 0) and single.tma_dq == 0
 
 
 def test_interpreter_gets_small_tiles():
@@ -47,6 +50,18 @@ def test_single_pass_pays_only_for_ssa_at_small_head_dim():
     assert bc.single_pass_pays("ssa", 16) and bc.single_pass_pays("ssa", 32) and bc.single_pass_pays(1, 32)
     assert not bc.single_pass_pays("ssa", 33) and not bc.single_pass_pays("ssa", 128)
     assert not bc.single_pass_pays("softmax", 32) and not bc.single_pass_pays(0, 32)
+    # D64 only where the call takes the TMA path (dq by bulk tensor reduce), SSA only
+    assert bc.single_pass_pays("ssa", 64, tma=True) and not bc.single_pass_pays("ssa", 64, tma=False)
+    assert not bc.single_pass_pays("softmax", 64, tma=True) and not bc.single_pass_pays("ssa", 128, tma=True)
+
+
+def test_single_pass_pointer_fallback_row():
+    row = bc.single_config(64, torch.bfloat16, interpret=False)
+    assert row.tma_kv == 1
+    ptr = bc.pointer_single_config(row, 64)
+    assert ptr.tma_kv == 0 and tuple(ptr[4:8]) == (64, 64, 4, 2)
+    d32 = bc.single_config(32, torch.bfloat16, interpret=False)
+    assert bc.pointer_single_config(d32, 32) is d32
 
 
 @pytest.mark.parametrize("mode,ssa32,ssa64,softmax32", [

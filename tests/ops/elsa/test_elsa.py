@@ -558,9 +558,9 @@ def test_deterministic_argument_takes_the_two_kernel_backward(monkeypatch):
     for det, want in ((None, False), (True, True)):
         names = []
 
-        def rec(kernel, grid, args, meta, ntensors=None):
+        def rec(kernel, grid, args, meta, ntensors=None, cached=True):
             names.append(getattr(kernel, "__name__", str(kernel)))
-            return real(kernel, grid, args, meta, ntensors)
+            return real(kernel, grid, args, meta, ntensors, cached)
 
         monkeypatch.setattr(bwd, "launch", rec)
         o = elsa_attention(q, k, v, transform="softmax", causal=True, deterministic=det)
