@@ -16,7 +16,8 @@ region and the row is marked ``*``). Columns: fwd and fwd+bwd median ms
 (``triton.testing.do_bench``), TFLOP/s (causal counts half the score matrix; backward =
 2.5x forward), peak extra memory of one fwd+bwd (MiB above the inputs), and the ratios to
 SDPA flash and cuDNN. Shapes: the recipe's training shape (B8 N1024 H24/8 D32), B32 N1024,
-B2 N4096, D64 (B2 N8192 H16/16), D128 (B2 N8192 H8/8); ``--sweep`` adds an N sweep. Targets
+B2 N4096, D64 (B2 N8192 H16/16), D128 (B2 N8192 H8/8), and the same heads at B8 N4096
+("D64 B8", "D128 B8"); ``--sweep`` adds an N sweep. Targets
 (H100/H200): softmax_triton fwd+bwd <= 1.1x SDPA cuDNN, ssa_triton fwd+bwd <= 1.5x
 and fwd <= 1.3x SDPA cuDNN at every shape.
 """
@@ -41,6 +42,7 @@ DEFAULT_ROWS = ("softmax_triton", "ssa_triton", "sdpa_flash", "sdpa_cudnn")
 def _parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the three D=32 shapes only (no D64/D128)")
+    ap.add_argument("--wide", action="store_true", help="the four D64/D128 shapes only (no D=32)")
     ap.add_argument("--gpu-time", action="store_true",
                     help="also time fwd+bwd as CUDA-graph replays (kernel time without host cost or launch "
                          "gaps; no L2 flush between replays): shows which rows are bound by host time")
@@ -58,12 +60,14 @@ def _parse(argv=None):
 
 def _shapes(args) -> List[Dict]:
     """(label, B, Hq, Hkv, N, D) of the runs: the recipe's training shape first."""
-    shapes = [dict(label="recipe", B=8, Hq=24, Hkv=8, N=1024, D=32),
-              dict(label="B32", B=32, Hq=24, Hkv=8, N=1024, D=32),
-              dict(label="N4096", B=2, Hq=24, Hkv=8, N=4096, D=32)]
+    shapes = [] if args.wide else [dict(label="recipe", B=8, Hq=24, Hkv=8, N=1024, D=32),
+                                   dict(label="B32", B=32, Hq=24, Hkv=8, N=1024, D=32),
+                                   dict(label="N4096", B=2, Hq=24, Hkv=8, N=4096, D=32)]
     if not args.quick:
         shapes += [dict(label="D64", B=2, Hq=16, Hkv=16, N=8192, D=64),
-                   dict(label="D128", B=2, Hq=8, Hkv=8, N=8192, D=128)]
+                   dict(label="D128", B=2, Hq=8, Hkv=8, N=8192, D=128),
+                   dict(label="D64 B8", B=8, Hq=16, Hkv=16, N=4096, D=64),
+                   dict(label="D128 B8", B=8, Hq=8, Hkv=8, N=4096, D=128)]
     if args.sweep:
         ns = [1024, 4096, 16384] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768]
         for n in ns:

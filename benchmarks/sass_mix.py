@@ -145,7 +145,7 @@ def capture_launches(fn) -> List[Tuple[object, tuple, tuple, dict]]:
     import nemo_ssa.ops.attention.flash as fl
     got = []
 
-    def fake_launch(kernel, grid, args, meta, ntensors=None):
+    def fake_launch(kernel, grid, args, meta, ntensors=None, cached=True):
         got.append((kernel, tuple(grid), tuple(args), dict(meta)))
 
     saved = (ab.launch, fl.launch)
@@ -191,7 +191,7 @@ def kernel_report(name: str, compiled, meta: dict, dump: Optional[str]) -> Dict[
 
 
 def collect(transform: str, head_dim: int, causal: bool, dtype: torch.dtype, hq: int, hkv: int,
-            params: str, bwd: str = "deterministic", bwd_cfg=None) -> List[Tuple[str, object, tuple, tuple, dict]]:
+            params: str, bwd: str = "deterministic", bwd_cfg=None, fwd_cfg=None) -> List[Tuple[str, object, tuple, tuple, dict]]:
     from nemo_ssa.ops.common.bwd import attention_bwd
     from nemo_ssa.ops.attention.flash import _flash_fwd
     B, N, D = 1, 256, head_dim
@@ -205,7 +205,7 @@ def collect(transform: str, head_dim: int, causal: bool, dtype: torch.dtype, hq:
     for kern, grid, args, meta in capture_launches(lambda: _flash_fwd(
             q, k, v, n if transform == "ssa" else None, b if transform == "ssa" else None, None, None, None,
             transform, causal, D ** -0.5, 0.0, N, N, prec, True,
-            save_c=bwd == "atomic" and params == "n")):
+            save_c=bwd == "atomic" and params == "n", config=fwd_cfg)):
         out.append(("fwd", kern, grid, args, meta))
     o = torch.zeros_like(q)
     M = torch.zeros(B, hq, N, dtype=torch.float32)
@@ -234,7 +234,10 @@ def main(argv=None) -> int:
     ap.add_argument("--bwd", default="deterministic", choices=["deterministic", "atomic"],
                     help="backward schedule: two kernels (dQ + dK/dV) or single pass (dK/dV adds dq atomically)")
     ap.add_argument("--bwd-config", default=None,
-                    help="override the backward tiles: 8 ints 'dqBM,dqBN,dqW,dqS,kvBM,kvBN,kvW,kvS' (BwdConfig)")
+                    help="override the backward tiles: 8 ints 'dqBM,dqBN,dqW,dqS,kvBM,kvBN,kvW,kvS' (BwdConfig), "
+                         "or 10 with the TMA modes of the dQ and dK/dV kernels")
+    ap.add_argument("--fwd-config", default=None,
+                    help="override the forward tiles: 'BM,BN,W,S' or 'BM,BN,W,S,TMA' (FwdConfig)")
     ap.add_argument("--dump", default=None, help="write each kernel's SASS and PTX here")
     ap.add_argument("--json", default=None, help="also write the rows as JSON")
     args = ap.parse_args(argv)
@@ -245,10 +248,17 @@ def main(argv=None) -> int:
     if args.bwd_config:
         from nemo_ssa.ops.common.bwd_config import BwdConfig
         bwd_cfg = BwdConfig(*(int(x) for x in args.bwd_config.split(",")))
+    fwd_cfg = None
+    if args.fwd_config:
+        from nemo_ssa.ops.attention.flash import FwdConfig
+        fwd_cfg = FwdConfig(*(int(x) for x in args.fwd_config.split(",")))
+    # the stand-in sm_90 target can take the TMA path (the host code sees CPU tensors)
+    from nemo_ssa.ops.common import tma
+    tma.tma_capable = lambda device: True
     rows = []
     for tr in args.transforms.split(","):
         for name, kern, grid, kargs, meta in collect(tr, args.head_dim, not args.non_causal, dtype, hq, hkv,
-                                                     args.params, args.bwd, bwd_cfg):
+                                                     args.params, args.bwd, bwd_cfg, fwd_cfg):
             compiled = compile_launch(kern, grid, kargs, meta)
             if "BLOCK_N" not in meta:
                 continue

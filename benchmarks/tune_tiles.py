@@ -46,6 +46,10 @@ SHAPES = {
     "elsa16k-d32": (1, 24, 8, 16384, 32),
     "d64": (1, 16, 16, 16384, 64),
     "d128": (2, 8, 8, 8192, 128),
+    # the Hopper-path targets (issue 28): B2 N8192 and B8 N4096 at D64 / D128
+    "d64-n8k": (2, 16, 16, 8192, 64),
+    "d64-b8": (8, 16, 16, 4096, 64),
+    "d128-b8": (8, 8, 8, 4096, 128),
 }
 FWD_CANDS = [(bm, bn, w, s) for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
 DQ_CANDS = [(bm, bn, w, s) for bm in (32, 64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (1, 2)]
@@ -56,6 +60,13 @@ NSA_SHAPES = {
     "nsa-d32": (1, 24, 8, 32768, 32),
     "nsa-d128": (1, 24, 8, 32768, 128),
 }
+# --tma: the flash kernels' candidates on the Hopper path (tensor descriptors; 5th field =
+# FwdConfig.tma / BwdConfig.tma_dq / tma_kv = 1), compared against the (pointer) table entry
+TMA_FWD_CANDS = [(bm, bn, w, s, 1) for bm in (64, 128) for bn in (64, 128) for w in (4, 8) for s in (2, 3, 4)]
+TMA_DQ_CANDS = [(bm, bn, w, s, 1) for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
+TMA_KV_CANDS = [(bm, bn, w, s, 1) for bm in (16, 32, 64) for bn in (64, 128) for w in (4, 8) for s in (2, 3)]
+TMA_SINGLE_CANDS = [(bm, bn, w, s, 1) for bm in (32, 64, 128) for bn in (64, 128) for w in (4, 8) for s in (2, 3)]
+USE_TMA = os.environ.get("NEMO_SSA_TUNE_TMA", "0") == "1"
 RANGE_FWD_CANDS = [(bm, bn, w, s) for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
 RANGE_BWD_CANDS = [(bm, bn, w, s) for bm in (32, 64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (1, 2)]
 SELECTED_CANDS = [(bq, 0, w, 0) for bq in (16, 32, 64, 128) for w in (2, 4, 8)]  # (block_q, -, warps, -)
@@ -67,6 +78,9 @@ KERNELS = FLASH_KERNELS + NSA_KERNELS
 
 
 def _cands(kernel: str):
+    if USE_TMA and kernel in ("flash_fwd", "bwd_dq", "bwd_dkv", "bwd_single"):
+        return {"flash_fwd": TMA_FWD_CANDS, "bwd_dq": TMA_DQ_CANDS, "bwd_dkv": TMA_KV_CANDS,
+                "bwd_single": TMA_SINGLE_CANDS}[kernel]
     return {"flash_fwd": FWD_CANDS, "elsa_fwd": FWD_CANDS, "bwd_dq": DQ_CANDS, "bwd_dkv": KV_CANDS, "bwd_single": SINGLE_CANDS,
             "nsa_range_fwd": RANGE_FWD_CANDS, "nsa_range_bwd": RANGE_BWD_CANDS,
             "nsa_selected": SELECTED_CANDS}[kernel]
@@ -168,13 +182,14 @@ class _Case:
 
     def table(self, kernel: str) -> Tuple[int, int, int, int]:
         if kernel == "flash_fwd":
-            return tuple(self.fwd_table)
+            return tuple(self.fwd_table) if USE_TMA else tuple(self.fwd_table[:4])
+        t = self.bwd_table
         if kernel == "bwd_dq":
-            return tuple(self.bwd_table[:4])
+            return tuple(t[:4]) + ((t.tma_dq,) if USE_TMA else ())
         if kernel == "bwd_dkv":
-            return tuple(self.bwd_table[4:])
+            return tuple(t[4:8]) + ((t.tma_kv,) if USE_TMA else ())
         if kernel == "bwd_single":
-            return tuple(self.single_table[4:])
+            return tuple(self.single_table[4:8]) + ((self.single_table.tma_kv,) if USE_TMA else ())
         from nemo_ssa.ops.elsa import routing
 
         return tuple(routing.FWD_TILES["16bit"][routing.block_d(self.D)])
@@ -186,13 +201,17 @@ class _Case:
             return lambda: flash.flash_attention_fwd(self.q, self.k, self.v, transform=TUNE_TRANSFORM, **self.nb,
                                                      causal=self.causal, config=cfg)
         if kernel == "bwd_single":
-            cfg = ab.BwdConfig(0, 0, 0, 0, *cand)
+            cfg = ab.BwdConfig(0, 0, 0, 0, *cand[:4], tma_kv=cand[4] if len(cand) > 4 else 0)
             return lambda: ab.attention_bwd(self.do, self.q, self.k, self.v, self.o, self.M, transform=TUNE_TRANSFORM,
                                             **self.nb, causal=self.causal, config=cfg, need_db=False, cstat=self.C,
                                             deterministic=False)
         if kernel in ("bwd_dq", "bwd_dkv"):
             t = self.bwd_table
-            cfg = ab.BwdConfig(*cand, *t[4:]) if kernel == "bwd_dq" else ab.BwdConfig(*t[:4], *cand)
+            tma = cand[4] if len(cand) > 4 else 0
+            if kernel == "bwd_dq":
+                cfg = ab.BwdConfig(*cand[:4], *t[4:8], tma_dq=tma, tma_kv=t.tma_kv)
+            else:
+                cfg = ab.BwdConfig(*t[:4], *cand[:4], tma_dq=t.tma_dq, tma_kv=tma)
             # need_db=False: the pinned policy trains n and fixes b (dQ kernel without db sums)
             return lambda: ab.attention_bwd(self.do, self.q, self.k, self.v, self.o, self.M, transform=TUNE_TRANSFORM,
                                             **self.nb, causal=self.causal, config=cfg, need_db=False,
@@ -238,9 +257,16 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     ap.add_argument("--rep", type=int, default=30, help="do_bench rep (ms) per candidate")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--tma", action="store_true",
+                    help="flash_fwd/bwd_dq/bwd_dkv: sweep the Hopper path's candidates (tensor descriptors) against "
+                         "the table entry")
     ap.add_argument("--transform", default=None, choices=["ssa", "softmax"],
                     help="score transform of flash_fwd/bwd_* (default ssa; the tables are shared)")
     args = ap.parse_args(argv)
+    if args.tma:
+        global USE_TMA
+        USE_TMA = True
+        os.environ["NEMO_SSA_TUNE_TMA"] = "1"  # the spawned compile workers read it
     if args.transform:
         global TUNE_TRANSFORM
         TUNE_TRANSFORM = os.environ["NEMO_SSA_TUNE_TRANSFORM"] = args.transform
@@ -290,7 +316,7 @@ def main(argv=None) -> int:
 
     lines = [f"# tune_tiles: {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
              f"bf16 causal SSA | {time.strftime('%Y-%m-%d')}", "",
-             "| shape | kernel | best (BM, BN, warps, stages) | ms | table entry | table ms | speed-up |",
+             "| shape | kernel | best (BM, BN, warps, stages[, tma]) | ms | table entry | table ms | speed-up |",
              "|---|---|---|---|---|---|---|"]
     for (s, k), r in best.items():
         lines.append(f"| {s} | {k} | {r['cand']} | {r['ms']:.3f} | {r['table']} | {r['table_ms']:.3f} | "
