@@ -138,6 +138,14 @@ def _topn_kernel(
 
 
 # ------------------------------------------------------------------------------ launchers
+#: ``_importance_kernel`` tiles on a GPU: (BLOCK_M queries, BLOCK_C compressed blocks,
+#: BLOCK_S selection blocks, warps). A selection tile visits the compressed blocks that
+#: overlap it, so a wider BLOCK_S revisits fewer of them at tile edges.
+IMPORTANCE_TILES = (64, 32, 16, 4)
+#: tuning hook: ``{"importance": (bm, bc, bs, warps)}`` overrides ``IMPORTANCE_TILES``
+TILE_OVERRIDE: dict = {}
+
+
 def _chunk_rows(bsz, hkv, ns, n_tok, max_buffer_elems, align):
     rows = max(align, (max_buffer_elems // max(1, bsz * hkv * ns)) // align * align)
     return min(rows, triton.cdiv(n_tok, align) * align)
@@ -172,7 +180,10 @@ def importance_scores(q, k_cmp, lse_cmp, config: NSAConfig, *, transform="softma
         imp = torch.empty(shape, device=q.device, dtype=torch.float32)
     tid, n_t, b_t = ssa_scalars(transform, n, b, q.device)
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    bm, bc, bs = (16, 16, 16) if is_interpreter() else (64, 32, 16)
+    if is_interpreter():
+        bm, bc, bs, warps = 16, 16, 16, 1
+    else:
+        bm, bc, bs, warps = TILE_OVERRIDE.get("importance", IMPORTANCE_TILES)
     grid = (triton.cdiv(t1 - t0, bm), bsz * hkv)
     _importance_kernel[grid](
         q, k_cmp, lse_cmp.contiguous(), imp, n_t, b_t,
@@ -180,7 +191,7 @@ def importance_scores(q, k_cmp, lse_cmp, config: NSAConfig, *, transform="softma
         hq, hkv, n_tok, nc, ns, d, hq // hkv, t0, t1,
         scale, config.stride, config.block_len, config.select_block,
         TRANSFORM=tid, PREC=dot_precision(q.dtype),
-        BLOCK_M=bm, BLOCK_C=bc, BLOCK_S=bs, BLOCK_D=block_d(d), num_warps=4 if not is_interpreter() else 1,
+        BLOCK_M=bm, BLOCK_C=bc, BLOCK_S=bs, BLOCK_D=block_d(d), num_warps=warps,
     )
     return imp
 

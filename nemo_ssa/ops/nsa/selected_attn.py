@@ -124,6 +124,71 @@ def _sel_fwd_kernel(
 
 
 @triton.jit
+def _sel_fwd_qmajor_kernel(
+    Q, K, V, IDX, O, LSE, NP, BP,
+    sqb, sqh, sqn, sqd,
+    skb, skh, skn, skd,
+    svb, svh, svn, svd,
+    sib, sih, sin, sis,
+    sob, soh, son, sod,
+    Hq, Hkv, N, D, GROUP, TOPN,
+    scale, SBLK,
+    TRANSFORM: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program per (query token, kv head): the group's query heads are the rows of
+    the tile (``BLOCK_G >= GROUP``), its ``TOPN`` selected blocks are streamed with an
+    online softmax (log2 domain) -- one pass, no atomics, no inverted index. Writes ``o``
+    (q's dtype) and ``lse`` (fp32; ``+inf`` and ``o = 0`` for a row with no key), the same
+    contract as the two-pass KV-major forward, which the backward consumes."""
+    t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hkv).to(tl.int64)
+    hk = (pid_bh % Hkv).to(tl.int64)
+    n_ssa = tl.load(NP).to(tl.float32)
+    b_ssa = tl.load(BP).to(tl.float32)
+    offs_g = tl.arange(0, BLOCK_G)
+    g_ok = offs_g < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    heads = hk * GROUP + offs_g.to(tl.int64)
+    t64 = t.to(tl.int64)
+    q = tl.load(Q + b * sqb + heads[:, None] * sqh + t64 * sqn + offs_d[None, :] * sqd,
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    offs_s = tl.arange(0, BLOCK_S)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    idx_row = IDX + b * sib + hk * sih + t64 * sin
+    for slot in range(TOPN):
+        j = tl.load(idx_row + slot * sis)
+        if j >= 0:
+            offs_k = j * SBLK + offs_s
+            k_ok = (offs_s < SBLK) & (offs_k < N) & (offs_k <= t)
+            keys = offs_k.to(tl.int64)
+            kv_mask = k_ok[:, None] & d_ok[None, :]
+            k = tl.load(K + b * skb + hk * skh + keys[:, None] * skn + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
+            v = tl.load(V + b * svb + hk * svh + keys[:, None] * svn + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
+            qk = tl.dot(q, tl.trans(k), input_precision=PREC)  # [BLOCK_G, BLOCK_S]
+            z2 = tl.where(k_ok[None, :], score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM), float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(z2, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: p = 0, not NaN
+            p = tl.exp2(z2 - m_use[:, None])
+            alpha = tl.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
+            m_i = m_new
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    row_mask = g_ok[:, None] & d_ok[None, :]
+    tl.store(O + b * sob + heads[:, None] * soh + t64 * son + offs_d[None, :] * sod, o.to(O.dtype.element_ty),
+             mask=row_mask)
+    lse = tl.where(empty, float("inf"), m_i + tl.log2(l_safe))
+    tl.store(LSE + (b * Hq + heads) * N + t64, lse, mask=g_ok)
+
+
+@triton.jit
 def _sel_bwd_kernel(
     Q, K, V, DO, ITEMS, TQ, TS, LSE, DELTA, DQACC, DKACC, DVACC, NP, BP, DNB,
     sqb, sqh, sqn, sqd,
@@ -217,7 +282,8 @@ def build_worklist(block_idx: torch.Tensor, n_select_blocks: int, block_q: int) 
 
 
 # ----------------------------------------------------------------------------- launchers
-#: tuning hook: ``{"block_q": int, "num_warps": int}`` overrides the defaults below
+#: tuning hook: ``{"block_q": int, "num_warps": int}`` (KV-major kernels), ``"qmajor"``
+#: (bool: force the query-major forward on or off) and ``"qmajor_warps"`` override the defaults
 TILE_OVERRIDE: dict = {}
 
 
@@ -255,6 +321,36 @@ def _sel_fwd(q, k, v, wl: WorkList, n_t, b_t, tid, scale, sblk, ns, top_n):
     return oacc.to(q.dtype), lse
 
 
+#: GQA groups at least this large take the query-major forward (the group's heads fill
+#: the rows of a tensor-core tile); smaller groups the KV-major two-pass forward
+QMAJOR_MIN_GROUP = 16
+
+
+def use_qmajor(group: int) -> bool:
+    """Which forward a GQA group size takes (``TILE_OVERRIDE["qmajor"]`` forces either)."""
+    forced = TILE_OVERRIDE.get("qmajor")
+    return bool(forced) if forced is not None else group >= QMAJOR_MIN_GROUP
+
+
+def _sel_fwd_qmajor(q, k, v, block_idx, n_t, b_t, tid, scale, sblk):
+    """Query-major forward (``_sel_fwd_qmajor_kernel``): ``(o, lse)``."""
+    bsz, hq, n_tok, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    o = torch.empty_like(q)
+    lse = torch.empty(bsz, hq, n_tok, device=q.device, dtype=torch.float32)
+    idx = block_idx if block_idx.dtype == torch.int32 else block_idx.to(torch.int32)
+    warps = 1 if is_interpreter() else TILE_OVERRIDE.get("qmajor_warps", 4)
+    _sel_fwd_qmajor_kernel[(n_tok, bsz * hkv)](
+        q, k, v, idx, o, lse, n_t, b_t,
+        *q.stride(), *k.stride(), *v.stride(), *idx.stride(), *o.stride(),
+        hq, hkv, n_tok, d, group, idx.shape[-1], scale, sblk,
+        TRANSFORM=tid, PREC=dot_precision(q.dtype), BLOCK_G=max(16, next_pow2(group)),
+        BLOCK_S=max(16, next_pow2(sblk)), BLOCK_D=block_d(d), num_warps=warps,
+    )
+    return o, lse
+
+
 def _sel_bwd(q, k, v, o, lse, do, wl: WorkList, n_t, b_t, tid, scale, sblk, ns):
     bsz, hq, n_tok, d = q.shape
     hkv = k.shape[1]
@@ -280,10 +376,15 @@ class _SelectedAttention(torch.autograd.Function):
         n_tok = q.shape[2]
         ns = -(-n_tok // sblk)
         tid, n_t, b_t = ssa_scalars(transform, n, b, q.device)
-        wl = build_worklist(block_idx, ns, _block_q(q.shape[-1]))
-        o, lse = _sel_fwd(q, k, v, wl, n_t, b_t, tid, scale, sblk, ns, block_idx.shape[-1])
-        ctx.save_for_backward(q, k, v, o, lse, n_t, b_t, wl.items, wl.tq, wl.ts)
-        ctx.args = (tid, scale, sblk, ns, wl.block_q)
+        if use_qmajor(q.shape[1] // k.shape[1]):
+            # the backward (KV-major) builds its inverted index itself, only when it runs
+            o, lse = _sel_fwd_qmajor(q, k, v, block_idx, n_t, b_t, tid, scale, sblk)
+            ctx.save_for_backward(q, k, v, o, lse, n_t, b_t, block_idx)
+        else:
+            wl = build_worklist(block_idx, ns, _block_q(q.shape[-1]))
+            o, lse = _sel_fwd(q, k, v, wl, n_t, b_t, tid, scale, sblk, ns, block_idx.shape[-1])
+            ctx.save_for_backward(q, k, v, o, lse, n_t, b_t, wl.items, wl.tq, wl.ts)
+        ctx.args = (tid, scale, sblk, ns, _block_q(q.shape[-1]))
         ctx.n_meta = None if n is None else (n.shape, n.dtype)
         ctx.b_meta = None if b is None else (b.shape, b.dtype)
         ctx.mark_non_differentiable(lse)
@@ -291,9 +392,13 @@ class _SelectedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, _dlse):
-        q, k, v, o, lse, n_t, b_t, items, tq, ts = ctx.saved_tensors
         tid, scale, sblk, ns, block_q = ctx.args
-        wl = WorkList(items, tq, ts, block_q)
+        if len(ctx.saved_tensors) == 8:  # query-major forward: the index is inverted here
+            q, k, v, o, lse, n_t, b_t, block_idx = ctx.saved_tensors
+            wl = build_worklist(block_idx, ns, block_q)
+        else:
+            q, k, v, o, lse, n_t, b_t, items, tq, ts = ctx.saved_tensors
+            wl = WorkList(items, tq, ts, block_q)
         dq, dk, dv, dnb = _sel_bwd(q, k, v, o, lse, do.contiguous(), wl, n_t, b_t, tid, scale, sblk, ns)
         dn = db = None
         if ctx.n_meta is not None:

@@ -679,12 +679,16 @@ SELECTED_CASES = [  # (B, Hq, Hkv, N, D, transform, top_n)
     (1, 6, 2, 45, 32, "softmax", 4),
     (1, 3, 1, 29, 32, "ssa", 3),
     (2, 6, 2, 70, 64, "softmax", 5),
+    (1, 16, 1, 37, 32, "ssa", 3),  # GQA 16: the query-major forward by default
 ]
 
 
+@pytest.mark.parametrize("schedule", ["default", "kv-major", "query-major"])
 @pytest.mark.parametrize("case", SELECTED_CASES, ids=lambda c: _ids(c[:6]) + f"-n{c[6]}")
-def test_selected_kernel(K, case):
+def test_selected_kernel(K, case, schedule, monkeypatch):
     B, Hq, Hkv, N, D, transform, top_n = case
+    if schedule != "default":  # both forwards on every group size (same contract: o, lse)
+        monkeypatch.setitem(K.selected.TILE_OVERRIDE, "qmajor", schedule == "query-major")
     cfg = NSAConfig(block_len=4, stride=2, select_block=8, top_n=top_n, window=8)
     g = gen(24)
     q, k, v = rnd(B, Hq, N, D, g=g), rnd(B, Hkv, N, D, g=g), rnd(B, Hkv, N, D, g=g)

@@ -1,0 +1,83 @@
+"""Probe (issue 28, NSA forward): selected attention's query-major forward against the
+KV-major one, and the selection's importance-kernel tiles, at D64 GQA 16 (Hq 64 / Hkv 4),
+N = 16K and 64K, bf16, one process. Checks the query-major (o, lse) against KV-major's and
+counts selection rows that change with the tiles (near-ties of fp32 sums).
+
+    python docs/results/2026-11-26-hopper/commands/probe_nsa.py
+"""
+import os
+import sys
+
+sys.path.insert(0, os.getcwd())
+
+import torch  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from nemo_ssa.ops.nsa import NSAConfig, compress_kv  # noqa: E402
+from nemo_ssa.ops.nsa import select as S  # noqa: E402
+from nemo_ssa.ops.nsa import selected_attn as SA  # noqa: E402
+from nemo_ssa.ops.nsa.range_attn import compressed_attention  # noqa: E402
+
+
+def main():
+    print(torch.cuda.get_device_name(), flush=True)
+    rows = []
+    for N in (16384, 65536):
+        B, HQ, HKV, D = 1, 64, 4, 64
+        cfg = NSAConfig(compress="mean")
+        g = torch.Generator(device="cuda").manual_seed(N)
+        q = torch.randn(B, HQ, N, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        k = torch.randn(B, HKV, N, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        v = torch.randn(B, HKV, N, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        with torch.no_grad():
+            kc = compress_kv(k, cfg, None)
+            _, lse_c = compressed_attention(q, kc, kc, cfg.block_len, cfg.stride)
+            idx = S.select_blocks_triton(q, kc, lse_c, cfg)
+        # selected attention forward: KV-major vs query-major
+        outs = {}
+        for name, ov in [("kv-major", dict(qmajor=False)), ("q-major w4", dict(qmajor=True, qmajor_warps=4)),
+                         ("q-major w2", dict(qmajor=True, qmajor_warps=2)), ("q-major w8", dict(qmajor=True, qmajor_warps=8))]:
+            SA.TILE_OVERRIDE.clear()
+            SA.TILE_OVERRIDE.update(ov)
+            with torch.no_grad():
+                f = lambda: SA.selected_attention(q, k, v, idx, cfg.select_block, return_lse=True)  # noqa: E731
+                outs[name] = f()
+                ms = do_bench(f, warmup=10, rep=60, return_mode="median")
+            rows.append((N, "selected fwd", name, ms, ""))
+        o0, l0 = outs["kv-major"]
+        for name in ("q-major w4",):
+            o1, l1 = outs[name]
+            fin = torch.isfinite(l0)
+            err = (o1.float() - o0.float()).abs().max().item()
+            lerr = (l1[fin] - l0[fin]).abs().max().item()
+            same_inf = torch.equal(torch.isinf(l0), torch.isinf(l1))
+            rows.append((N, "check q-major vs kv-major", name, float("nan"), f"max|do|={err:.3g} max|dlse|={lerr:.3g} inf rows same={same_inf}"))
+        SA.TILE_OVERRIDE.clear()
+        # selection: importance tiles (and top-n alone)
+        base = None
+        for tiles in [(64, 32, 16, 4), (64, 32, 32, 4), (64, 32, 64, 4), (64, 64, 64, 4), (128, 32, 32, 8),
+                      (128, 64, 64, 8), (64, 64, 32, 4)]:
+            S.TILE_OVERRIDE["importance"] = tiles
+            with torch.no_grad():
+                f = lambda: S.select_blocks_triton(q, kc, lse_c, cfg)  # noqa: E731
+                try:
+                    out = f()
+                    ms = do_bench(f, warmup=5, rep=60, return_mode="median")
+                    fi = lambda: S.importance_scores(q, kc, lse_c, cfg, fill_future=False)  # noqa: E731
+                    ms_imp = do_bench(fi, warmup=5, rep=60, return_mode="median")
+                except Exception as e:  # noqa: BLE001
+                    rows.append((N, "selection", str(tiles), float("nan"), "FAIL " + str(e).splitlines()[-1][:80]))
+                    continue
+            if base is None:
+                base = out
+            diff = (out != base).any(-1).float().mean().item()
+            rows.append((N, "selection (importance+top-n)", str(tiles), ms, f"importance alone {ms_imp:.3f} ms; rows changed vs first {diff:.2e}"))
+        S.TILE_OVERRIDE.clear()
+    print("| N | what | variant | ms | note |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.3f} | {r[4]} |")
+
+
+if __name__ == "__main__":
+    main()
