@@ -22,7 +22,7 @@ from nemo_ssa.ops.nsa.range_attn import compressed_attention  # noqa: E402
 def main():
     print(torch.cuda.get_device_name(), flush=True)
     rows = []
-    for N in (16384, 65536):
+    for N in [int(x) for x in os.environ.get("PROBE_NS", "16384,65536").split(",")]:
         B, HQ, HKV, D = 1, 64, 4, 64
         cfg = NSAConfig(compress="mean")
         g = torch.Generator(device="cuda").manual_seed(N)
@@ -36,7 +36,8 @@ def main():
         # selected attention forward: KV-major vs query-major
         outs = {}
         for name, ov in [("kv-major", dict(qmajor=False)), ("q-major w4", dict(qmajor=True, qmajor_warps=4)),
-                         ("q-major w2", dict(qmajor=True, qmajor_warps=2)), ("q-major w8", dict(qmajor=True, qmajor_warps=8))]:
+                         ("q-major w2", dict(qmajor=True, qmajor_warps=2)), ("q-major w8", dict(qmajor=True, qmajor_warps=8)),
+                         ("q-major w1", dict(qmajor=True, qmajor_warps=1))]:
             SA.TILE_OVERRIDE.clear()
             SA.TILE_OVERRIDE.update(ov)
             with torch.no_grad():
@@ -55,7 +56,7 @@ def main():
         SA.TILE_OVERRIDE.clear()
         # selection: importance tiles (and top-n alone)
         base = None
-        for tiles in [(64, 32, 16, 4), (64, 32, 32, 4), (64, 32, 64, 4), (64, 64, 64, 4), (128, 32, 32, 8),
+        for tiles in [] if os.environ.get("PROBE_SELECTED_ONLY") else [(64, 32, 16, 4), (64, 32, 32, 4), (64, 32, 64, 4), (64, 64, 64, 4), (128, 32, 32, 8),
                       (128, 64, 64, 8), (64, 64, 32, 4)]:
             S.TILE_OVERRIDE["importance"] = tiles
             with torch.no_grad():
