@@ -26,7 +26,7 @@ Groups of ``G >= 16`` heads (``QMAJOR_MIN_GROUP``; the NSA paper's GQA 16) fill 
 query-major, so their forward is the public kernels' schedule instead
 (``_sel_fwd_qmajor_kernel``): one program per (query, kv head) streams the ``top_n``
 blocks with an online softmax -- one pass, no atomics, no inverted index (measured at
-N=64K D64 GQA16 on an H200: 11.5 ms against KV-major's 19.3). The backward stays KV-major
+N=64K D64 GQA16 on an H200: 10.1 ms against KV-major's 19.3). The backward stays KV-major
 for every group size (it builds the inverted index itself).
 
 Backward recomputes ``p`` from ``lse`` (FA2 style, ``delta = rowsum(dO * O)``) and adds
@@ -331,7 +331,7 @@ def _sel_fwd(q, k, v, wl: WorkList, n_t, b_t, tid, scale, sblk, ns, top_n):
 #: GQA groups at least this large take the query-major forward (the group's heads fill
 #: the rows of a tensor-core tile); smaller groups the KV-major two-pass forward
 QMAJOR_MIN_GROUP = 16
-QMAJOR_WARPS = 2
+QMAJOR_WARPS = 1
 
 
 def use_qmajor(group: int) -> bool:
@@ -348,7 +348,7 @@ def _sel_fwd_qmajor(q, k, v, block_idx, n_t, b_t, tid, scale, sblk):
     o = torch.empty_like(q)
     lse = torch.empty(bsz, hq, n_tok, device=q.device, dtype=torch.float32)
     idx = block_idx if block_idx.dtype == torch.int32 else block_idx.to(torch.int32)
-    # 2 warps: 11.5 ms at N=64K D64 GQA16 against 13.9 (4) and 18.9 (8) (H200, 2026-11-26-hopper)
+    # 1 warp: 10.1 ms at N=64K D64 GQA16 against 11.5 (2), 13.9 (4), 18.9 (8) (H200, 2026-11-26-hopper)
     warps = 1 if is_interpreter() else TILE_OVERRIDE.get("qmajor_warps", QMAJOR_WARPS)
     _sel_fwd_qmajor_kernel[(n_tok, bsz * hkv)](
         q, k, v, idx, o, lse, n_t, b_t,
