@@ -52,6 +52,9 @@ ENV_VARS: Tuple[Tuple[str, str, str], ...] = (
      "(default: fused for softmax, separate for SSA)"),
     ("NEMO_SSA_POLY_LOG2", "0",
      "1: split the SSA log2 between MUFU and a polynomial (forward and backward alike)"),
+    ("NEMO_SSA_TMA", "1",
+     "0: the attention kernels never take the Hopper TMA path (tensor descriptors); the "
+     "tables' pointer rows run instead (A/B runs, or a driver that mishandles descriptors)"),
     ("NEMO_SSA_MLP_TILES", "",
      "fused MLP tiles, e.g. fwd=128x256x64/3/8,bwd=128x128x64/4/4 (default: DEFAULT_TILES)"),
     ("NEMO_SSA_CE_COMPILE", "1",
@@ -106,6 +109,11 @@ def fused_delta() -> Optional[bool]:
 def poly_log2() -> bool:
     """``NEMO_SSA_POLY_LOG2``: the MUFU + polynomial SSA ``log2``."""
     return _flag("NEMO_SSA_POLY_LOG2", False)
+
+
+def tma() -> bool:
+    """``NEMO_SSA_TMA``: the attention kernels may take the TMA path (on by default)."""
+    return _flag("NEMO_SSA_TMA", True)
 
 
 def mlp_tiles() -> str:

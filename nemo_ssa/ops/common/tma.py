@@ -13,7 +13,9 @@ allow it:
 * a GPU of compute capability 9.0 or newer (or Triton's CPU interpreter, which emulates
   descriptors, so the CPU tests run this path).
 
-Elsewhere the same kernels run with pointers (``use_tma`` is False): the choice never
+``NEMO_SSA_TMA=0`` turns the path off everywhere (A/B runs). Elsewhere the same kernels
+run with pointers (``use_tma`` is 0; a table row then falls back to the pointer kernels'
+own measured tiles): the choice never
 changes a result beyond the usual reassociation of a different tiling, and never fails.
 The descriptor is rank 4 with a ``[1, 1, rows, BLOCK_D]`` box: rows past ``S`` and
 columns past ``D`` read as 0 and are dropped on store, so no masks are needed.
@@ -25,6 +27,7 @@ from typing import Dict, Optional
 
 import torch
 
+from nemo_ssa.ops.common import env
 from nemo_ssa.ops.common.launch import is_interpreter
 
 __all__ = ["MIN_SCORES", "tma_capable", "tma_ready", "use_tma", "descriptor"]
@@ -66,6 +69,8 @@ def use_tma(mode: int, varlen: bool, *tensors: torch.Tensor, scores: Optional[in
     and the device allow it, else 0 (pointers). ``scores`` (table configs only): the
     call's ``B * Hq * Sq * Sk``; fewer than ``MIN_SCORES`` keeps the pointers."""
     if not mode or varlen or (scores is not None and scores < MIN_SCORES) or not tma_capable(tensors[0].device):
+        return 0
+    if not env.tma():  # NEMO_SSA_TMA=0
         return 0
     return int(mode) if all(tma_ready(t) for t in tensors) else 0
 

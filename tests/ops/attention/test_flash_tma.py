@@ -227,6 +227,15 @@ def test_short_and_packed_calls_keep_the_pointer_kernels():
     assert use_tma(1, True, q, scores=MIN_SCORES) == 0
 
 
+def test_nemo_ssa_tma_0_turns_the_path_off(monkeypatch):
+    q = torch.randn(1, 2, 8, 64, device=DEV).to(torch.bfloat16)
+    if not tma_capable(q.device):
+        pytest.skip("no TMA on this device")
+    assert use_tma(1, False, q) == 1
+    monkeypatch.setenv("NEMO_SSA_TMA", "0")
+    assert use_tma(1, False, q) == 0
+
+
 @pytest.mark.skipif(not ON_GPU, reason="the tables' TMA rows apply on a GPU")
 @pytest.mark.parametrize("D,tr", [(64, "ssa"), (64, "softmax"), (128, "ssa"), (128, "softmax")])
 def test_default_tables_take_the_tma_path_within_2x_eager(D, tr):
