@@ -50,8 +50,12 @@ def _importance_kernel(
     scale, CSTRIDE, CLEN, SBLK,
     TRANSFORM: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEADS_INNER: tl.constexpr = False,
 ):
-    # heaviest query tiles (most visible compressed blocks) first: better tail balance
+    # heaviest query tiles (most visible compressed blocks) first: better tail balance.
+    # HEADS_INNER: per chunk of compressed blocks, sum p over the group's heads first and
+    # multiply by the overlap matrix once (one [BLOCK_M, BLOCK_C] x [BLOCK_C, BLOCK_S] dot
+    # per chunk instead of one per head: the sum is linear); else one dot per head.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)  # B * Hkv
     b = (pid_bh // Hkv).to(tl.int64)
@@ -78,7 +82,26 @@ def _importance_kernel(
         c_lo = tl.where(x >= 0, tl.maximum(x, 0) // CSTRIDE + 1, 0)
         c_hi = tl.minimum(tl.minimum(((j0 + BLOCK_S) * SBLK + CSTRIDE - 1) // CSTRIDE, NC), c_vis)
         imp = tl.zeros([BLOCK_M, BLOCK_S], dtype=tl.float32)
-        for g in range(GROUP):
+        if HEADS_INNER:
+            for start_c in range(c_lo, c_hi, BLOCK_C):
+                offs_c = start_c + tl.arange(0, BLOCK_C)
+                kc = tl.load(kc_base + offs_c.to(tl.int64)[:, None] * skn + offs_d[None, :] * skd,
+                             mask=(offs_c < NC)[:, None] & d_ok[None, :], other=0.0)
+                vis = ((offs_c * CSTRIDE + CLEN - 1)[None, :] <= offs_m[:, None]) & (offs_c < NC)[None, :]
+                p_sum = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
+                for g in range(GROUP):
+                    h = hk * GROUP + g
+                    q = tl.load(q_base + h * sqh, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+                    lse = tl.load(LSE + (b * Hq + h) * N + offs_m, mask=m_ok, other=float("inf"))
+                    qk = tl.dot(q, tl.trans(kc), input_precision=PREC)  # [BLOCK_M, BLOCK_C]
+                    z2 = score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM)
+                    p_sum += tl.exp2(tl.where(vis, z2 - lse[:, None], float("-inf")))
+                cs = (offs_c * CSTRIDE)[:, None]
+                ss = (offs_s * SBLK)[None, :]
+                ov = tl.minimum(cs + CLEN, ss + SBLK) - tl.maximum(cs, ss)
+                w = tl.where(ov > 0, ov.to(tl.float32), 0.0) / CLEN
+                imp += tl.dot(p_sum, w, input_precision=PREC)
+        for g in range(0 if HEADS_INNER else GROUP):
             h = hk * GROUP + g
             # the tile's q rows are re-read per selection tile: L1/L2 hits after the first
             q = tl.load(q_base + h * sqh, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
@@ -142,7 +165,9 @@ def _topn_kernel(
 #: BLOCK_S selection blocks, warps). A selection tile visits the compressed blocks that
 #: overlap it, so a wider BLOCK_S revisits fewer of them at tile edges.
 IMPORTANCE_TILES = (64, 32, 16, 4)
-#: tuning hook: ``{"importance": (bm, bc, bs, warps)}`` overrides ``IMPORTANCE_TILES``
+#: loop order of the importance kernel (``_importance_kernel``'s ``HEADS_INNER``)
+IMPORTANCE_HEADS_INNER = False
+#: tuning hook: ``{"importance": (bm, bc, bs, warps), "heads_inner": bool}`` overrides the two above
 TILE_OVERRIDE: dict = {}
 
 
@@ -184,6 +209,7 @@ def importance_scores(q, k_cmp, lse_cmp, config: NSAConfig, *, transform="softma
         bm, bc, bs, warps = 16, 16, 16, 1
     else:
         bm, bc, bs, warps = TILE_OVERRIDE.get("importance", IMPORTANCE_TILES)
+    heads_inner = TILE_OVERRIDE.get("heads_inner", IMPORTANCE_HEADS_INNER)
     grid = (triton.cdiv(t1 - t0, bm), bsz * hkv)
     _importance_kernel[grid](
         q, k_cmp, lse_cmp.contiguous(), imp, n_t, b_t,
@@ -191,7 +217,7 @@ def importance_scores(q, k_cmp, lse_cmp, config: NSAConfig, *, transform="softma
         hq, hkv, n_tok, nc, ns, d, hq // hkv, t0, t1,
         scale, config.stride, config.block_len, config.select_block,
         TRANSFORM=tid, PREC=dot_precision(q.dtype),
-        BLOCK_M=bm, BLOCK_C=bc, BLOCK_S=bs, BLOCK_D=block_d(d), num_warps=warps,
+        BLOCK_M=bm, BLOCK_C=bc, BLOCK_S=bs, BLOCK_D=block_d(d), HEADS_INNER=bool(heads_inner), num_warps=warps,
     )
     return imp
 

@@ -35,7 +35,7 @@ def main():
             idx = S.select_blocks_triton(q, kc, lse_c, cfg)
         # selected attention forward: KV-major vs query-major
         outs = {}
-        for name, ov in [("kv-major", dict(qmajor=False)), ("q-major w4", dict(qmajor=True, qmajor_warps=4)),
+        for name, ov in [] if os.environ.get("PROBE_HEADS_INNER") else [("kv-major", dict(qmajor=False)), ("q-major w4", dict(qmajor=True, qmajor_warps=4)),
                          ("q-major w2", dict(qmajor=True, qmajor_warps=2)), ("q-major w8", dict(qmajor=True, qmajor_warps=8)),
                          ("q-major w1", dict(qmajor=True, qmajor_warps=1))]:
             SA.TILE_OVERRIDE.clear()
@@ -45,8 +45,8 @@ def main():
                 outs[name] = f()
                 ms = do_bench(f, warmup=10, rep=60, return_mode="median")
             rows.append((N, "selected fwd", name, ms, ""))
-        o0, l0 = outs["kv-major"]
-        for name in ("q-major w4",):
+        for name in ("q-major w4",) if "kv-major" in outs else ():
+            o0, l0 = outs["kv-major"]
             o1, l1 = outs[name]
             fin = torch.isfinite(l0)
             err = (o1.float() - o0.float()).abs().max().item()
@@ -56,9 +56,16 @@ def main():
         SA.TILE_OVERRIDE.clear()
         # selection: importance tiles (and top-n alone)
         base = None
-        for tiles in [] if os.environ.get("PROBE_SELECTED_ONLY") else [(64, 32, 16, 4), (64, 32, 32, 4), (64, 32, 64, 4), (64, 64, 64, 4), (128, 32, 32, 8),
-                      (128, 64, 64, 8), (64, 64, 32, 4)]:
+        variants = [((64, 32, 16, 4), False), ((64, 32, 32, 4), False), ((64, 32, 64, 4), False),
+                    ((64, 64, 64, 4), False), ((128, 32, 32, 8), False), ((128, 64, 64, 8), False),
+                    ((64, 64, 32, 4), False)]
+        if os.environ.get("PROBE_HEADS_INNER"):  # the importance loop order (heads summed per chunk)
+            variants = [((64, 32, 16, 4), False)] + [(t, True) for t in [
+                (64, 32, 16, 4), (64, 32, 32, 4), (64, 32, 64, 4), (64, 64, 32, 4), (64, 64, 64, 4),
+                (128, 32, 32, 8), (128, 64, 64, 8), (128, 64, 32, 8), (64, 16, 16, 4)]]
+        for tiles, inner in [] if os.environ.get("PROBE_SELECTED_ONLY") else variants:
             S.TILE_OVERRIDE["importance"] = tiles
+            S.TILE_OVERRIDE["heads_inner"] = inner
             with torch.no_grad():
                 f = lambda: S.select_blocks_triton(q, kc, lse_c, cfg)  # noqa: E731
                 try:
@@ -67,12 +74,12 @@ def main():
                     fi = lambda: S.importance_scores(q, kc, lse_c, cfg, fill_future=False)  # noqa: E731
                     ms_imp = do_bench(fi, warmup=5, rep=60, return_mode="median")
                 except Exception as e:  # noqa: BLE001
-                    rows.append((N, "selection", str(tiles), float("nan"), "FAIL " + str(e).splitlines()[-1][:80]))
+                    rows.append((N, "selection", f"{tiles}{' heads-inner' if inner else ''}", float("nan"), "FAIL " + str(e).splitlines()[-1][:80]))
                     continue
             if base is None:
                 base = out
             diff = (out != base).any(-1).float().mean().item()
-            rows.append((N, "selection (importance+top-n)", str(tiles), ms, f"importance alone {ms_imp:.3f} ms; rows changed vs first {diff:.2e}"))
+            rows.append((N, "selection (importance+top-n)", f"{tiles}{' heads-inner' if inner else ''}", ms, f"importance alone {ms_imp:.3f} ms; rows changed vs first {diff:.2e}"))
         S.TILE_OVERRIDE.clear()
     print("| N | what | variant | ms | note |")
     print("|---|---|---|---|---|")
