@@ -50,7 +50,7 @@ def _importance_kernel(
     scale, CSTRIDE, CLEN, SBLK,
     TRANSFORM: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEADS_INNER: tl.constexpr = False,
+    HEADS_INNER: tl.constexpr = False, W_PREC: tl.constexpr = "ieee",
 ):
     # heaviest query tiles (most visible compressed blocks) first: better tail balance.
     # HEADS_INNER: per chunk of compressed blocks, sum p over the group's heads first and
@@ -100,7 +100,7 @@ def _importance_kernel(
                 ss = (offs_s * SBLK)[None, :]
                 ov = tl.minimum(cs + CLEN, ss + SBLK) - tl.maximum(cs, ss)
                 w = tl.where(ov > 0, ov.to(tl.float32), 0.0) / CLEN
-                imp += tl.dot(p_sum, w, input_precision=PREC)
+                imp += tl.dot(p_sum, w, input_precision=W_PREC)
         for g in range(0 if HEADS_INNER else GROUP):
             h = hk * GROUP + g
             # the tile's q rows are re-read per selection tile: L1/L2 hits after the first
@@ -210,6 +210,10 @@ def importance_scores(q, k_cmp, lse_cmp, config: NSAConfig, *, transform="softma
     else:
         bm, bc, bs, warps = TILE_OVERRIDE.get("importance", IMPORTANCE_TILES)
     heads_inner = TILE_OVERRIDE.get("heads_inner", IMPORTANCE_HEADS_INNER)
+    # the overlap product of the head-summed p: fp32-accurate (tf32x3) for 16-bit inputs --
+    # one dot per chunk, not per head, so the extra passes are cheap, and the top-n then
+    # matches the fp64 reference more often than one tf32 rounding per head does
+    w_prec = TILE_OVERRIDE.get("w_prec", "tf32x3" if dot_precision(q.dtype) == "tf32" else "ieee")
     grid = (triton.cdiv(t1 - t0, bm), bsz * hkv)
     _importance_kernel[grid](
         q, k_cmp, lse_cmp.contiguous(), imp, n_t, b_t,
@@ -217,7 +221,8 @@ def importance_scores(q, k_cmp, lse_cmp, config: NSAConfig, *, transform="softma
         hq, hkv, n_tok, nc, ns, d, hq // hkv, t0, t1,
         scale, config.stride, config.block_len, config.select_block,
         TRANSFORM=tid, PREC=dot_precision(q.dtype),
-        BLOCK_M=bm, BLOCK_C=bc, BLOCK_S=bs, BLOCK_D=block_d(d), HEADS_INNER=bool(heads_inner), num_warps=warps,
+        BLOCK_M=bm, BLOCK_C=bc, BLOCK_S=bs, BLOCK_D=block_d(d), HEADS_INNER=bool(heads_inner), W_PREC=w_prec,
+        num_warps=warps,
     )
     return imp
 

@@ -6,5 +6,5 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 R=/tmp/r9; mkdir -p $R
 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/ops/nsa/test_nsa.py -k "selection_kernels_match" > $R/tests.txt 2>&1; echo "tests rc=$?"; tail -1 $R/tests.txt
-PROBE_HEADS_INNER=1 timeout 240 python3 docs/results/2026-11-26-hopper/commands/probe_nsa.py > $R/probe_importance.txt 2>&1; echo "probe rc=$?"; grep -E "^\|" $R/probe_importance.txt
+PROBE_HEADS_INNER=1 timeout 300 python3 docs/results/2026-11-26-hopper/commands/probe_nsa.py > $R/probe_importance.txt 2>&1; echo "probe rc=$?"; grep -E "^\|" $R/probe_importance.txt
 tar czf $OUT/call9.tgz -C $R .

@@ -19,6 +19,25 @@ from nemo_ssa.ops.nsa import selected_attn as SA  # noqa: E402
 from nemo_ssa.ops.nsa.range_attn import compressed_attention  # noqa: E402
 
 
+def _reference_selection(q, kc, cfg):
+    """fp64 selection of kv head 0 (its 16 query heads) at the probe's N: the compressed
+    probabilities, summed over the group, times the overlap matrix, then top-n."""
+    from nemo_ssa.ops.nsa.naive import compressed_visibility, overlap_matrix, select_blocks
+
+    n_tok, d = q.shape[2], q.shape[3]
+    group = q.shape[1] // kc.shape[1]
+    vis = compressed_visibility(n_tok, cfg, q.device)
+    k64 = kc[0, 0].double()
+    psum = torch.zeros(n_tok, k64.shape[0], dtype=torch.float64, device=q.device)
+    for h in range(group):
+        z = (q[0, h].double() @ k64.T) / d ** 0.5
+        z = z.masked_fill(~vis, float("-inf"))
+        p = torch.softmax(z, dim=-1)
+        psum += torch.nan_to_num(p, nan=0.0)
+    imp = psum @ overlap_matrix(n_tok, cfg, device=q.device, dtype=torch.float64)
+    return select_blocks(imp[None, None], cfg)[0, 0].to(torch.int32)
+
+
 def main():
     print(torch.cuda.get_device_name(), flush=True)
     rows = []
@@ -60,12 +79,16 @@ def main():
                     ((64, 64, 64, 4), False), ((128, 32, 32, 8), False), ((128, 64, 64, 8), False),
                     ((64, 64, 32, 4), False)]
         if os.environ.get("PROBE_HEADS_INNER"):  # the importance loop order (heads summed per chunk)
-            variants = [((64, 32, 16, 4), False)] + [(t, True) for t in [
-                (64, 32, 16, 4), (64, 32, 32, 4), (64, 32, 64, 4), (64, 64, 32, 4), (64, 64, 64, 4),
-                (128, 32, 32, 8), (128, 64, 64, 8), (128, 64, 32, 8), (64, 16, 16, 4)]]
-        for tiles, inner in [] if os.environ.get("PROBE_SELECTED_ONLY") else variants:
+            variants = [((64, 32, 16, 4), False, "tf32")] + [(t, True, w) for t in [
+                (64, 64, 64, 4), (64, 64, 128, 4), (64, 128, 64, 4), (128, 64, 64, 8), (64, 64, 32, 4)]
+                for w in ("tf32", "tf32x3")]
+        else:
+            variants = [(t, i, "tf32") for t, i in variants]
+        ref_idx = _reference_selection(q, kc, cfg) if N <= 16384 and os.environ.get("PROBE_HEADS_INNER") else None
+        for tiles, inner, wp in [] if os.environ.get("PROBE_SELECTED_ONLY") else variants:
             S.TILE_OVERRIDE["importance"] = tiles
             S.TILE_OVERRIDE["heads_inner"] = inner
+            S.TILE_OVERRIDE["w_prec"] = wp
             with torch.no_grad():
                 f = lambda: S.select_blocks_triton(q, kc, lse_c, cfg)  # noqa: E731
                 try:
@@ -79,7 +102,9 @@ def main():
             if base is None:
                 base = out
             diff = (out != base).any(-1).float().mean().item()
-            rows.append((N, "selection (importance+top-n)", f"{tiles}{' heads-inner' if inner else ''}", ms, f"importance alone {ms_imp:.3f} ms; rows changed vs first {diff:.2e}"))
+            vs_ref = "" if ref_idx is None else f"; rows != fp64 reference (kv head 0) {(out[0, 0] != ref_idx).any(-1).float().mean().item():.2e}"
+            rows.append((N, "selection (importance+top-n)", f"{tiles}{' heads-inner' if inner else ''} {wp}", ms,
+                         f"importance alone {ms_imp:.3f} ms; rows changed vs first {diff:.2e}{vs_ref}"))
         S.TILE_OVERRIDE.clear()
     print("| N | what | variant | ms | note |")
     print("|---|---|---|---|---|")
