@@ -617,11 +617,14 @@ def test_dkv_split_choice(K):
         split(16384, 1023, 1, 8, 3, 32, 128, 64, 16, None, n_sm=132)
 
 
-@pytest.mark.parametrize("heads_inner", [False, True])
+@pytest.mark.parametrize("heads_inner,w_prec", [(False, None), (True, None), (True, "split")])
 @pytest.mark.parametrize("transform", ["softmax", "ssa"])
-def test_selection_kernels_match_reference(K, transform, heads_inner, monkeypatch):
-    # both loop orders of the importance kernel (per head, or heads summed per chunk)
+def test_selection_kernels_match_reference(K, transform, heads_inner, w_prec, monkeypatch):
+    # both loop orders of the importance kernel (per head, or heads summed per chunk), and
+    # the hi/lo split overlap product the 16-bit GPU path uses
     monkeypatch.setitem(K.select.TILE_OVERRIDE, "heads_inner", heads_inner)
+    if w_prec:
+        monkeypatch.setitem(K.select.TILE_OVERRIDE, "w_prec", w_prec)
     cfg = NSAConfig(block_len=4, stride=2, select_block=8, top_n=5, window=8)
     B, Hq, Hkv, N, D = 2, 6, 2, 70, 32
     g = gen(23)

@@ -81,7 +81,7 @@ def main():
         if os.environ.get("PROBE_HEADS_INNER"):  # the importance loop order (heads summed per chunk)
             variants = [((64, 32, 16, 4), False, "tf32")] + [(t, True, w) for t in [
                 (64, 64, 64, 4), (64, 64, 128, 4), (64, 128, 64, 4), (128, 64, 64, 8), (64, 64, 32, 4)]
-                for w in ("tf32", "tf32x3")]
+                for w in os.environ.get("PROBE_W_PREC", "tf32,tf32x3").split(",")]
         else:
             variants = [(t, i, "tf32") for t, i in variants]
         ref_idx = _reference_selection(q, kc, cfg) if N <= 16384 and os.environ.get("PROBE_HEADS_INNER") else None
