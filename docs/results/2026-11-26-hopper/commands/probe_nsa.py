@@ -42,7 +42,7 @@ def main():
     print(torch.cuda.get_device_name(), flush=True)
     rows = []
     for N in [int(x) for x in os.environ.get("PROBE_NS", "16384,65536").split(",")]:
-        B, HQ, HKV, D = 1, 64, 4, 64
+        B, HQ, HKV, D = 1, int(os.environ.get("PROBE_HQ", 64)), int(os.environ.get("PROBE_HKV", 4)), 64
         cfg = NSAConfig(compress="mean")
         g = torch.Generator(device="cuda").manual_seed(N)
         q = torch.randn(B, HQ, N, D, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -54,7 +54,7 @@ def main():
             idx = S.select_blocks_triton(q, kc, lse_c, cfg)
         # selected attention forward: KV-major vs query-major
         outs = {}
-        for name, ov in [] if os.environ.get("PROBE_HEADS_INNER") else [("kv-major", dict(qmajor=False)), ("q-major w4", dict(qmajor=True, qmajor_warps=4)),
+        for name, ov in [] if (os.environ.get("PROBE_HEADS_INNER") or os.environ.get("PROBE_OLD_NEW")) else [("kv-major", dict(qmajor=False)), ("q-major w4", dict(qmajor=True, qmajor_warps=4)),
                          ("q-major w2", dict(qmajor=True, qmajor_warps=2)), ("q-major w8", dict(qmajor=True, qmajor_warps=8)),
                          ("q-major w1", dict(qmajor=True, qmajor_warps=1))]:
             SA.TILE_OVERRIDE.clear()
@@ -78,13 +78,16 @@ def main():
         variants = [((64, 32, 16, 4), False), ((64, 32, 32, 4), False), ((64, 32, 64, 4), False),
                     ((64, 64, 64, 4), False), ((128, 32, 32, 8), False), ((128, 64, 64, 8), False),
                     ((64, 64, 32, 4), False)]
-        if os.environ.get("PROBE_HEADS_INNER"):  # the importance loop order (heads summed per chunk)
+        if os.environ.get("PROBE_OLD_NEW"):  # the previous default against the new one
+            variants = [((64, 32, 16, 4), False, "tf32"), ((64, 64, 128, 4), True, "split")]
+        elif os.environ.get("PROBE_HEADS_INNER"):  # the importance loop order (heads summed per chunk)
             variants = [((64, 32, 16, 4), False, "tf32")] + [(t, True, w) for t in [
                 (64, 64, 64, 4), (64, 64, 128, 4), (64, 128, 64, 4), (128, 64, 64, 8), (64, 64, 32, 4)]
                 for w in os.environ.get("PROBE_W_PREC", "tf32,tf32x3").split(",")]
         else:
             variants = [(t, i, "tf32") for t, i in variants]
-        ref_idx = _reference_selection(q, kc, cfg) if N <= 16384 and os.environ.get("PROBE_HEADS_INNER") else None
+        ref_idx = (_reference_selection(q, kc, cfg) if N <= 16384 and
+                   (os.environ.get("PROBE_HEADS_INNER") or os.environ.get("PROBE_OLD_NEW")) else None)
         for tiles, inner, wp in [] if os.environ.get("PROBE_SELECTED_ONLY") else variants:
             S.TILE_OVERRIDE["importance"] = tiles
             S.TILE_OVERRIDE["heads_inner"] = inner
