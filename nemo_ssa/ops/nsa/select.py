@@ -11,7 +11,9 @@ Two kernels, both without gradient (the selection is an index choice):
   compressed block ``i`` inside selection block ``j`` (``naive.overlap_matrix``). Only
   the compressed blocks overlapping the selection tile are visited, so the work is one
   pass over the visible compressed keys per head, like the compressed forward; the
-  heaviest (latest) query tiles are launched first.
+  heaviest (latest) query tiles are launched first. Default order (``HEADS_INNER``): per
+  chunk of compressed blocks, ``p`` is summed over the group's heads first and multiplied
+  by ``M`` once (linear), as a hi/lo split into two tf32 dots (fp32-accurate).
 * ``_topn_kernel``: per query row, forced blocks (first, current, previous) get ``+inf``,
   blocks that have not started ``-inf``, then ``top_n`` rounds of "take the maximum,
   lowest index on ties" -- the same deterministic choice as ``naive.select_blocks``. Rows
