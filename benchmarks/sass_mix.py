@@ -185,7 +185,10 @@ def kernel_report(name: str, compiled, meta: dict, dump: Optional[str]) -> Dict[
     # huge divisors (|y| > 2^126): neither belongs in the SSA loops (t = 1 + b|s| >= 1)
     slow = sum(1 for _, _, line in instrs[hot_range[0]:hot_range[1] + 1]
                if "16777216" in line or "8.50705917302346158658e+37" in line)
-    return dict(kernel=name, regs=regs, spills=spills, instrs=len(instrs), slow_paths=slow,
+    # the Hopper path (ops.common.tma): tensor-memory-accelerator loads, stores, bulk reduces
+    tma = {k: sum(1 for _, op, _ in instrs if op.startswith(op_name))
+           for k, op_name in (("ldg", "UTMALDG"), ("stg", "UTMASTG"), ("red", "UTMAREDG"))}
+    return dict(kernel=name, regs=regs, spills=spills, instrs=len(instrs), slow_paths=slow, tma=tma,
                 loops=[r[1] - r[0] + 1 for r in lps], hot=hot, scores_per_thread=per_thread_scores,
                 tile=f"{bm}x{bn}/{meta.get('num_warps')}w")
 

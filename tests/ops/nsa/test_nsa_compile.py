@@ -43,7 +43,12 @@ for dt, D, T in (("fp32", 32, 0), ("bf16", 128, 1)):
             compile(k, P, c)
         if dt == "bf16":  # SPLIT > 1: dK/dV go to fp32 partials
             compile(R._range_bwd_kernel_dkv, {**P, "DK": "*fp32", "DV": "*fp32"}, c)
-    compile(S._importance_kernel, P, dict(TRANSFORM=T, PREC=prec, BLOCK_M=64, BLOCK_C=32, BLOCK_S=16, BLOCK_D=D))
+    compile(S._importance_kernel, P, dict(TRANSFORM=T, PREC=prec, BLOCK_M=64, BLOCK_C=32, BLOCK_S=16, BLOCK_D=D,
+                                          HEADS_INNER=False, W_PREC=prec))
+    # the default order: heads summed per chunk, the overlap product split hi/lo (16-bit) or IEEE
+    compile(S._importance_kernel, P, dict(TRANSFORM=T, PREC=prec, BLOCK_M=64, BLOCK_C=64, BLOCK_S=128, BLOCK_D=D,
+                                          HEADS_INNER=True, W_PREC="split" if dt == "bf16" else "ieee"))
+    compile(A._sel_fwd_qmajor_kernel, P, dict(TRANSFORM=T, PREC=prec, BLOCK_G=16, BLOCK_S=64, BLOCK_D=D), num_warps=1)
     bq = 64 if D <= 64 else 32
     for PASS in (0, 1):
         compile(A._sel_fwd_kernel, P, dict(PASS=PASS, TRANSFORM=T, PREC=prec, BLOCK_Q=bq, BLOCK_S=64, BLOCK_D=D))
