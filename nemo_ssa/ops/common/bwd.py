@@ -31,6 +31,7 @@ from nemo_ssa.ops.common.bwd_config import (
     BWD_TUNE_KV,
     BwdConfig,
     bwd_config,
+    d_bucket,
     fused_delta,
     pointer_bwd_config,
     pointer_single_config,
@@ -192,8 +193,9 @@ def attention_bwd(
                   FAST_LOG2=log2_mode(fast_math) if is_ssa else int(bool(fast_math))))
     tune = config is None and autotune_enabled()
     if deterministic is None:
-        deterministic = not use_single_pass(
-            transform, d, tma=bool(use_tma(1, varlen, q, k, v, do, o, scores=bz * hq * sq * sk)))
+        # the TMA path changes the choice only for SSA at D64 (bwd_config.single_pass_pays)
+        tma = is_ssa and d_bucket(d) == 64 and bool(use_tma(1, varlen, q, k, v, do, o, scores=bz * hq * sq * sk))
+        deterministic = not use_single_pass(transform, d, tma=tma)
     if not deterministic and not tune and not want_db and (not dparams or cstat is not None):
         return _attention_bwd_single(call, do, q, k, v, o, M, cstat if dparams else None,
                                      config or single_config(d, q.dtype), table=config is None)
@@ -275,6 +277,8 @@ def _tma_modes(c: _BwdCall, cfg: BwdConfig, table: bool, single: bool, q, k, v, 
     device, the layout of the inputs (the outputs are allocated like them) and, for a
     ``table`` config, the call's size allow (``ops.common.tma``); a table config that
     cannot take the TMA path falls back to the pointer kernels' rows."""
+    if not (cfg.tma_dq or cfg.tma_kv):  # (the D32 rows: no stride checks on the host)
+        return cfg, 0, 0
     ok = use_tma(1, c.varlen, q, k, v, do, o, scores=_scores(c) if table else None)
     if ok:
         return cfg, cfg.tma_dq, cfg.tma_kv
