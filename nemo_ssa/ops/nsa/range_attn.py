@@ -49,9 +49,12 @@ import torch
 import triton
 import triton.language as tl
 
+from nemo_ssa.ops.common.device import tma_tile
 from nemo_ssa.ops.common.launch import is_interpreter
+from nemo_ssa.ops.common.tma import descriptor, use_tma
 from nemo_ssa.ops.common.transforms import score_bwd, score_bwd_params, score_fwd
 from nemo_ssa.ops.nsa._common import (
+    MAX_HEAD_DIM,
     block_d,
     check_kernel_tensors,
     dot_precision,
@@ -105,12 +108,169 @@ def _q_block_setup(pid_m, pid_bh, NP, BP, Hq, N, D, GROUP, BLOCK_M: tl.constexpr
 
 
 @triton.jit
-def _load_kv_block(k_base, v_base, offs_n, NK, offs_d, d_ok, skn, skd, svn, svd):
-    """Key and value rows ``offs_n`` (``< NK``) as ``[BLOCK_N, BLOCK_D]`` tiles."""
-    kv_mask = (offs_n < NK)[:, None] & d_ok[None, :]
-    k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * skn + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
-    v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * svn + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
+def _load_kv_block(k_base, v_base, start_n, offs_n, NK, offs_d, d_ok, skn, skd, svn, svd, MASKED: tl.constexpr = True,
+                   TMA: tl.constexpr = 0, tb=0, th=0, BLOCK_N: tl.constexpr = 16, BLOCK_D: tl.constexpr = 16):
+    """Key and value rows ``offs_n`` as ``[BLOCK_N, BLOCK_D]`` tiles; rows ``>= NK`` are
+    masked only when ``MASKED`` (unmasked tiles lie inside ``[0, NK)``). ``TMA``:
+    ``k_base``/``v_base`` are rank-4 tensor descriptors and ``tb``/``th`` the batch and
+    kv head; the tensor-memory accelerator zero-fills rows ``>= NK`` and columns ``>= D``."""
+    if TMA:
+        k = tma_tile(k_base, tb, th, start_n, BLOCK_N, BLOCK_D)
+        v = tma_tile(v_base, tb, th, start_n, BLOCK_N, BLOCK_D)
+    else:
+        kv_mask = d_ok[None, :]
+        if MASKED:
+            kv_mask = (offs_n < NK)[:, None] & kv_mask
+        k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * skn + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * svn + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
     return k, v
+
+
+@triton.jit
+def _full_key_range(m_first, m_last, lo, hi, NK, KSTRIDE, KOFF, WINDOW,
+                    HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Split of a query tile's key range ``[lo, hi)`` into ``[lo, a)`` masked, ``[a, b)``
+    unmasked, ``[b, hi)`` masked: ``[a, b)`` are the whole BLOCK_N tiles every query in
+    ``[m_first, m_last]`` sees (``pos(j) <= m_first`` and, with a window,
+    ``m_last - pos(j) < WINDOW``), so they need neither the visibility nor the bounds mask.
+    ``a`` and ``b`` are multiples of BLOCK_N (or ``hi``, where the unmasked stage is empty)."""
+    # keys ended for the first row: pos(j) <= m_first, whole tiles only (in [0, NK))
+    c = tl.where(m_first >= KOFF, tl.maximum(m_first - KOFF, 0) // KSTRIDE + 1, 0)
+    f_hi = (tl.minimum(c, NK) // BLOCK_N) * BLOCK_N
+    f_lo = lo
+    if HAS_WINDOW:
+        # first key the last row still sees: j*KSTRIDE > m_last - WINDOW - KOFF, rounded up
+        x = m_last - WINDOW - KOFF
+        first = tl.where(x >= 0, tl.maximum(x, 0) // KSTRIDE + 1, 0)
+        f_lo = tl.maximum(((first + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, lo)
+    a = tl.minimum(f_lo, hi)
+    b = tl.maximum(a, f_hi)
+    return a, b
+
+
+@triton.jit
+def _full_query_range(n_first, n_last, NK, N, KSTRIDE, KOFF, WINDOW,
+                      HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``[r_lo, r_hi)``: the whole BLOCK_M query blocks (inside ``[0, N)``) that see every
+    key of the tile ``[n_first, n_last]`` -- ``t >= pos(n_last)`` and, with a window,
+    ``t < pos(n_first) + WINDOW``. A ragged last key tile has none (its keys past NK
+    must weigh 0, so it always takes the masked path). Both ends are multiples of
+    BLOCK_M; ``r_hi <= r_lo`` means none."""
+    r_lo = ((n_last * KSTRIDE + KOFF + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+    r_hi = (N // BLOCK_M) * BLOCK_M
+    if HAS_WINDOW:
+        r_hi = tl.minimum(r_hi, ((n_first * KSTRIDE + KOFF + WINDOW) // BLOCK_M) * BLOCK_M)
+    r_hi = tl.where(n_first + BLOCK_N > NK, r_lo, r_hi)
+    return r_lo, r_hi
+
+
+@triton.jit
+def _fwd_stage(acc, l_i, m_i, start, end, q, k_base, v_base, offs_m, offs_d, d_ok, skn, skd, svn, svd, N, NK,
+               scale, n_ssa, b_ssa, KSTRIDE, KOFF, WINDOW, tb, th,
+               TRANSFORM: tl.constexpr, HAS_WINDOW: tl.constexpr, PREC: tl.constexpr,
+               MASKED: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Online-softmax update over the key tiles ``[start, end)``; ``MASKED``: apply the
+    visibility rule (edge tiles), else every score counts (whole visible tiles)."""
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k, v = _load_kv_block(k_base, v_base, start_n, offs_n, NK, offs_d, d_ok, skn, skd, svn, svd, MASKED,
+                              TMA, tb, th, BLOCK_N, BLOCK_D)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC)  # [BLOCK_M, BLOCK_N] fp32
+        z2 = score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM)
+        if MASKED:
+            ok = _visible(offs_m, offs_n, N, NK, KSTRIDE, KOFF, WINDOW, HAS_WINDOW)
+            z2 = tl.where(ok, z2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(z2, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
+        else:  # every row sees every key here: m_new is finite
+            m_new = tl.maximum(m_i, tl.max(z2, 1))
+            m_safe = m_new
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(z2 - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _dq_stage(dq, start, end, q, do, lse, delta, k_base, v_base, offs_m, offs_d, d_ok, skn, skd, svn, svd, N, NK,
+              scale, n_ssa, b_ssa, KSTRIDE, KOFF, WINDOW, tb, th,
+              TRANSFORM: tl.constexpr, HAS_WINDOW: tl.constexpr, PREC: tl.constexpr,
+              MASKED: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``dq`` over the key tiles ``[start, end)`` (``MASKED`` as in ``_fwd_stage``)."""
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k, v = _load_kv_block(k_base, v_base, start_n, offs_n, NK, offs_d, d_ok, skn, skd, svn, svd, MASKED,
+                              TMA, tb, th, BLOCK_N, BLOCK_D)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+        z2 = score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM)
+        if MASKED:
+            ok = _visible(offs_m, offs_n, N, NK, KSTRIDE, KOFF, WINDOW, HAS_WINDOW)
+            p = tl.exp2(tl.where(ok, z2 - lse[:, None], float("-inf")))  # masked exponent
+        else:  # rows past N carry lse = +inf: p = 0
+            p = tl.exp2(z2 - lse[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        dz = p * (dp - delta[:, None])
+        dqk = score_bwd(qk, dz, scale, n_ssa, b_ssa, TRANSFORM)
+        dq = tl.dot(dqk.to(k.dtype), k, dq, input_precision=PREC)
+    return dq
+
+
+@triton.jit
+def _dkv_stage(dk, dv, dn_acc, db_acc, start, end, k, v, q_base, do_base, bh_q, LSE, DELTA, offs_n, offs_d, d_ok,
+               sqn, sqd, sdon, sdod, N, NK, scale, n_ssa, b_ssa, KSTRIDE, KOFF, WINDOW, tb, th,
+               TRANSFORM: tl.constexpr, HAS_WINDOW: tl.constexpr, PREC: tl.constexpr,
+               MASKED: tl.constexpr, BLOCK_M: tl.constexpr, TMA: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``dk, dv`` (and SSA's dn, db partials) over the query blocks ``[start, end)`` of one
+    query head; unmasked blocks (``not MASKED``) lie inside ``[0, N)`` and see every key.
+    ``TMA``: ``q_base``/``do_base`` are tensor descriptors (``tb``/``th``: batch, query head)."""
+    for start_m in range(start, end, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        rows = offs_m.to(tl.int64)[:, None]
+        if TMA:  # rows >= N read as 0 (and carry lse = +inf below)
+            q = tma_tile(q_base, tb, th, start_m, BLOCK_M, BLOCK_D)
+            do = tma_tile(do_base, tb, th, start_m, BLOCK_M, BLOCK_D)
+            if MASKED:
+                m_ok = offs_m < N
+                lse = tl.load(LSE + bh_q * N + offs_m, mask=m_ok, other=float("inf"))
+                delta = tl.load(DELTA + bh_q * N + offs_m, mask=m_ok, other=0.0)
+            else:
+                lse = tl.load(LSE + bh_q * N + offs_m)
+                delta = tl.load(DELTA + bh_q * N + offs_m)
+        elif MASKED:
+            m_ok = offs_m < N
+            row_mask = m_ok[:, None] & d_ok[None, :]
+            q = tl.load(q_base + rows * sqn + offs_d[None, :] * sqd, mask=row_mask, other=0.0)
+            do = tl.load(do_base + rows * sdon + offs_d[None, :] * sdod, mask=row_mask, other=0.0)
+            lse = tl.load(LSE + bh_q * N + offs_m, mask=m_ok, other=float("inf"))
+            delta = tl.load(DELTA + bh_q * N + offs_m, mask=m_ok, other=0.0)
+        else:
+            q = tl.load(q_base + rows * sqn + offs_d[None, :] * sqd, mask=d_ok[None, :], other=0.0)
+            do = tl.load(do_base + rows * sdon + offs_d[None, :] * sdod, mask=d_ok[None, :], other=0.0)
+            lse = tl.load(LSE + bh_q * N + offs_m)
+            delta = tl.load(DELTA + bh_q * N + offs_m)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC)  # [BLOCK_M, BLOCK_N]
+        z2 = score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM)
+        if MASKED:
+            ok = _visible(offs_m, offs_n, N, NK, KSTRIDE, KOFF, WINDOW, HAS_WINDOW)
+            p = tl.exp2(tl.where(ok, z2 - lse[:, None], float("-inf")))  # masked exponent: no inf
+        else:
+            p = tl.exp2(z2 - lse[:, None])
+        dv = tl.dot(tl.trans(p).to(do.dtype), do, dv, input_precision=PREC)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        dz = p * (dp - delta[:, None])
+        dqk = score_bwd(qk, dz, scale, n_ssa, b_ssa, TRANSFORM)
+        dk = tl.dot(tl.trans(dqk).to(q.dtype), q, dk, input_precision=PREC)
+        if TRANSFORM == 1:
+            dn_e, db_e = score_bwd_params(qk, dz, scale, n_ssa, b_ssa)
+            if MASKED:
+                dn_acc += tl.sum(tl.where(ok, dn_e, 0.0), 0)
+                db_acc += tl.sum(tl.where(ok, db_e, 0.0), 0)
+            else:
+                dn_acc += tl.sum(dn_e, 0)
+                db_acc += tl.sum(db_e, 0)
+    return dk, dv, dn_acc, db_acc
 
 
 @triton.jit
@@ -123,36 +283,36 @@ def _range_fwd_kernel(
     Hq, N, NK, D, GROUP,
     scale, KSTRIDE, KOFF, WINDOW,
     TRANSFORM: tl.constexpr, HAS_WINDOW: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr = 0,
 ):
-    pid_m = tl.program_id(0)
+    """``TMA``: ``K``, ``V`` are rank-4 tensor descriptors (``ops.common.tma``)."""
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # later rows see more keys: longest first
     pid_bh = tl.program_id(1)
     b, h, hk, n_ssa, b_ssa, offs_m, offs_d, d_ok, m_ok = _q_block_setup(
         pid_m, pid_bh, NP, BP, Hq, N, D, GROUP, BLOCK_M, BLOCK_D)
     q_ptrs = Q + b * sqb + h * sqh + offs_m.to(tl.int64)[:, None] * sqn + offs_d[None, :] * sqd
     q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
-    k_base = K + b * skb + hk * skh
-    v_base = V + b * svb + hk * svh
+    tb = pid_bh // Hq
+    th = (pid_bh % Hq) // GROUP
+    if TMA:
+        k_base = K
+        v_base = V
+    else:
+        k_base = K + b * skb + hk * skh
+        v_base = V + b * svb + hk * svh
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    m_last = tl.minimum(pid_m * BLOCK_M + BLOCK_M, N) - 1
-    lo, hi = _key_range(pid_m * BLOCK_M, m_last, NK, KSTRIDE, KOFF, WINDOW, HAS_WINDOW, BLOCK_N)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k, v = _load_kv_block(k_base, v_base, offs_n, NK, offs_d, d_ok, skn, skd, svn, svd)
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC)  # [BLOCK_M, BLOCK_N] fp32
-        z2 = score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM)
-        ok = _visible(offs_m, offs_n, N, NK, KSTRIDE, KOFF, WINDOW, HAS_WINDOW)
-        z2 = tl.where(ok, z2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(z2, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(z2 - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+    m_first = pid_m * BLOCK_M
+    m_last = tl.minimum(m_first + BLOCK_M, N) - 1
+    lo, hi = _key_range(m_first, m_last, NK, KSTRIDE, KOFF, WINDOW, HAS_WINDOW, BLOCK_N)
+    a, bb = _full_key_range(m_first, m_last, lo, hi, NK, KSTRIDE, KOFF, WINDOW, HAS_WINDOW, BLOCK_N)
+    args = (q, k_base, v_base, offs_m, offs_d, d_ok, skn, skd, svn, svd, N, NK,
+            scale, n_ssa, b_ssa, KSTRIDE, KOFF, WINDOW, tb, th)
+    acc, l_i, m_i = _fwd_stage(acc, l_i, m_i, lo, a, *args, TRANSFORM, HAS_WINDOW, PREC, True, BLOCK_N, TMA, BLOCK_D)
+    acc, l_i, m_i = _fwd_stage(acc, l_i, m_i, a, bb, *args, TRANSFORM, HAS_WINDOW, PREC, False, BLOCK_N, TMA, BLOCK_D)
+    acc, l_i, m_i = _fwd_stage(acc, l_i, m_i, bb, hi, *args, TRANSFORM, HAS_WINDOW, PREC, True, BLOCK_N, TMA, BLOCK_D)
 
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -173,9 +333,10 @@ def _range_bwd_kernel_dq(
     Hq, N, NK, D, GROUP,
     scale, KSTRIDE, KOFF, WINDOW,
     TRANSFORM: tl.constexpr, HAS_WINDOW: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr = 0,
 ):
-    pid_m = tl.program_id(0)
+    """``TMA``: ``K``, ``V`` are rank-4 tensor descriptors (``ops.common.tma``)."""
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest first
     pid_bh = tl.program_id(1)
     b, h, hk, n_ssa, b_ssa, offs_m, offs_d, d_ok, m_ok = _q_block_setup(
         pid_m, pid_bh, NP, BP, Hq, N, D, GROUP, BLOCK_M, BLOCK_D)
@@ -185,23 +346,25 @@ def _range_bwd_kernel_dq(
     do = tl.load(DO + b * sdob + h * sdoh + rows * sdon + offs_d[None, :] * sdod, mask=row_mask, other=0.0)
     lse = tl.load(LSE + pid_bh.to(tl.int64) * N + offs_m, mask=m_ok, other=float("inf"))
     delta = tl.load(DELTA + pid_bh.to(tl.int64) * N + offs_m, mask=m_ok, other=0.0)
-    k_base = K + b * skb + hk * skh
-    v_base = V + b * svb + hk * svh
+    tb = pid_bh // Hq
+    th = (pid_bh % Hq) // GROUP
+    if TMA:
+        k_base = K
+        v_base = V
+    else:
+        k_base = K + b * skb + hk * skh
+        v_base = V + b * svb + hk * svh
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    m_last = tl.minimum(pid_m * BLOCK_M + BLOCK_M, N) - 1
-    lo, hi = _key_range(pid_m * BLOCK_M, m_last, NK, KSTRIDE, KOFF, WINDOW, HAS_WINDOW, BLOCK_N)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k, v = _load_kv_block(k_base, v_base, offs_n, NK, offs_d, d_ok, skn, skd, svn, svd)
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
-        z2 = score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM)
-        ok = _visible(offs_m, offs_n, N, NK, KSTRIDE, KOFF, WINDOW, HAS_WINDOW)
-        p = tl.exp2(tl.where(ok, z2 - lse[:, None], float("-inf")))  # [BLOCK_M, BLOCK_N]; masked exponent
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        dz = p * (dp - delta[:, None])
-        dqk = score_bwd(qk, dz, scale, n_ssa, b_ssa, TRANSFORM)
-        dq += tl.dot(dqk.to(k.dtype), k, input_precision=PREC)
+    m_first = pid_m * BLOCK_M
+    m_last = tl.minimum(m_first + BLOCK_M, N) - 1
+    lo, hi = _key_range(m_first, m_last, NK, KSTRIDE, KOFF, WINDOW, HAS_WINDOW, BLOCK_N)
+    a, bb = _full_key_range(m_first, m_last, lo, hi, NK, KSTRIDE, KOFF, WINDOW, HAS_WINDOW, BLOCK_N)
+    args = (q, do, lse, delta, k_base, v_base, offs_m, offs_d, d_ok, skn, skd, svn, svd, N, NK,
+            scale, n_ssa, b_ssa, KSTRIDE, KOFF, WINDOW, tb, th)
+    dq = _dq_stage(dq, lo, a, *args, TRANSFORM, HAS_WINDOW, PREC, True, BLOCK_N, TMA, BLOCK_D)
+    dq = _dq_stage(dq, a, bb, *args, TRANSFORM, HAS_WINDOW, PREC, False, BLOCK_N, TMA, BLOCK_D)
+    dq = _dq_stage(dq, bb, hi, *args, TRANSFORM, HAS_WINDOW, PREC, True, BLOCK_N, TMA, BLOCK_D)
     tl.store(DQ + b * sdqb + h * sdqh + rows * sdqn + offs_d[None, :] * sdqd,
              dq.to(DQ.dtype.element_ty), mask=row_mask)
 
@@ -218,8 +381,9 @@ def _range_bwd_kernel_dkv(
     Hq, Hkv, N, NK, D, GROUP,
     scale, KSTRIDE, KOFF, WINDOW,
     TRANSFORM: tl.constexpr, HAS_WINDOW: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr = 0,
 ):
+    """``TMA``: ``Q``, ``DO`` are rank-4 tensor descriptors (``ops.common.tma``)."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)  # over B * Hkv
     pid_s = tl.program_id(2)  # query chunk; DK/DV are then this chunk's partial (split stride sdks/sdvs)
@@ -237,8 +401,10 @@ def _range_bwd_kernel_dkv(
     v = tl.load(V + b * svb + hk * svh + cols * svn + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dn_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # SSA's dn, db partials, summed over each tile's rows as they come (a [BLOCK_M, BLOCK_N]
+    # accumulator pair costs 64 registers a thread at 64x64 and spilled on sm_90)
+    dn_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
 
     # queries that see some key of this tile: [pos(first), pos(last) + WINDOW)
     n_last = tl.minimum(pid_n * BLOCK_N + BLOCK_N, NK) - 1
@@ -253,33 +419,32 @@ def _range_bwd_kernel_dkv(
     nb = tl.maximum(q_hi - q_lo + BLOCK_M - 1, 0) // BLOCK_M
     c_lo = q_lo + (pid_s * nb // n_split) * BLOCK_M
     c_hi = tl.minimum(q_hi, q_lo + ((pid_s + 1) * nb // n_split) * BLOCK_M)
+    # inside the chunk: [c_lo, ca) masked, [ca, cb) unmasked, [cb, c_hi) masked
+    r_lo, r_hi = _full_query_range(pid_n * BLOCK_N, n_last, NK, N, KSTRIDE, KOFF, WINDOW,
+                                   HAS_WINDOW, BLOCK_M, BLOCK_N)
+    ca = tl.minimum(tl.maximum(r_lo, c_lo), c_hi)
+    cb = tl.maximum(ca, tl.minimum(r_hi, c_hi))
     for g in range(GROUP):
         h = hk * GROUP + g
         bh_q = b * Hq + h
-        q_base = Q + b * sqb + h * sqh
-        do_base = DO + b * sdob + h * sdoh
-        for start_m in range(c_lo, c_hi, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            m_ok = offs_m < N
-            row_mask = m_ok[:, None] & d_ok[None, :]
-            rows = offs_m.to(tl.int64)[:, None]
-            q = tl.load(q_base + rows * sqn + offs_d[None, :] * sqd, mask=row_mask, other=0.0)
-            do = tl.load(do_base + rows * sdon + offs_d[None, :] * sdod, mask=row_mask, other=0.0)
-            lse = tl.load(LSE + bh_q * N + offs_m, mask=m_ok, other=float("inf"))
-            delta = tl.load(DELTA + bh_q * N + offs_m, mask=m_ok, other=0.0)
-            qk = tl.dot(q, tl.trans(k), input_precision=PREC)  # [BLOCK_M, BLOCK_N]
-            z2 = score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM)
-            ok = _visible(offs_m, offs_n, N, NK, KSTRIDE, KOFF, WINDOW, HAS_WINDOW)
-            p = tl.exp2(tl.where(ok, z2 - lse[:, None], float("-inf")))  # masked exponent: no inf
-            dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC)
-            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-            dz = p * (dp - delta[:, None])
-            dqk = score_bwd(qk, dz, scale, n_ssa, b_ssa, TRANSFORM)
-            dk += tl.dot(tl.trans(dqk).to(q.dtype), q, input_precision=PREC)
-            if TRANSFORM == 1:
-                dn_e, db_e = score_bwd_params(qk, dz, scale, n_ssa, b_ssa)
-                dn_acc += tl.where(ok, dn_e, 0.0)
-                db_acc += tl.where(ok, db_e, 0.0)
+        if TMA:
+            q_base = Q
+            do_base = DO
+        else:
+            q_base = Q + b * sqb + h * sqh
+            do_base = DO + b * sdob + h * sdoh
+        args = (k, v, q_base, do_base, bh_q, LSE, DELTA, offs_n, offs_d, d_ok, sqn, sqd, sdon, sdod, N, NK,
+                scale, n_ssa, b_ssa, KSTRIDE, KOFF, WINDOW, pid_bh // Hkv, (hk * GROUP + g).to(tl.int32))
+        if TMA:
+            dk, dv, dn_acc, db_acc = _dkv_stage(dk, dv, dn_acc, db_acc, c_lo, ca, *args,
+                                                TRANSFORM, HAS_WINDOW, PREC, True, BLOCK_M, TMA, BLOCK_D)
+            dk, dv, dn_acc, db_acc = _dkv_stage(dk, dv, dn_acc, db_acc, ca, cb, *args,
+                                                TRANSFORM, HAS_WINDOW, PREC, False, BLOCK_M, TMA, BLOCK_D)
+            dk, dv, dn_acc, db_acc = _dkv_stage(dk, dv, dn_acc, db_acc, cb, c_hi, *args,
+                                                TRANSFORM, HAS_WINDOW, PREC, True, BLOCK_M, TMA, BLOCK_D)
+        else:  # pointers: one masked loop (three loops of pointer tiles spill, sm_90 compile)
+            dk, dv, dn_acc, db_acc = _dkv_stage(dk, dv, dn_acc, db_acc, c_lo, c_hi, *args,
+                                                TRANSFORM, HAS_WINDOW, PREC, True, BLOCK_M, TMA, BLOCK_D)
 
     # stored even for an empty chunk (zeros): the partial buffer is never cleared
     s64 = pid_s.to(tl.int64)
@@ -289,15 +454,37 @@ def _range_bwd_kernel_dkv(
              dv.to(DV.dtype.element_ty), mask=kv_mask)
     if TRANSFORM == 1:
         pid = (s64 * tl.num_programs(1) + pid_bh) * tl.num_programs(0) + pid_n
-        tl.store(DNB + 2 * pid, tl.sum(tl.sum(dn_acc, 1), 0))
-        tl.store(DNB + 2 * pid + 1, tl.sum(tl.sum(db_acc, 1), 0))
+        tl.store(DNB + 2 * pid, tl.sum(dn_acc, 0))
+        tl.store(DNB + 2 * pid + 1, tl.sum(db_acc, 0))
 
 
 # ----------------------------------------------------------------------------- launchers
 #: tuning hook: ``{"fwd" | "bwd": (BLOCK_M, BLOCK_N, num_warps, num_stages)}`` overrides
-#: the defaults below (benchmarks sweep it; BLOCK_* must be powers of two >= 16), and
-#: ``{"dkv_split": S}`` (S >= 1; 0 or absent: automatic) forces the dK/dV query split
+#: the defaults below for both branches, ``"fwd:compressed"``, ``"bwd:window"`` etc. for
+#: one (BLOCK_* must be powers of two >= 16; "bwd" is the dQ and the dK/dV kernel),
+#: ``{"dkv_split": S}`` (S >= 1; 0 or absent: automatic) forces the dK/dV query split and
+#: ``{"tma": 0 | 1}`` forces the tensor-descriptor path off or on (where the layout allows)
 TILE_OVERRIDE: dict = {}
+
+#: the Hopper path (tensor descriptors for the tiles the loops stream: K/V in the forward
+#: and dQ kernels, Q/dO in the dK/dV kernel), taken on sm_90+ for calls of at least
+#: ``tma.MIN_SCORES`` scores whose tensors the TMA can address, by kernel up to these head
+#: dims; ``NEMO_SSA_TMA=0`` or ``TILE_OVERRIDE["tma"] = 0`` turns it off
+RANGE_TMA = 1
+#: the dQ kernel's descriptor build faults at D128 on an H200 under Triton 3.6 ("unspecified
+#: launch failure"; D64 and the other two kernels at D128 run and match the pointer path),
+#: so above D64 it keeps pointers -- a hard limit that ``TILE_OVERRIDE["tma"]`` cannot lift
+TMA_MAX_HEAD_DIM = {"fwd": MAX_HEAD_DIM, "dq": 64, "dkv": MAX_HEAD_DIM}
+
+
+def _tma(kind: str, d: int, *tensors: torch.Tensor, scores: int) -> int:
+    """The ``TMA`` constexpr of kernel ``kind`` ("fwd" | "dq" | "dkv") for one call."""
+    if d > TMA_MAX_HEAD_DIM[kind]:
+        return 0
+    forced = TILE_OVERRIDE.get("tma")
+    if forced is not None:
+        return use_tma(int(forced), False, *tensors)
+    return use_tma(RANGE_TMA, False, *tensors, scores=scores)
 
 # dK/dV split heuristic (``_dkv_split``); the numbers are starting points for a sweep
 # (``benchmarks/bench_nsa.py --dkv-split``), not measured optima
@@ -308,17 +495,26 @@ DKV_MAX_SPLIT = 16
 DKV_PARTIAL_BYTES = 512 << 20    # fp32 dk + dv partials of all chunks together
 
 
-def _blocks(d: int, kind: str) -> Tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Small tiles in the interpreter (speed)."""
-    if kind in TILE_OVERRIDE:
-        return TILE_OVERRIDE[kind]
+def _blocks(d: int, kind: str, branch: Optional[str] = None, tma: bool = True) -> Tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of ``kind`` ("fwd" | "bwd") for ``branch``
+    ("compressed" | "window"; None: the compressed row) on the Hopper path (``tma``) or the
+    pointer kernels. Small tiles in the interpreter."""
+    for key in (f"{kind}:{branch}", kind):
+        if key in TILE_OVERRIDE:
+            return TILE_OVERRIDE[key]
     if is_interpreter():
         return 16, 16, 1, 1
-    # measured winners, benchmarks/tune_tiles.py (bf16, N=32K, compressed + window
-    # branches timed together; results in docs/results)
+    # measured winners at the NSA paper's shape (D64 / D128, GQA 16, N = 64K; H200) with the
+    # masked / unmasked tile split: docs/results/2026-11-26-nsa-range. The compressed forward
+    # wants wide query tiles (every query tile sees many whole key tiles); 64 x 64 tiles
+    # with 3 stages win both backwards; the pointer kernels keep the window forward narrow
     if kind == "fwd":
-        return (64, 32, 4, 3) if d <= 64 else (64, 32, 4, 2)
-    return (128, 64, 4, 2) if d <= 64 else (64, 64, 4, 2)
+        if d > 64:
+            return (64, 64, 4, 3) if tma else (64, 32, 4, 2)
+        if branch == "window":
+            return (64, 64, 4, 3) if tma else (64, 32, 4, 3)
+        return (128, 64, 4, 3)
+    return (64, 64, 4, 3) if d <= 64 else (64, 64, 4, 2)
 
 
 def _dkv_split(n_tok: int, nk: int, bsz: int, hkv: int, group: int, d: int, block_m: int, block_n: int,
@@ -378,15 +574,17 @@ def _range_fwd(q, k, v, n_t, b_t, tid, scale, kstride, koff, window):
         o.zero_()
         lse.fill_(math.inf)
         return o, lse
-    bm, bn, warps, stages = _blocks(d, "fwd")
+    tma = _tma("fwd", d, k, v, scores=bsz * hq * n_tok * nk)
+    bm, bn, warps, stages = _blocks(d, "fwd", "window" if window else "compressed", bool(tma))
     grid = (triton.cdiv(n_tok, bm), bsz * hq)
+    kk, vv = (descriptor(k, bn, block_d(d)), descriptor(v, bn, block_d(d))) if tma else (k, v)
     _range_fwd_kernel[grid](
-        q, k, v, o, lse, n_t, b_t,
+        q, kk, vv, o, lse, n_t, b_t,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
         hq, n_tok, nk, d, hq // hkv,
         scale, kstride, koff, window if window else 0,
         TRANSFORM=tid, HAS_WINDOW=bool(window), PREC=dot_precision(q.dtype),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d(d), num_warps=warps, num_stages=stages,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d(d), num_warps=warps, num_stages=stages, TMA=tma,
     )
     return o, lse
 
@@ -399,17 +597,20 @@ def _range_bwd(q, k, v, o, lse, do, n_t, b_t, tid, scale, kstride, koff, window)
         dnb = torch.zeros(2, device=q.device, dtype=torch.float32)
         return dq.zero_(), torch.empty_like(k), torch.empty_like(v), dnb
     delta = (o.float() * do.float()).sum(-1).contiguous()  # [B, Hq, N]
-    bm, bn, warps, stages = _blocks(d, "bwd")
+    bm, bn, warps, stages = _blocks(d, "bwd", "window" if window else "compressed")
+    tma = _tma("dq", d, k, v, scores=bsz * hq * n_tok * nk)
     common = dict(TRANSFORM=tid, HAS_WINDOW=bool(window), PREC=dot_precision(q.dtype),
-                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d(d), num_warps=warps, num_stages=stages)
+                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d(d), num_warps=warps, num_stages=stages, TMA=tma)
+    kk, vv = (descriptor(k, bn, block_d(d)), descriptor(v, bn, block_d(d))) if tma else (k, v)
     _range_bwd_kernel_dq[(triton.cdiv(n_tok, bm), bsz * hq)](
-        q, k, v, do, dq, lse, delta, n_t, b_t,
+        q, kk, vv, do, dq, lse, delta, n_t, b_t,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
         hq, n_tok, nk, d, hq // hkv, scale, kstride, koff, window if window else 0, **common,
     )
     split = _dkv_split(n_tok, nk, bsz, hkv, hq // hkv, d, bm, bn, kstride, window,
                        n_sm=_num_sms(q.device.index) if q.is_cuda else 132,
                        override=int(TILE_OVERRIDE.get("dkv_split", 0)))
+    common["TMA"] = _tma("dkv", d, q, do, scores=bsz * hq * n_tok * nk)
     dk, dv, dnb = _range_bwd_dkv(q, k, v, do, lse, delta, n_t, b_t, scale, kstride, koff, window, split, common)
     if split > 1:  # fixed-order fp32 sum over the chunks (deterministic), then k's dtype
         dk = dk.sum(0).to(k.dtype)
@@ -435,8 +636,11 @@ def _range_bwd_dkv(q, k, v, do, lse, delta, n_t, b_t, scale, kstride, koff, wind
         dv = torch.empty(split, *v.shape, device=v.device, dtype=torch.float32)
         sk, sv = dk.stride(), dv.stride()
     dnb = torch.zeros(grid[0] * grid[1] * grid[2], 2, device=q.device, dtype=torch.float32)
+    qq, dd = q, do
+    if common["TMA"]:
+        qq, dd = descriptor(q, common["BLOCK_M"], common["BLOCK_D"]), descriptor(do, common["BLOCK_M"], common["BLOCK_D"])
     _range_bwd_kernel_dkv[grid](
-        q, k, v, do, dk, dv, lse, delta, n_t, b_t, dnb,
+        qq, k, v, dd, dk, dv, lse, delta, n_t, b_t, dnb,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *sk, *sv,
         hq, hkv, n_tok, nk, d, hq // hkv, scale, kstride, koff, window if window else 0, **common,
     )

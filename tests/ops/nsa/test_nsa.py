@@ -407,6 +407,7 @@ BRANCH_CASES = [  # (B, Hq, Hkv, N, D, transform)
     (1, 6, 2, 37, 32, "softmax"),
     (2, 6, 2, 70, 32, "softmax"),
     (2, 3, 1, 21, 48, "ssa"),  # non-power-of-two head dim (masked tile)
+    (1, 4, 2, 100, 32, "ssa"),  # whole visible tiles: the unmasked stage of both branches
 ]
 
 
@@ -421,7 +422,7 @@ def test_window_kernel(K, case):
     q, k, v = rnd(B, Hq, N, D, g=g), rnd(B, Hkv, N, D, g=g), rnd(B, Hkv, N, D, g=g)
     ssa = ssa_scalars(transform)
     leaves = dict(q=q, k=k, v=v, **ssa)
-    w = 6 if N < 50 else 20  # inside one 16-row tile / spanning tiles
+    w = 6 if N < 50 else 20 if N < 90 else 40  # inside one 16-row tile / spanning tiles / whole tiles inside
     out = K.range_attn.window_attention(q, k, v, w, transform=transform, **ssa)
     ref, _ = masked_attention(q, k, v, window_mask(N, w, DEV), transform=transform, **ssa)
     assert rel_err(out, ref) < 1e-5
@@ -575,6 +576,71 @@ def test_dkv_split_every_chunk_counts(K, monkeypatch, spy_dkv):
             dropped = part.sum(0) - part[s]
             err = rel_err(dropped, gs[name])
             assert err > 1e-3, f"dropping chunk {s} of d{name} moves it by only {err:.2e}"
+
+
+# (B, Hq, Hkv, N, D, transform, branch, split): whole visible tiles (the unmasked stages),
+# ragged ends, the dK/dV split, a padded head dim
+TMA_CASES = [
+    (1, 4, 2, 100, 32, "softmax", "compressed", 1),
+    (2, 3, 1, 83, 48, "ssa", "compressed", 2),
+    (1, 4, 2, 100, 32, "softmax", "window", 1),
+    (1, 4, 2, 91, 32, "ssa", "window", 1),
+]
+
+
+@pytest.mark.parametrize("case", TMA_CASES, ids=_split_ids)
+def test_range_kernels_tma_path(K, monkeypatch, case):
+    """The tensor-descriptor path (``TILE_OVERRIDE["tma"] = 1``; the interpreter emulates the
+    TMA) equals the pointer path up to fp32 reassociation and the fp64 reference. Its dK/dV
+    kernel takes the masked/unmasked stages, which the pointer kernel does not."""
+    branch, split = case[6], case[7]
+    window = 40 if branch == "window" else None
+    q, k, v, do, _, ssa = _branch_inputs(case, 34)
+    mask = window_mask(q.shape[2], window, DEV) if window else compressed_visibility(q.shape[2], TINY, DEV)
+    leaves = dict(q=q, k=k, v=v, **ssa)
+    transform = case[5]
+    monkeypatch.setitem(K.range_attn.TILE_OVERRIDE, "dkv_split", split)
+
+    def run():
+        ls = {n: t.detach().clone().requires_grad_(True) for n, t in leaves.items()}
+        if window:
+            out = K.range_attn.window_attention(ls["q"], ls["k"], ls["v"], window, transform=transform,
+                                                **{n: ls[n] for n in ("n", "b") if n in ls})
+        else:
+            out, _ = K.range_attn.compressed_attention(ls["q"], ls["k"], ls["v"], TINY.block_len, TINY.stride,
+                                                       transform=transform, **{n: ls[n] for n in ("n", "b") if n in ls})
+        return out, grads(out, ls, do)
+
+    launched = []
+    real = K.range_attn.descriptor
+    monkeypatch.setattr(K.range_attn, "descriptor", lambda *a: launched.append(a[1:]) or real(*a))
+    monkeypatch.setitem(K.range_attn.TILE_OVERRIDE, "tma", 0)
+    o_ptr, g_ptr = run()
+    assert not launched
+    monkeypatch.setitem(K.range_attn.TILE_OVERRIDE, "tma", 1)
+    o_tma, g_tma = run()
+    assert len(launched) == 6  # k, v (forward); k, v (dQ); q, dO (dK/dV)
+    torch.testing.assert_close(o_tma, o_ptr, rtol=1e-5, atol=1e-6)
+    for name in ("q", "k", "v"):  # (dn, db: cancelling sums, checked against fp64 below)
+        torch.testing.assert_close(g_tma[name], g_ptr[name], rtol=1e-4, atol=1e-5, msg=f"d{name}: tma vs pointers")
+    check_grads_fp64(g_tma, leaves, lambda l: masked_attention(
+        l["q"], l["k"], l["v"], mask, transform=transform, n=l.get("n"), b=l.get("b"))[0], do, 1e-5,
+        f"{branch} tma", keep=mask)
+
+
+def test_range_tma_choice(K, monkeypatch):
+    """Which kernels take descriptors: all three up to D64; above it the dQ kernel keeps
+    pointers (its descriptor build faults at D128 on sm_90, Triton 3.6), even when forced."""
+    R = K.range_attn
+    x = torch.zeros(1, 2, 8, 128)
+    monkeypatch.setitem(R.TILE_OVERRIDE, "tma", 1)
+    assert R._tma("fwd", 128, x, scores=0) == 1 and R._tma("dkv", 128, x, scores=0) == 1
+    assert R._tma("dq", 128, x, scores=0) == 0 and R._tma("dq", 64, x[..., :64], scores=0) == 1
+    monkeypatch.setitem(R.TILE_OVERRIDE, "tma", 0)
+    assert R._tma("fwd", 64, x[..., :64], scores=1 << 30) == 0
+    monkeypatch.delitem(R.TILE_OVERRIDE, "tma")
+    assert R._tma("fwd", 64, x[..., :64], scores=1 << 30) == 1  # the interpreter emulates the TMA
+    assert R._tma("fwd", 64, x[..., :64], scores=100) == 0  # short calls keep the cached pointer launch
 
 
 def test_dkv_split_choice(K):

@@ -27,8 +27,9 @@ FLOATS = {"scale"}
 def compile(fn, ptrs, consts, num_warps=4, num_stages=2):
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in FLOATS else "i32") for n in fn.arg_names}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
-    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
     print("ok", fn.__name__, consts, flush=True)
+    return k.asm["ptx"].count("cp.async.bulk.tensor")  # TMA copies in the PTX
 
 for dt, D, T in (("fp32", 32, 0), ("bf16", 128, 1)):
     prec = "ieee" if dt == "fp32" else "tf32"
@@ -38,11 +39,19 @@ for dt, D, T in (("fp32", 32, 0), ("bf16", 128, 1)):
                                    "DQACC", "DKACC", "DVACC"]})
     P.update({n: "*i32" for n in ["ITEMS", "TQ", "TS", "IDX"]})
     for W in (True, False):
-        c = dict(TRANSFORM=T, HAS_WINDOW=W, PREC=prec, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=D)
+        c = dict(TRANSFORM=T, HAS_WINDOW=W, PREC=prec, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=D, TMA=0)
         for k in (R._range_fwd_kernel, R._range_bwd_kernel_dq, R._range_bwd_kernel_dkv):
             compile(k, P, c)
         if dt == "bf16":  # SPLIT > 1: dK/dV go to fp32 partials
             compile(R._range_bwd_kernel_dkv, {**P, "DK": "*fp32", "DV": "*fp32"}, c)
+            # the Hopper path: K/V (forward, dQ) and Q/dO (dK/dV) through tensor descriptors
+            kd, qd = f"tensordesc<{dt}[1,1,{bn},{D}]>", f"tensordesc<{dt}[1,1,{bm},{D}]>"
+            ct = dict(c, TMA=1)
+            for k in (R._range_fwd_kernel, R._range_bwd_kernel_dq):
+                tma_ops = compile(k, {**P, "K": kd, "V": kd}, ct)
+                assert tma_ops >= 2, (k.__name__, tma_ops)
+            tma_ops = compile(R._range_bwd_kernel_dkv, {**P, "Q": qd, "DO": qd, "DK": "*fp32", "DV": "*fp32"}, ct)
+            assert tma_ops >= 2, tma_ops
     compile(S._importance_kernel, P, dict(TRANSFORM=T, PREC=prec, BLOCK_M=64, BLOCK_C=32, BLOCK_S=16, BLOCK_D=D,
                                           HEADS_INNER=False, W_PREC=prec))
     # the default order: heads summed per chunk, the overlap product split hi/lo (16-bit) or IEEE
