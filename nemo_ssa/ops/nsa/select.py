@@ -43,6 +43,52 @@ __all__ = ["importance_scores", "topn_blocks", "select_blocks_triton"]
 
 
 @triton.jit
+def _importance_chunks(imp, start, end, kc_base, q_base, LSE, offs_m, m_ok, offs_d, d_ok, offs_s, b, hk, Hq, N, NC,
+                       skn, skd, sqh, scale, n_ssa, b_ssa, CSTRIDE, CLEN, SBLK, GROUP,
+                       TRANSFORM: tl.constexpr, PREC: tl.constexpr, W_PREC: tl.constexpr,
+                       MASKED: tl.constexpr, BLOCK_C: tl.constexpr):
+    """``HEADS_INNER`` order over the compressed chunks ``[start, end)``: per chunk, ``p``
+    summed over the group's heads, times the overlap matrix once. ``MASKED``: apply the
+    visibility rule (chunks at the diagonal); else every row sees every block of the chunk."""
+    for start_c in range(start, end, BLOCK_C):
+        offs_c = start_c + tl.arange(0, BLOCK_C)
+        if MASKED:
+            kc = tl.load(kc_base + offs_c.to(tl.int64)[:, None] * skn + offs_d[None, :] * skd,
+                         mask=(offs_c < NC)[:, None] & d_ok[None, :], other=0.0)
+            vis = ((offs_c * CSTRIDE + CLEN - 1)[None, :] <= offs_m[:, None]) & (offs_c < NC)[None, :]
+        else:
+            kc = tl.load(kc_base + offs_c.to(tl.int64)[:, None] * skn + offs_d[None, :] * skd,
+                         mask=d_ok[None, :], other=0.0)
+        p_sum = tl.zeros([offs_m.shape[0], BLOCK_C], dtype=tl.float32)
+        for g in range(GROUP):
+            h = hk * GROUP + g
+            q = tl.load(q_base + h * sqh, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+            # rows past T1 read lse = +inf: p = 0 with or without the mask
+            lse = tl.load(LSE + (b * Hq + h) * N + offs_m, mask=m_ok, other=float("inf"))
+            qk = tl.dot(q, tl.trans(kc), input_precision=PREC)  # [BLOCK_M, BLOCK_C]
+            z2 = score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM)
+            if MASKED:
+                p_sum += tl.exp2(tl.where(vis, z2 - lse[:, None], float("-inf")))
+            else:
+                p_sum += tl.exp2(z2 - lse[:, None])
+        cs = (offs_c * CSTRIDE)[:, None]
+        ss = (offs_s * SBLK)[None, :]
+        ov = tl.minimum(cs + CLEN, ss + SBLK) - tl.maximum(cs, ss)
+        w = tl.where(ov > 0, ov.to(tl.float32), 0.0) / CLEN
+        if W_PREC == "split":
+            # p_sum = hi + lo with hi exact in tf32 (low 13 mantissa bits cleared) and w
+            # exact in tf32 for the usual sizes (multiples of 1/CLEN): two tf32 dots
+            # give the product to ~2^-20 relative; one would round each head-summed
+            # p to 2^-11 and move the top-n on near-ties (measured in the record)
+            p_hi = (p_sum.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+            imp += tl.dot(p_hi, w, input_precision="tf32")
+            imp += tl.dot(p_sum - p_hi, w, input_precision="tf32")
+        else:
+            imp += tl.dot(p_sum, w, input_precision=W_PREC)
+    return imp
+
+
+@triton.jit
 def _importance_kernel(
     Q, KC, LSE, IMP, NP, BP,
     sqb, sqh, sqn, sqd,
@@ -75,6 +121,8 @@ def _importance_kernel(
     s_end = tl.minimum(m_last // SBLK + 1, NS)
     # compressed blocks visible to the last query of the tile (i*d + l - 1 <= t)
     c_vis = tl.where(m_last >= CLEN - 1, tl.maximum(m_last - CLEN + 1, 0) // CSTRIDE + 1, 0)
+    m_first = T0 + pid_m * BLOCK_M  # ... and to its first query
+    c_vis_first = tl.where(m_first >= CLEN - 1, tl.maximum(m_first - CLEN + 1, 0) // CSTRIDE + 1, 0)
     kc_base = KC + b * skb + hk * skh
     q_base = Q + b * sqb + offs_m.to(tl.int64)[:, None] * sqn + offs_d[None, :] * sqd
     for j0 in range(0, s_end, BLOCK_S):
@@ -85,33 +133,13 @@ def _importance_kernel(
         c_hi = tl.minimum(tl.minimum(((j0 + BLOCK_S) * SBLK + CSTRIDE - 1) // CSTRIDE, NC), c_vis)
         imp = tl.zeros([BLOCK_M, BLOCK_S], dtype=tl.float32)
         if HEADS_INNER:
-            for start_c in range(c_lo, c_hi, BLOCK_C):
-                offs_c = start_c + tl.arange(0, BLOCK_C)
-                kc = tl.load(kc_base + offs_c.to(tl.int64)[:, None] * skn + offs_d[None, :] * skd,
-                             mask=(offs_c < NC)[:, None] & d_ok[None, :], other=0.0)
-                vis = ((offs_c * CSTRIDE + CLEN - 1)[None, :] <= offs_m[:, None]) & (offs_c < NC)[None, :]
-                p_sum = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
-                for g in range(GROUP):
-                    h = hk * GROUP + g
-                    q = tl.load(q_base + h * sqh, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-                    lse = tl.load(LSE + (b * Hq + h) * N + offs_m, mask=m_ok, other=float("inf"))
-                    qk = tl.dot(q, tl.trans(kc), input_precision=PREC)  # [BLOCK_M, BLOCK_C]
-                    z2 = score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM)
-                    p_sum += tl.exp2(tl.where(vis, z2 - lse[:, None], float("-inf")))
-                cs = (offs_c * CSTRIDE)[:, None]
-                ss = (offs_s * SBLK)[None, :]
-                ov = tl.minimum(cs + CLEN, ss + SBLK) - tl.maximum(cs, ss)
-                w = tl.where(ov > 0, ov.to(tl.float32), 0.0) / CLEN
-                if W_PREC == "split":
-                    # p_sum = hi + lo with hi exact in tf32 (low 13 mantissa bits cleared) and w
-                    # exact in tf32 for the usual sizes (multiples of 1/CLEN): two tf32 dots
-                    # give the product to ~2^-20 relative; one would round each head-summed
-                    # p to 2^-11 and move the top-n on near-ties (measured in the record)
-                    p_hi = (p_sum.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
-                    imp += tl.dot(p_hi, w, input_precision="tf32")
-                    imp += tl.dot(p_sum - p_hi, w, input_precision="tf32")
-                else:
-                    imp += tl.dot(p_sum, w, input_precision=W_PREC)
+            # chunks every row of the tile sees whole (c*d + l - 1 <= first row) need no
+            # visibility mask; the rest (the diagonal) keep it
+            c_full = tl.maximum(tl.minimum(c_vis_first, c_hi) - c_lo, 0) // BLOCK_C * BLOCK_C + c_lo
+            args = (kc_base, q_base, LSE, offs_m, m_ok, offs_d, d_ok, offs_s, b, hk, Hq, N, NC, skn, skd, sqh,
+                    scale, n_ssa, b_ssa, CSTRIDE, CLEN, SBLK, GROUP)
+            imp = _importance_chunks(imp, c_lo, c_full, *args, TRANSFORM, PREC, W_PREC, False, BLOCK_C)
+            imp = _importance_chunks(imp, c_full, c_hi, *args, TRANSFORM, PREC, W_PREC, True, BLOCK_C)
         for g in range(0 if HEADS_INNER else GROUP):
             h = hk * GROUP + g
             # the tile's q rows are re-read per selection tile: L1/L2 hits after the first
