@@ -12,9 +12,10 @@ Kernels: ``flash_fwd`` (single-pass flash forward), ``bwd_dq`` / ``bwd_dkv`` (th
 backward kernels; each swept with the other at its table value, so the winner of one
 does not depend on the other's timing), ``elsa_fwd`` (ELSA phase 1, one partition at the
 benchmark length) -- SSA transform (the heavier epilogue; softmax shares the tables) --
-and NSA's ``nsa_range_fwd`` / ``nsa_range_bwd`` (the banded kernel of the compressed and
-window branches, both timed; bwd candidates timed as fwd+bwd) and ``nsa_selected``
-(selected attention fwd+bwd; candidate = (block_q, -, warps, -)), softmax, N = 32K.
+and NSA's ``nsa_{compressed,window}_{fwd,bwd}`` (the banded kernel, one table row per
+branch and pass; bwd candidates timed as fwd+bwd; the Hopper path where the GPU takes it)
+and ``nsa_selected`` (selected attention fwd+bwd; candidate = (block_q, -, warps, -)),
+softmax, at the model's GQA 3 (N = 32K) and the NSA paper's GQA 16 (N = 64K).
 
 Compiling ~40-70 candidates per kernel and shape serially takes minutes, so a pool of
 worker processes first compiles every candidate once (populating Triton's on-disk cache;
@@ -59,6 +60,8 @@ NSA_SHAPES = {
     # label: (B, Hq, Hkv, N, D) -- bench_nsa's shapes at N = 32K
     "nsa-d32": (1, 24, 8, 32768, 32),
     "nsa-d128": (1, 24, 8, 32768, 128),
+    "nsa-gqa16-d64": (1, 64, 4, 65536, 64),  # the NSA paper's grouping (issue 28's shape)
+    "nsa-gqa16-d128": (1, 64, 4, 65536, 128),
 }
 # --tma: the flash kernels' candidates on the Hopper path (tensor descriptors; 5th field =
 # FwdConfig.tma / BwdConfig.tma_dq / tma_kv = 1), compared against the (pointer) table entry
@@ -73,7 +76,8 @@ SELECTED_CANDS = [(bq, 0, w, 0) for bq in (16, 32, 64, 128) for w in (2, 4, 8)] 
 FLASH_KERNELS = ("flash_fwd", "bwd_dq", "bwd_dkv", "bwd_single", "elsa_fwd")
 # flash_fwd / bwd_* transform (``--transform``; an env var so the spawned compile workers see it)
 TUNE_TRANSFORM = os.environ.get("NEMO_SSA_TUNE_TRANSFORM", "ssa")
-NSA_KERNELS = ("nsa_range_fwd", "nsa_range_bwd", "nsa_selected")
+NSA_RANGE_KERNELS = ("nsa_compressed_fwd", "nsa_compressed_bwd", "nsa_window_fwd", "nsa_window_bwd")
+NSA_KERNELS = NSA_RANGE_KERNELS + ("nsa_selected",)
 KERNELS = FLASH_KERNELS + NSA_KERNELS
 
 
@@ -82,7 +86,8 @@ def _cands(kernel: str):
         return {"flash_fwd": TMA_FWD_CANDS, "bwd_dq": TMA_DQ_CANDS, "bwd_dkv": TMA_KV_CANDS,
                 "bwd_single": TMA_SINGLE_CANDS}[kernel]
     return {"flash_fwd": FWD_CANDS, "elsa_fwd": FWD_CANDS, "bwd_dq": DQ_CANDS, "bwd_dkv": KV_CANDS, "bwd_single": SINGLE_CANDS,
-            "nsa_range_fwd": RANGE_FWD_CANDS, "nsa_range_bwd": RANGE_BWD_CANDS,
+            "nsa_compressed_fwd": RANGE_FWD_CANDS, "nsa_window_fwd": RANGE_FWD_CANDS,
+            "nsa_compressed_bwd": RANGE_BWD_CANDS, "nsa_window_bwd": RANGE_BWD_CANDS,
             "nsa_selected": SELECTED_CANDS}[kernel]
 
 
@@ -93,8 +98,8 @@ def _shapes_of(kernel: str, shapes):
 
 class _NsaCase:
     """NSA branch inputs at one shape (paper sizes); candidates go through the modules'
-    ``TILE_OVERRIDE`` hooks. ``nsa_range_*`` time the compressed *and* the window branch
-    (they share the banded kernel's table); ``nsa_selected`` times selected attention."""
+    ``TILE_OVERRIDE`` hooks. ``nsa_<branch>_<pass>`` time one branch of the banded kernel
+    (``"<pass>:<branch>"`` overrides); ``nsa_selected`` times selected attention."""
 
     def __init__(self, shape: str):
         import torch
@@ -124,7 +129,9 @@ class _NsaCase:
         try:
             if kernel == "nsa_selected":
                 return (self.sa._block_q(self.D), 0, self.sa._num_warps(), 0)
-            return tuple(self.ra._blocks(self.D, "fwd" if kernel == "nsa_range_fwd" else "bwd"))
+            _, branch, kind = kernel.split("_")
+            tma = self.ra._tma("fwd", self.D, self.k, self.v, scores=1 << 62)
+            return tuple(self.ra._blocks(self.D, kind, branch, bool(tma)))
         finally:
             self.ra.TILE_OVERRIDE.update(old[0])
             self.sa.TILE_OVERRIDE.update(old[1])
@@ -141,11 +148,16 @@ class _NsaCase:
                     o = sa.selected_attention(self.q, self.k, self.v, self.idx, cfg.select_block)
                     torch.autograd.grad(o, [self.q, self.k, self.v], self.do)
                     return
-                ra.TILE_OVERRIDE["fwd" if kernel == "nsa_range_fwd" else "bwd"] = tuple(cand)
-                oc = ra.compressed_attention(self.q, self.kc, self.vc, cfg.block_len, cfg.stride)[0]
-                ow = ra.window_attention(self.q, self.k, self.v, cfg.window)
-                if kernel == "nsa_range_bwd":
-                    torch.autograd.grad([oc, ow], [self.q, self.k, self.v, self.kc, self.vc], [self.do, self.do])
+                _, branch, kind = kernel.split("_")
+                ra.TILE_OVERRIDE[f"{kind}:{branch}"] = tuple(cand)
+                if branch == "compressed":
+                    o = ra.compressed_attention(self.q, self.kc, self.vc, cfg.block_len, cfg.stride)[0]
+                    leaves = [self.q, self.kc, self.vc]
+                else:
+                    o = ra.window_attention(self.q, self.k, self.v, cfg.window)
+                    leaves = [self.q, self.k, self.v]
+                if kind == "bwd":
+                    torch.autograd.grad(o, leaves, self.do)
             finally:
                 ra.TILE_OVERRIDE.clear()
                 sa.TILE_OVERRIDE.clear()
