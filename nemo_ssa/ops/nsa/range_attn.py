@@ -11,10 +11,19 @@ token it summarises -- ``pos(j) = j * KSTRIDE + KOFF``, and query ``t`` sees it 
   that have ended (NSA's visibility rule).
 
 Every query row therefore sees a contiguous key range whose ends grow with ``t``, so a
-query tile iterates a block-aligned key range ``[lo, hi)`` and masks the ragged edges
-(seed 001's "block-aligned window bounds"); a key tile in the dK/dV kernel iterates the
-matching query range. The score transform (softmax / SSA) is the ``TRANSFORM``
-constexpr from ``nemo_ssa.ops.common.transforms``.
+query tile iterates a block-aligned key range ``[lo, hi)`` (seed 001's "block-aligned
+window bounds"); a key tile in the dK/dV kernel iterates the matching query range. The
+loops run in stages, as the dense flash kernels do: the tiles every row of the tile sees
+whole (``_full_key_range`` / ``_full_query_range``) without any mask, only the edge tiles
+(the causal diagonal, the window's far end, ragged tails) with the visibility mask. The
+score transform (softmax / SSA) is the ``TRANSFORM`` constexpr from
+``nemo_ssa.ops.common.transforms``.
+
+Hopper path (``TMA`` constexpr; ``RANGE_TMA``, ``TMA_MAX_HEAD_DIM``): on sm_90+ the tiles
+the loops stream -- K/V in the forward and dQ kernels, Q/dO in the dK/dV kernel -- come
+through rank-4 tensor descriptors (``ops.common.tma``), which zero-fill rows past the
+sequence and columns past D. Same kernels, same math; the pointer path stays for other
+GPUs, odd layouts, short calls and ``NEMO_SSA_TMA=0``.
 
 Layouts ``q [B, Hq, N, D]``, ``k, v [B, Hkv, NK, D]`` (any strides), GQA by head index
 (``h // GROUP``). Outputs ``o [B, Hq, N, D]`` in q's dtype and the per-row log-sum-exp
