@@ -61,7 +61,7 @@ import triton.language as tl
 from nemo_ssa.ops.common.device import tma_tile
 from nemo_ssa.ops.common.launch import is_interpreter
 from nemo_ssa.ops.common.tma import descriptor, use_tma
-from nemo_ssa.ops.common.transforms import score_bwd, score_bwd_params, score_fwd
+from nemo_ssa.ops.common.transforms import grad_consts, score_bwd_parts, score_fwd, transform_consts
 from nemo_ssa.ops.nsa._common import (
     MAX_HEAD_DIM,
     block_d,
@@ -207,13 +207,15 @@ def _dq_stage(dq, start, end, q, do, lse, delta, k_base, v_base, offs_m, offs_d,
               scale, n_ssa, b_ssa, KSTRIDE, KOFF, WINDOW, tb, th,
               TRANSFORM: tl.constexpr, HAS_WINDOW: tl.constexpr, PREC: tl.constexpr,
               MASKED: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr, BLOCK_D: tl.constexpr):
-    """``dq`` over the key tiles ``[start, end)`` (``MASKED`` as in ``_fwd_stage``)."""
+    """``dq`` over the key tiles ``[start, end)`` (``MASKED`` as in ``_fwd_stage``), without
+    the factor ``g_s`` of ``grad_consts`` (the kernel applies it once, after its loops)."""
+    c0, c1 = transform_consts(scale, n_ssa, b_ssa, TRANSFORM)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k, v = _load_kv_block(k_base, v_base, start_n, offs_n, NK, offs_d, d_ok, skn, skd, svn, svd, MASKED,
                               TMA, tb, th, BLOCK_N, BLOCK_D)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC)
-        z2 = score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM)
+        z2, _smag, rinv = score_bwd_parts(qk, c0, c1, TRANSFORM)  # one log2, one reciprocal (SSA)
         if MASKED:
             ok = _visible(offs_m, offs_n, N, NK, KSTRIDE, KOFF, WINDOW, HAS_WINDOW)
             p = tl.exp2(tl.where(ok, z2 - lse[:, None], float("-inf")))  # masked exponent
@@ -221,8 +223,10 @@ def _dq_stage(dq, start, end, q, do, lse, delta, k_base, v_base, offs_m, offs_d,
             p = tl.exp2(z2 - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         dz = p * (dp - delta[:, None])
-        dqk = score_bwd(qk, dz, scale, n_ssa, b_ssa, TRANSFORM)
-        dq = tl.dot(dqk.to(k.dtype), k, dq, input_precision=PREC)
+        ds = dz  # dL/dqk / g_s
+        if TRANSFORM == 1:
+            ds = dz * rinv
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
     return dq
 
 
@@ -233,7 +237,9 @@ def _dkv_stage(dk, dv, dn_acc, db_acc, start, end, k, v, q_base, do_base, bh_q, 
                MASKED: tl.constexpr, BLOCK_M: tl.constexpr, TMA: tl.constexpr, BLOCK_D: tl.constexpr):
     """``dk, dv`` (and SSA's dn, db partials) over the query blocks ``[start, end)`` of one
     query head; unmasked blocks (``not MASKED``) lie inside ``[0, N)`` and see every key.
-    ``TMA``: ``q_base``/``do_base`` are tensor descriptors (``tb``/``th``: batch, query head)."""
+    ``TMA``: ``q_base``/``do_base`` are tensor descriptors (``tb``/``th``: batch, query head).
+    ``dk``, ``dn_acc``, ``db_acc`` leave without the factors of ``grad_consts``."""
+    c0, c1 = transform_consts(scale, n_ssa, b_ssa, TRANSFORM)
     for start_m in range(start, end, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         rows = offs_m.to(tl.int64)[:, None]
@@ -260,7 +266,7 @@ def _dkv_stage(dk, dv, dn_acc, db_acc, start, end, k, v, q_base, do_base, bh_q, 
             lse = tl.load(LSE + bh_q * N + offs_m)
             delta = tl.load(DELTA + bh_q * N + offs_m)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC)  # [BLOCK_M, BLOCK_N]
-        z2 = score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM)
+        z2, smag, rinv = score_bwd_parts(qk, c0, c1, TRANSFORM)
         if MASKED:
             ok = _visible(offs_m, offs_n, N, NK, KSTRIDE, KOFF, WINDOW, HAS_WINDOW)
             p = tl.exp2(tl.where(ok, z2 - lse[:, None], float("-inf")))  # masked exponent: no inf
@@ -269,10 +275,13 @@ def _dkv_stage(dk, dv, dn_acc, db_acc, start, end, k, v, q_base, do_base, bh_q, 
         dv = tl.dot(tl.trans(p).to(do.dtype), do, dv, input_precision=PREC)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         dz = p * (dp - delta[:, None])
-        dqk = score_bwd(qk, dz, scale, n_ssa, b_ssa, TRANSFORM)
-        dk = tl.dot(tl.trans(dqk).to(q.dtype), q, dk, input_precision=PREC)
+        ds = dz  # dL/dqk / g_s
         if TRANSFORM == 1:
-            dn_e, db_e = score_bwd_params(qk, dz, scale, n_ssa, b_ssa)
+            ds = dz * rinv
+        dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk, input_precision=PREC)
+        if TRANSFORM == 1:  # dn / g_n and db / g_b terms (grad_consts)
+            dn_e = dz * smag
+            db_e = ds * qk
             if MASKED:
                 dn_acc += tl.sum(tl.where(ok, dn_e, 0.0), 0)
                 db_acc += tl.sum(tl.where(ok, db_e, 0.0), 0)
@@ -374,8 +383,9 @@ def _range_bwd_kernel_dq(
     dq = _dq_stage(dq, lo, a, *args, TRANSFORM, HAS_WINDOW, PREC, True, BLOCK_N, TMA, BLOCK_D)
     dq = _dq_stage(dq, a, bb, *args, TRANSFORM, HAS_WINDOW, PREC, False, BLOCK_N, TMA, BLOCK_D)
     dq = _dq_stage(dq, bb, hi, *args, TRANSFORM, HAS_WINDOW, PREC, True, BLOCK_N, TMA, BLOCK_D)
+    g_s, _g_n, _g_b = grad_consts(scale, n_ssa, b_ssa, TRANSFORM)
     tl.store(DQ + b * sdqb + h * sdqh + rows * sdqn + offs_d[None, :] * sdqd,
-             dq.to(DQ.dtype.element_ty), mask=row_mask)
+             (dq * g_s).to(DQ.dtype.element_ty), mask=row_mask)
 
 
 @triton.jit
@@ -457,14 +467,15 @@ def _range_bwd_kernel_dkv(
 
     # stored even for an empty chunk (zeros): the partial buffer is never cleared
     s64 = pid_s.to(tl.int64)
+    g_s, g_n, g_b = grad_consts(scale, n_ssa, b_ssa, TRANSFORM)
     tl.store(DK + s64 * sdks + b * sdkb + hk * sdkh + cols * sdkn + offs_d[None, :] * sdkd,
-             dk.to(DK.dtype.element_ty), mask=kv_mask)
+             (dk * g_s).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + s64 * sdvs + b * sdvb + hk * sdvh + cols * sdvn + offs_d[None, :] * sdvd,
              dv.to(DV.dtype.element_ty), mask=kv_mask)
     if TRANSFORM == 1:
         pid = (s64 * tl.num_programs(1) + pid_bh) * tl.num_programs(0) + pid_n
-        tl.store(DNB + 2 * pid, tl.sum(dn_acc, 0))
-        tl.store(DNB + 2 * pid + 1, tl.sum(db_acc, 0))
+        tl.store(DNB + 2 * pid, tl.sum(dn_acc, 0) * g_n)
+        tl.store(DNB + 2 * pid + 1, tl.sum(db_acc, 0) * g_b)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -504,10 +515,11 @@ DKV_MAX_SPLIT = 16
 DKV_PARTIAL_BYTES = 512 << 20    # fp32 dk + dv partials of all chunks together
 
 
-def _blocks(d: int, kind: str, branch: Optional[str] = None, tma: bool = True) -> Tuple[int, int, int, int]:
+def _blocks(d: int, kind: str, branch: Optional[str] = None, tma: bool = True,
+            ssa: bool = False) -> Tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of ``kind`` ("fwd" | "bwd") for ``branch``
     ("compressed" | "window"; None: the compressed row) on the Hopper path (``tma``) or the
-    pointer kernels. Small tiles in the interpreter."""
+    pointer kernels, for the SSA transform (``ssa``) or softmax. Small tiles in the interpreter."""
     for key in (f"{kind}:{branch}", kind):
         if key in TILE_OVERRIDE:
             return TILE_OVERRIDE[key]
@@ -523,6 +535,10 @@ def _blocks(d: int, kind: str, branch: Optional[str] = None, tma: bool = True) -
         if branch == "window":
             return (64, 64, 4, 3) if tma else (64, 32, 4, 3)
         return (128, 64, 4, 3)
+    if ssa and d <= 64:
+        # SSA's backward tile holds z2, smag, rinv, p, dz besides softmax's: 64 x 64 spilled
+        # (84.8 against 131.5 ms for the compressed branch at 64K, same record)
+        return (32, 64, 4, 3)
     return (64, 64, 4, 3) if d <= 64 else (64, 64, 4, 2)
 
 
@@ -606,7 +622,7 @@ def _range_bwd(q, k, v, o, lse, do, n_t, b_t, tid, scale, kstride, koff, window)
         dnb = torch.zeros(2, device=q.device, dtype=torch.float32)
         return dq.zero_(), torch.empty_like(k), torch.empty_like(v), dnb
     delta = (o.float() * do.float()).sum(-1).contiguous()  # [B, Hq, N]
-    bm, bn, warps, stages = _blocks(d, "bwd", "window" if window else "compressed")
+    bm, bn, warps, stages = _blocks(d, "bwd", "window" if window else "compressed", ssa=tid == 1)
     tma = _tma("dq", d, k, v, scores=bsz * hq * n_tok * nk)
     common = dict(TRANSFORM=tid, HAS_WINDOW=bool(window), PREC=dot_precision(q.dtype),
                   BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d(d), num_warps=warps, num_stages=stages, TMA=tma)
