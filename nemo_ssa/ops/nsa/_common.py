@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from nemo_ssa.ops.common.launch import is_interpreter, next_pow2
-from nemo_ssa.ops.common.transforms import transform_id
+from nemo_ssa.ops.common.launch import is_interpreter, next_pow2, use_fast_math
+from nemo_ssa.ops.common.transforms import log2_mode, transform_id
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
@@ -58,3 +58,11 @@ def ssa_scalars(transform: str, n, b, device):
                          f"transform='ssa'")
     dummy = torch.zeros(1, device=device, dtype=torch.float32)
     return tid, dummy, dummy
+
+
+def fast_log2(tid: int, device: torch.device) -> int:
+    """The kernels' ``FAST_LOG2`` constexpr: for SSA the dense kernels' default (PTX
+    ``lg2.approx`` on CUDA, ``transforms.log2_mode``), 0 for softmax (no log2) and in the
+    interpreter. Every kernel that recomputes a branch's scores from its ``lse`` (the
+    backward, the selection) must take the mode its forward took: all derive it here."""
+    return log2_mode(use_fast_math(device)) if tid == 1 else 0

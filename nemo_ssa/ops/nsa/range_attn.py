@@ -67,6 +67,7 @@ from nemo_ssa.ops.nsa._common import (
     block_d,
     check_kernel_tensors,
     dot_precision,
+    fast_log2,
     ssa_scalars,
 )
 
@@ -177,7 +178,8 @@ def _full_query_range(n_first, n_last, NK, N, KSTRIDE, KOFF, WINDOW,
 def _fwd_stage(acc, l_i, m_i, start, end, q, k_base, v_base, offs_m, offs_d, d_ok, skn, skd, svn, svd, N, NK,
                scale, n_ssa, b_ssa, KSTRIDE, KOFF, WINDOW, tb, th,
                TRANSFORM: tl.constexpr, HAS_WINDOW: tl.constexpr, PREC: tl.constexpr,
-               MASKED: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr, BLOCK_D: tl.constexpr):
+               MASKED: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr, BLOCK_D: tl.constexpr,
+               FAST_LOG2: tl.constexpr = 0):
     """Online-softmax update over the key tiles ``[start, end)``; ``MASKED``: apply the
     visibility rule (edge tiles), else every score counts (whole visible tiles)."""
     for start_n in range(start, end, BLOCK_N):
@@ -185,7 +187,7 @@ def _fwd_stage(acc, l_i, m_i, start, end, q, k_base, v_base, offs_m, offs_d, d_o
         k, v = _load_kv_block(k_base, v_base, start_n, offs_n, NK, offs_d, d_ok, skn, skd, svn, svd, MASKED,
                               TMA, tb, th, BLOCK_N, BLOCK_D)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC)  # [BLOCK_M, BLOCK_N] fp32
-        z2 = score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM)
+        z2 = score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM, FAST_LOG2)
         if MASKED:
             ok = _visible(offs_m, offs_n, N, NK, KSTRIDE, KOFF, WINDOW, HAS_WINDOW)
             z2 = tl.where(ok, z2, float("-inf"))
@@ -206,7 +208,8 @@ def _fwd_stage(acc, l_i, m_i, start, end, q, k_base, v_base, offs_m, offs_d, d_o
 def _dq_stage(dq, start, end, q, do, lse, delta, k_base, v_base, offs_m, offs_d, d_ok, skn, skd, svn, svd, N, NK,
               scale, n_ssa, b_ssa, KSTRIDE, KOFF, WINDOW, tb, th,
               TRANSFORM: tl.constexpr, HAS_WINDOW: tl.constexpr, PREC: tl.constexpr,
-              MASKED: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr, BLOCK_D: tl.constexpr):
+              MASKED: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr, BLOCK_D: tl.constexpr,
+              FAST_LOG2: tl.constexpr = 0):
     """``dq`` over the key tiles ``[start, end)`` (``MASKED`` as in ``_fwd_stage``), without
     the factor ``g_s`` of ``grad_consts`` (the kernel applies it once, after its loops)."""
     c0, c1 = transform_consts(scale, n_ssa, b_ssa, TRANSFORM)
@@ -215,7 +218,7 @@ def _dq_stage(dq, start, end, q, do, lse, delta, k_base, v_base, offs_m, offs_d,
         k, v = _load_kv_block(k_base, v_base, start_n, offs_n, NK, offs_d, d_ok, skn, skd, svn, svd, MASKED,
                               TMA, tb, th, BLOCK_N, BLOCK_D)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC)
-        z2, _smag, rinv = score_bwd_parts(qk, c0, c1, TRANSFORM)  # one log2, one reciprocal (SSA)
+        z2, _smag, rinv = score_bwd_parts(qk, c0, c1, TRANSFORM, FAST_LOG2)  # one log2, one reciprocal (SSA)
         if MASKED:
             ok = _visible(offs_m, offs_n, N, NK, KSTRIDE, KOFF, WINDOW, HAS_WINDOW)
             p = tl.exp2(tl.where(ok, z2 - lse[:, None], float("-inf")))  # masked exponent
@@ -234,7 +237,8 @@ def _dq_stage(dq, start, end, q, do, lse, delta, k_base, v_base, offs_m, offs_d,
 def _dkv_stage(dk, dv, dn_acc, db_acc, start, end, k, v, q_base, do_base, bh_q, LSE, DELTA, offs_n, offs_d, d_ok,
                sqn, sqd, sdon, sdod, N, NK, scale, n_ssa, b_ssa, KSTRIDE, KOFF, WINDOW, tb, th,
                TRANSFORM: tl.constexpr, HAS_WINDOW: tl.constexpr, PREC: tl.constexpr,
-               MASKED: tl.constexpr, BLOCK_M: tl.constexpr, TMA: tl.constexpr, BLOCK_D: tl.constexpr):
+               MASKED: tl.constexpr, BLOCK_M: tl.constexpr, TMA: tl.constexpr, BLOCK_D: tl.constexpr,
+               FAST_LOG2: tl.constexpr = 0):
     """``dk, dv`` (and SSA's dn, db partials) over the query blocks ``[start, end)`` of one
     query head; unmasked blocks (``not MASKED``) lie inside ``[0, N)`` and see every key.
     ``TMA``: ``q_base``/``do_base`` are tensor descriptors (``tb``/``th``: batch, query head).
@@ -266,7 +270,7 @@ def _dkv_stage(dk, dv, dn_acc, db_acc, start, end, k, v, q_base, do_base, bh_q, 
             lse = tl.load(LSE + bh_q * N + offs_m)
             delta = tl.load(DELTA + bh_q * N + offs_m)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC)  # [BLOCK_M, BLOCK_N]
-        z2, smag, rinv = score_bwd_parts(qk, c0, c1, TRANSFORM)
+        z2, smag, rinv = score_bwd_parts(qk, c0, c1, TRANSFORM, FAST_LOG2)
         if MASKED:
             ok = _visible(offs_m, offs_n, N, NK, KSTRIDE, KOFF, WINDOW, HAS_WINDOW)
             p = tl.exp2(tl.where(ok, z2 - lse[:, None], float("-inf")))  # masked exponent: no inf
@@ -302,6 +306,7 @@ def _range_fwd_kernel(
     scale, KSTRIDE, KOFF, WINDOW,
     TRANSFORM: tl.constexpr, HAS_WINDOW: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr = 0,
+    FAST_LOG2: tl.constexpr = 0,
 ):
     """``TMA``: ``K``, ``V`` are rank-4 tensor descriptors (``ops.common.tma``)."""
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # later rows see more keys: longest first
@@ -328,9 +333,9 @@ def _range_fwd_kernel(
     a, bb = _full_key_range(m_first, m_last, lo, hi, NK, KSTRIDE, KOFF, WINDOW, HAS_WINDOW, BLOCK_N)
     args = (q, k_base, v_base, offs_m, offs_d, d_ok, skn, skd, svn, svd, N, NK,
             scale, n_ssa, b_ssa, KSTRIDE, KOFF, WINDOW, tb, th)
-    acc, l_i, m_i = _fwd_stage(acc, l_i, m_i, lo, a, *args, TRANSFORM, HAS_WINDOW, PREC, True, BLOCK_N, TMA, BLOCK_D)
-    acc, l_i, m_i = _fwd_stage(acc, l_i, m_i, a, bb, *args, TRANSFORM, HAS_WINDOW, PREC, False, BLOCK_N, TMA, BLOCK_D)
-    acc, l_i, m_i = _fwd_stage(acc, l_i, m_i, bb, hi, *args, TRANSFORM, HAS_WINDOW, PREC, True, BLOCK_N, TMA, BLOCK_D)
+    acc, l_i, m_i = _fwd_stage(acc, l_i, m_i, lo, a, *args, TRANSFORM, HAS_WINDOW, PREC, True, BLOCK_N, TMA, BLOCK_D, FAST_LOG2)
+    acc, l_i, m_i = _fwd_stage(acc, l_i, m_i, a, bb, *args, TRANSFORM, HAS_WINDOW, PREC, False, BLOCK_N, TMA, BLOCK_D, FAST_LOG2)
+    acc, l_i, m_i = _fwd_stage(acc, l_i, m_i, bb, hi, *args, TRANSFORM, HAS_WINDOW, PREC, True, BLOCK_N, TMA, BLOCK_D, FAST_LOG2)
 
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -352,6 +357,7 @@ def _range_bwd_kernel_dq(
     scale, KSTRIDE, KOFF, WINDOW,
     TRANSFORM: tl.constexpr, HAS_WINDOW: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr = 0,
+    FAST_LOG2: tl.constexpr = 0,
 ):
     """``TMA``: ``K``, ``V`` are rank-4 tensor descriptors (``ops.common.tma``)."""
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest first
@@ -380,9 +386,9 @@ def _range_bwd_kernel_dq(
     a, bb = _full_key_range(m_first, m_last, lo, hi, NK, KSTRIDE, KOFF, WINDOW, HAS_WINDOW, BLOCK_N)
     args = (q, do, lse, delta, k_base, v_base, offs_m, offs_d, d_ok, skn, skd, svn, svd, N, NK,
             scale, n_ssa, b_ssa, KSTRIDE, KOFF, WINDOW, tb, th)
-    dq = _dq_stage(dq, lo, a, *args, TRANSFORM, HAS_WINDOW, PREC, True, BLOCK_N, TMA, BLOCK_D)
-    dq = _dq_stage(dq, a, bb, *args, TRANSFORM, HAS_WINDOW, PREC, False, BLOCK_N, TMA, BLOCK_D)
-    dq = _dq_stage(dq, bb, hi, *args, TRANSFORM, HAS_WINDOW, PREC, True, BLOCK_N, TMA, BLOCK_D)
+    dq = _dq_stage(dq, lo, a, *args, TRANSFORM, HAS_WINDOW, PREC, True, BLOCK_N, TMA, BLOCK_D, FAST_LOG2)
+    dq = _dq_stage(dq, a, bb, *args, TRANSFORM, HAS_WINDOW, PREC, False, BLOCK_N, TMA, BLOCK_D, FAST_LOG2)
+    dq = _dq_stage(dq, bb, hi, *args, TRANSFORM, HAS_WINDOW, PREC, True, BLOCK_N, TMA, BLOCK_D, FAST_LOG2)
     g_s, _g_n, _g_b = grad_consts(scale, n_ssa, b_ssa, TRANSFORM)
     tl.store(DQ + b * sdqb + h * sdqh + rows * sdqn + offs_d[None, :] * sdqd,
              (dq * g_s).to(DQ.dtype.element_ty), mask=row_mask)
@@ -401,6 +407,7 @@ def _range_bwd_kernel_dkv(
     scale, KSTRIDE, KOFF, WINDOW,
     TRANSFORM: tl.constexpr, HAS_WINDOW: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr = 0,
+    FAST_LOG2: tl.constexpr = 0,
 ):
     """``TMA``: ``Q``, ``DO`` are rank-4 tensor descriptors (``ops.common.tma``)."""
     pid_n = tl.program_id(0)
@@ -456,14 +463,14 @@ def _range_bwd_kernel_dkv(
                 scale, n_ssa, b_ssa, KSTRIDE, KOFF, WINDOW, pid_bh // Hkv, (hk * GROUP + g).to(tl.int32))
         if TMA:
             dk, dv, dn_acc, db_acc = _dkv_stage(dk, dv, dn_acc, db_acc, c_lo, ca, *args,
-                                                TRANSFORM, HAS_WINDOW, PREC, True, BLOCK_M, TMA, BLOCK_D)
+                                                TRANSFORM, HAS_WINDOW, PREC, True, BLOCK_M, TMA, BLOCK_D, FAST_LOG2)
             dk, dv, dn_acc, db_acc = _dkv_stage(dk, dv, dn_acc, db_acc, ca, cb, *args,
-                                                TRANSFORM, HAS_WINDOW, PREC, False, BLOCK_M, TMA, BLOCK_D)
+                                                TRANSFORM, HAS_WINDOW, PREC, False, BLOCK_M, TMA, BLOCK_D, FAST_LOG2)
             dk, dv, dn_acc, db_acc = _dkv_stage(dk, dv, dn_acc, db_acc, cb, c_hi, *args,
-                                                TRANSFORM, HAS_WINDOW, PREC, True, BLOCK_M, TMA, BLOCK_D)
+                                                TRANSFORM, HAS_WINDOW, PREC, True, BLOCK_M, TMA, BLOCK_D, FAST_LOG2)
         else:  # pointers: one masked loop (three loops of pointer tiles spill, sm_90 compile)
             dk, dv, dn_acc, db_acc = _dkv_stage(dk, dv, dn_acc, db_acc, c_lo, c_hi, *args,
-                                                TRANSFORM, HAS_WINDOW, PREC, True, BLOCK_M, TMA, BLOCK_D)
+                                                TRANSFORM, HAS_WINDOW, PREC, True, BLOCK_M, TMA, BLOCK_D, FAST_LOG2)
 
     # stored even for an empty chunk (zeros): the partial buffer is never cleared
     s64 = pid_s.to(tl.int64)
@@ -610,6 +617,7 @@ def _range_fwd(q, k, v, n_t, b_t, tid, scale, kstride, koff, window):
         scale, kstride, koff, window if window else 0,
         TRANSFORM=tid, HAS_WINDOW=bool(window), PREC=dot_precision(q.dtype),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d(d), num_warps=warps, num_stages=stages, TMA=tma,
+        FAST_LOG2=fast_log2(tid, q.device),
     )
     return o, lse
 
@@ -625,7 +633,8 @@ def _range_bwd(q, k, v, o, lse, do, n_t, b_t, tid, scale, kstride, koff, window)
     bm, bn, warps, stages = _blocks(d, "bwd", "window" if window else "compressed", ssa=tid == 1)
     tma = _tma("dq", d, k, v, scores=bsz * hq * n_tok * nk)
     common = dict(TRANSFORM=tid, HAS_WINDOW=bool(window), PREC=dot_precision(q.dtype),
-                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d(d), num_warps=warps, num_stages=stages, TMA=tma)
+                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d(d), num_warps=warps, num_stages=stages, TMA=tma,
+                  FAST_LOG2=fast_log2(tid, q.device))
     kk, vv = (descriptor(k, bn, block_d(d)), descriptor(v, bn, block_d(d))) if tma else (k, v)
     _range_bwd_kernel_dq[(triton.cdiv(n_tok, bm), bsz * hq)](
         q, kk, vv, do, dq, lse, delta, n_t, b_t,

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from nemo_ssa.ops.common.transforms import score_fwd
 from nemo_ssa.ops.common.launch import is_interpreter, next_pow2
-from nemo_ssa.ops.nsa._common import block_d, check_kernel_tensors, dot_precision, ssa_scalars
+from nemo_ssa.ops.nsa._common import block_d, check_kernel_tensors, dot_precision, fast_log2, ssa_scalars
 from nemo_ssa.ops.nsa.naive import NSAConfig, num_select_blocks
 
 __all__ = ["importance_scores", "topn_blocks", "select_blocks_triton"]
@@ -46,7 +46,7 @@ __all__ = ["importance_scores", "topn_blocks", "select_blocks_triton"]
 def _importance_chunks(imp, start, end, kc_base, q_base, LSE, offs_m, m_ok, offs_d, d_ok, offs_s, b, hk, Hq, N, NC,
                        skn, skd, sqh, scale, n_ssa, b_ssa, CSTRIDE, CLEN, SBLK, GROUP,
                        TRANSFORM: tl.constexpr, PREC: tl.constexpr, W_PREC: tl.constexpr,
-                       MASKED: tl.constexpr, BLOCK_C: tl.constexpr):
+                       MASKED: tl.constexpr, BLOCK_C: tl.constexpr, FAST_LOG2: tl.constexpr = 0):
     """``HEADS_INNER`` order over the compressed chunks ``[start, end)``: per chunk, ``p``
     summed over the group's heads, times the overlap matrix once. ``MASKED``: apply the
     visibility rule (chunks at the diagonal); else every row sees every block of the chunk."""
@@ -66,7 +66,7 @@ def _importance_chunks(imp, start, end, kc_base, q_base, LSE, offs_m, m_ok, offs
             # rows past T1 read lse = +inf: p = 0 with or without the mask
             lse = tl.load(LSE + (b * Hq + h) * N + offs_m, mask=m_ok, other=float("inf"))
             qk = tl.dot(q, tl.trans(kc), input_precision=PREC)  # [BLOCK_M, BLOCK_C]
-            z2 = score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM)
+            z2 = score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM, FAST_LOG2)
             if MASKED:
                 p_sum += tl.exp2(tl.where(vis, z2 - lse[:, None], float("-inf")))
             else:
@@ -98,7 +98,7 @@ def _importance_kernel(
     scale, CSTRIDE, CLEN, SBLK,
     TRANSFORM: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEADS_INNER: tl.constexpr = False, W_PREC: tl.constexpr = "ieee",
+    HEADS_INNER: tl.constexpr = False, W_PREC: tl.constexpr = "ieee", FAST_LOG2: tl.constexpr = 0,
 ):
     # heaviest query tiles (most visible compressed blocks) first: better tail balance.
     # HEADS_INNER: per chunk of compressed blocks, sum p over the group's heads first and
@@ -138,8 +138,8 @@ def _importance_kernel(
             c_full = tl.maximum(tl.minimum(c_vis_first, c_hi) - c_lo, 0) // BLOCK_C * BLOCK_C + c_lo
             args = (kc_base, q_base, LSE, offs_m, m_ok, offs_d, d_ok, offs_s, b, hk, Hq, N, NC, skn, skd, sqh,
                     scale, n_ssa, b_ssa, CSTRIDE, CLEN, SBLK, GROUP)
-            imp = _importance_chunks(imp, c_lo, c_full, *args, TRANSFORM, PREC, W_PREC, False, BLOCK_C)
-            imp = _importance_chunks(imp, c_full, c_hi, *args, TRANSFORM, PREC, W_PREC, True, BLOCK_C)
+            imp = _importance_chunks(imp, c_lo, c_full, *args, TRANSFORM, PREC, W_PREC, False, BLOCK_C, FAST_LOG2)
+            imp = _importance_chunks(imp, c_full, c_hi, *args, TRANSFORM, PREC, W_PREC, True, BLOCK_C, FAST_LOG2)
         for g in range(0 if HEADS_INNER else GROUP):
             h = hk * GROUP + g
             # the tile's q rows are re-read per selection tile: L1/L2 hits after the first
@@ -150,7 +150,7 @@ def _importance_kernel(
                 kc = tl.load(kc_base + offs_c.to(tl.int64)[:, None] * skn + offs_d[None, :] * skd,
                              mask=(offs_c < NC)[:, None] & d_ok[None, :], other=0.0)
                 qk = tl.dot(q, tl.trans(kc), input_precision=PREC)  # [BLOCK_M, BLOCK_C]
-                z2 = score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM)
+                z2 = score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM, FAST_LOG2)
                 vis = ((offs_c * CSTRIDE + CLEN - 1)[None, :] <= offs_m[:, None]) & (offs_c < NC)[None, :]
                 # mask the exponent, not the result: an invisible (future) block can score
                 # far above the row's lse, and exp2 of that overflows to inf (harmless under
@@ -265,6 +265,7 @@ def importance_scores(q, k_cmp, lse_cmp, config: NSAConfig, *, transform="softma
         scale, config.stride, config.block_len, config.select_block,
         TRANSFORM=tid, PREC=dot_precision(q.dtype),
         BLOCK_M=bm, BLOCK_C=bc, BLOCK_S=bs, BLOCK_D=block_d(d), HEADS_INNER=bool(heads_inner), W_PREC=w_prec,
+        FAST_LOG2=fast_log2(tid, q.device),  # the compressed forward's scores, which made lse
         num_warps=warps,
     )
     return imp

@@ -34,12 +34,13 @@ def compile(fn, ptrs, consts, num_warps=4, num_stages=2):
 for dt, D, T in (("fp32", 32, 0), ("bf16", 128, 1)):
     prec = "ieee" if dt == "fp32" else "tf32"
     bm, bn = (64, 64) if D <= 64 else (64, 32)
+    F = 1 if T == 1 else 0  # SSA: PTX lg2.approx, the CUDA default (_common.fast_log2)
     P = {n: "*" + dt for n in ["Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "KC"]}
     P.update({n: "*fp32" for n in ["LSE", "NP", "BP", "DELTA", "DNB", "IMP", "LSE_PART", "OACC",
                                    "DQACC", "DKACC", "DVACC"]})
     P.update({n: "*i32" for n in ["ITEMS", "TQ", "TS", "IDX"]})
     for W in (True, False):
-        c = dict(TRANSFORM=T, HAS_WINDOW=W, PREC=prec, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=D, TMA=0)
+        c = dict(TRANSFORM=T, HAS_WINDOW=W, PREC=prec, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=D, TMA=0, FAST_LOG2=F)
         for k in (R._range_fwd_kernel, R._range_bwd_kernel_dq, R._range_bwd_kernel_dkv):
             compile(k, P, c)
         if dt == "bf16":  # SPLIT > 1: dK/dV go to fp32 partials
@@ -53,10 +54,11 @@ for dt, D, T in (("fp32", 32, 0), ("bf16", 128, 1)):
             tma_ops = compile(R._range_bwd_kernel_dkv, {**P, "Q": qd, "DO": qd, "DK": "*fp32", "DV": "*fp32"}, ct)
             assert tma_ops >= 2, tma_ops
     compile(S._importance_kernel, P, dict(TRANSFORM=T, PREC=prec, BLOCK_M=64, BLOCK_C=32, BLOCK_S=16, BLOCK_D=D,
-                                          HEADS_INNER=False, W_PREC=prec))
+                                          HEADS_INNER=False, W_PREC=prec, FAST_LOG2=F))
     # the default order: heads summed per chunk, the overlap product split hi/lo (16-bit) or IEEE
     compile(S._importance_kernel, P, dict(TRANSFORM=T, PREC=prec, BLOCK_M=64, BLOCK_C=64, BLOCK_S=128, BLOCK_D=D,
-                                          HEADS_INNER=True, W_PREC="split" if dt == "bf16" else "ieee"))
+                                          HEADS_INNER=True, W_PREC="split" if dt == "bf16" else "ieee",
+                                          FAST_LOG2=F))
     compile(A._sel_fwd_qmajor_kernel, P, dict(TRANSFORM=T, PREC=prec, BLOCK_G=16, BLOCK_S=64, BLOCK_D=D), num_warps=1)
     bq = 64 if D <= 64 else 32
     for PASS in (0, 1):
