@@ -47,9 +47,9 @@ import torch
 import triton
 import triton.language as tl
 
-from nemo_ssa.ops.common.transforms import score_bwd, score_bwd_params, score_fwd
+from nemo_ssa.ops.common.transforms import grad_consts, score_bwd_parts, score_fwd, transform_consts
 from nemo_ssa.ops.common.launch import is_interpreter, next_pow2
-from nemo_ssa.ops.nsa._common import block_d, check_kernel_tensors, dot_precision, ssa_scalars
+from nemo_ssa.ops.nsa._common import block_d, check_kernel_tensors, dot_precision, fast_log2, ssa_scalars
 
 __all__ = ["selected_attention", "build_worklist", "WorkList"]
 
@@ -101,7 +101,7 @@ def _sel_fwd_kernel(
     Hq, Hkv, N, NS, D, GROUP, TOPN,
     scale, SBLK,
     PASS: tl.constexpr, TRANSFORM: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, FAST_LOG2: tl.constexpr = 0,
 ):
     it = tl.program_id(0).to(tl.int64)
     cnt, b, hk, t, slot, r_ok, offs_k, k_ok = _item_tiles(ITEMS, TQ, TS, it, NS, Hkv, N, SBLK, BLOCK_Q, BLOCK_S)
@@ -116,7 +116,7 @@ def _sel_fwd_kernel(
         bh_q = b * Hq + h
         q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqn + offs_d[None, :] * sqd, mask=row_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC)  # [BLOCK_Q, BLOCK_S]
-        z2 = tl.where(valid, score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM), float("-inf"))
+        z2 = tl.where(valid, score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM, FAST_LOG2), float("-inf"))
         if PASS == 0:
             m = tl.max(z2, 1)
             m_safe = tl.where(m == float("-inf"), 0.0, m)
@@ -141,7 +141,7 @@ def _sel_fwd_qmajor_kernel(
     Hq, Hkv, N, D, GROUP, TOPN,
     scale, SBLK,
     TRANSFORM: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, FAST_LOG2: tl.constexpr = 0,
 ):
     """One program per (query token, kv head): the group's query heads are the rows of
     the tile (``BLOCK_G >= GROUP``), its ``TOPN`` selected blocks are streamed with an
@@ -177,7 +177,7 @@ def _sel_fwd_qmajor_kernel(
             k = tl.load(K + b * skb + hk * skh + keys[:, None] * skn + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
             v = tl.load(V + b * svb + hk * svh + keys[:, None] * svn + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
             qk = tl.dot(q, tl.trans(k), input_precision=PREC)  # [BLOCK_G, BLOCK_S]
-            z2 = tl.where(k_ok[None, :], score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM), float("-inf"))
+            z2 = tl.where(k_ok[None, :], score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM, FAST_LOG2), float("-inf"))
             m_new = tl.maximum(m_i, tl.max(z2, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: p = 0, not NaN
             p = tl.exp2(z2 - m_use[:, None])
@@ -205,7 +205,7 @@ def _sel_bwd_kernel(
     Hq, Hkv, N, NS, D, GROUP,
     scale, SBLK,
     TRANSFORM: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, FAST_LOG2: tl.constexpr = 0,
 ):
     it = tl.program_id(0).to(tl.int64)
     cnt, b, hk, t, slot, r_ok, offs_k, k_ok = _item_tiles(ITEMS, TQ, TS, it, NS, Hkv, N, SBLK, BLOCK_Q, BLOCK_S)
@@ -213,6 +213,10 @@ def _sel_bwd_kernel(
         return
     n_ssa, b_ssa, offs_d, kv_mask, keys, k, valid, rows, row_mask = _item_kv_setup(
         K, NP, BP, b, hk, skb, skh, skn, skd, t, r_ok, offs_k, k_ok, D, BLOCK_D)
+    # one log2 and one reciprocal per score (score_bwd_parts); the constant factors g_s,
+    # g_n, g_b (grad_consts) once per tile
+    c0, c1 = transform_consts(scale, n_ssa, b_ssa, TRANSFORM)
+    g_s, g_n, g_b = grad_consts(scale, n_ssa, b_ssa, TRANSFORM)
     v = tl.load(V + b * svb + hk * svh + keys * svn + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
     dk = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
@@ -226,25 +230,26 @@ def _sel_bwd_kernel(
         lse = tl.load(LSE + bh_q * N + rows, mask=r_ok, other=float("inf"))
         delta = tl.load(DELTA + bh_q * N + rows, mask=r_ok, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC)  # [BLOCK_Q, BLOCK_S]
-        z2 = score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM)
+        z2, smag, rinv = score_bwd_parts(qk, c0, c1, TRANSFORM, FAST_LOG2)
         p = tl.exp2(tl.where(valid, z2 - lse[:, None], float("-inf")))  # masked exponent: no inf
         dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         dz = p * (dp - delta[:, None])
-        dqk = score_bwd(qk, dz, scale, n_ssa, b_ssa, TRANSFORM)
-        dq = tl.dot(dqk.to(k.dtype), k, input_precision=PREC)  # [BLOCK_Q, BLOCK_D]
-        tl.atomic_add(DQACC + (bh_q * N + rows)[:, None] * D + offs_d[None, :], dq, mask=row_mask, sem="relaxed")
-        dk += tl.dot(tl.trans(dqk).to(q.dtype), q, input_precision=PREC)
+        ds = dz  # dL/dqk / g_s
         if TRANSFORM == 1:
-            dn_e, db_e = score_bwd_params(qk, dz, scale, n_ssa, b_ssa)
-            dn_acc += tl.where(valid, dn_e, 0.0)
-            db_acc += tl.where(valid, db_e, 0.0)
+            ds = dz * rinv
+        dq = tl.dot(ds.to(k.dtype), k, input_precision=PREC) * g_s  # [BLOCK_Q, BLOCK_D]
+        tl.atomic_add(DQACC + (bh_q * N + rows)[:, None] * D + offs_d[None, :], dq, mask=row_mask, sem="relaxed")
+        dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PREC)
+        if TRANSFORM == 1:  # dn / g_n and db / g_b terms
+            dn_acc += tl.where(valid, dz * smag, 0.0)
+            db_acc += tl.where(valid, ds * qk, 0.0)
     kv_rows = (b * Hkv + hk) * N + keys  # fp32 accumulators are contiguous [B, Hkv, N, D]
-    tl.atomic_add(DKACC + kv_rows * D + offs_d[None, :], dk, mask=kv_mask, sem="relaxed")
+    tl.atomic_add(DKACC + kv_rows * D + offs_d[None, :], dk * g_s, mask=kv_mask, sem="relaxed")
     tl.atomic_add(DVACC + kv_rows * D + offs_d[None, :], dv, mask=kv_mask, sem="relaxed")
     if TRANSFORM == 1:
-        tl.store(DNB + 2 * it, tl.sum(tl.sum(dn_acc, 1), 0))
-        tl.store(DNB + 2 * it + 1, tl.sum(tl.sum(db_acc, 1), 0))
+        tl.store(DNB + 2 * it, tl.sum(tl.sum(dn_acc, 1), 0) * g_n)
+        tl.store(DNB + 2 * it + 1, tl.sum(tl.sum(db_acc, 1), 0) * g_b)
 
 
 # ---------------------------------------------------------------------------- work list
@@ -319,7 +324,8 @@ def _sel_fwd(q, k, v, wl: WorkList, n_t, b_t, tid, scale, sblk, ns, top_n):
         hq, hkv, n_tok, ns, d, hq // hkv, top_n, scale, sblk,
     )
     meta = dict(TRANSFORM=tid, PREC=dot_precision(q.dtype), BLOCK_Q=wl.block_q,
-                BLOCK_S=max(16, next_pow2(sblk)), BLOCK_D=block_d(d), num_warps=_num_warps())
+                BLOCK_S=max(16, next_pow2(sblk)), BLOCK_D=block_d(d), num_warps=_num_warps(),
+                FAST_LOG2=fast_log2(tid, q.device))
     _sel_fwd_kernel[grid](*args(), PASS=0, **meta)
     # merge the per-slot log-sum-exps (log2 domain); a row with no block gets +inf (p = 0)
     merged = torch.logsumexp(lse_part * LN2, dim=-1) / LN2
@@ -356,6 +362,7 @@ def _sel_fwd_qmajor(q, k, v, block_idx, n_t, b_t, tid, scale, sblk):
         hq, hkv, n_tok, d, group, idx.shape[-1], scale, sblk,
         TRANSFORM=tid, PREC=dot_precision(q.dtype), BLOCK_G=max(16, next_pow2(group)),
         BLOCK_S=max(16, next_pow2(sblk)), BLOCK_D=block_d(d), num_warps=warps,
+        FAST_LOG2=fast_log2(tid, q.device),
     )
     return o, lse
 
@@ -375,6 +382,7 @@ def _sel_bwd(q, k, v, o, lse, do, wl: WorkList, n_t, b_t, tid, scale, sblk, ns):
         hq, hkv, n_tok, ns, d, hq // hkv, scale, sblk,
         TRANSFORM=tid, PREC=dot_precision(q.dtype), BLOCK_Q=wl.block_q,
         BLOCK_S=max(16, next_pow2(sblk)), BLOCK_D=block_d(d), num_warps=_num_warps(),
+        FAST_LOG2=fast_log2(tid, q.device),
     )
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dnb.sum(0, dtype=torch.float64)
 

@@ -59,11 +59,13 @@ for dt, D, T in (("fp32", 32, 0), ("bf16", 128, 1)):
     compile(S._importance_kernel, P, dict(TRANSFORM=T, PREC=prec, BLOCK_M=64, BLOCK_C=64, BLOCK_S=128, BLOCK_D=D,
                                           HEADS_INNER=True, W_PREC="split" if dt == "bf16" else "ieee",
                                           FAST_LOG2=F))
-    compile(A._sel_fwd_qmajor_kernel, P, dict(TRANSFORM=T, PREC=prec, BLOCK_G=16, BLOCK_S=64, BLOCK_D=D), num_warps=1)
+    compile(A._sel_fwd_qmajor_kernel, P, dict(TRANSFORM=T, PREC=prec, BLOCK_G=16, BLOCK_S=64, BLOCK_D=D, FAST_LOG2=F),
+            num_warps=1)
     bq = 64 if D <= 64 else 32
     for PASS in (0, 1):
-        compile(A._sel_fwd_kernel, P, dict(PASS=PASS, TRANSFORM=T, PREC=prec, BLOCK_Q=bq, BLOCK_S=64, BLOCK_D=D))
-    compile(A._sel_bwd_kernel, P, dict(TRANSFORM=T, PREC=prec, BLOCK_Q=bq, BLOCK_S=64, BLOCK_D=D))
+        compile(A._sel_fwd_kernel, P, dict(PASS=PASS, TRANSFORM=T, PREC=prec, BLOCK_Q=bq, BLOCK_S=64, BLOCK_D=D,
+                                           FAST_LOG2=F))
+    compile(A._sel_bwd_kernel, P, dict(TRANSFORM=T, PREC=prec, BLOCK_Q=bq, BLOCK_S=64, BLOCK_D=D, FAST_LOG2=F))
 compile(S._topn_kernel, {"IMP": "*fp32", "IDX": "*i32"}, dict(TOPN=16, BLOCK_M=8, BLOCK_S=1024))
 for dt in ("bf16", "fp32"):
     P = {n: "*" + dt for n in ["OC", "OS", "OW", "G", "O", "DO", "DOC", "DOS", "DOW", "DG"]}
