@@ -128,7 +128,7 @@ class _NsaCase:
         self.sa.TILE_OVERRIDE.clear()
         try:
             if kernel == "nsa_selected":
-                return (self.sa._block_q(self.D), 0, self.sa._num_warps(), 0)
+                return (self.sa._block_q(self.D, 0, True), 0, self.sa._num_warps(), 0)
             _, branch, kind = kernel.split("_")
             tma = self.ra._tma("fwd", self.D, self.k, self.v, scores=1 << 62)
             return tuple(self.ra._blocks(self.D, kind, branch, bool(tma)))

@@ -26,8 +26,12 @@ Groups of ``G >= 16`` heads (``QMAJOR_MIN_GROUP``; the NSA paper's GQA 16) fill 
 query-major, so their forward is the public kernels' schedule instead
 (``_sel_fwd_qmajor_kernel``): one program per (query, kv head) streams the ``top_n``
 blocks with an online softmax -- one pass, no atomics, no inverted index (measured at
-N=64K D64 GQA16 on an H200: 10.1 ms against KV-major's 19.3). The backward stays KV-major
-for every group size (it builds the inverted index itself).
+N=64K D64 GQA16 on an H200: 10.1 ms against KV-major's 19.3). On sm_90+ (``QMAJOR_TILES``)
+the blocks come through TMA tensor descriptors: the slot loop has no branch, so Triton
+pipelines the copies into shared memory, and no thread holds a tile of addresses (the
+pointer kernel spilled: 103 spill stores at D64, 1,718 at D128) -- 6.7 ms at D64 and 14.2
+against 25.9 at D128. The backward stays KV-major for every group size (it builds the
+inverted index itself).
 
 Backward recomputes ``p`` from ``lse`` (FA2 style, ``delta = rowsum(dO * O)``) and adds
 ``dq`` rows, and the whole ``dk, dv`` tile of block ``j``, with fp32 atomics. Atomic
@@ -47,8 +51,10 @@ import torch
 import triton
 import triton.language as tl
 
-from nemo_ssa.ops.common.transforms import grad_consts, score_bwd_parts, score_fwd, transform_consts
+from nemo_ssa.ops.common.device import tma_tile
 from nemo_ssa.ops.common.launch import is_interpreter, next_pow2
+from nemo_ssa.ops.common.tma import descriptor, use_tma
+from nemo_ssa.ops.common.transforms import grad_consts, score_bwd_parts, score_fwd, transform_consts
 from nemo_ssa.ops.nsa._common import block_d, check_kernel_tensors, dot_precision, fast_log2, ssa_scalars
 
 __all__ = ["selected_attention", "build_worklist", "WorkList"]
@@ -131,6 +137,22 @@ def _sel_fwd_kernel(
 
 
 @triton.jit
+def _sel_online_step(q, k, v, k_ok, acc, m_i, l_i, scale, n_ssa, b_ssa,
+                     TRANSFORM: tl.constexpr, PREC: tl.constexpr, FAST_LOG2: tl.constexpr):
+    """One selected block of the query-major forward's online softmax (log2 domain):
+    keys where ``k_ok`` is false carry no weight; a row with no key yet keeps ``p = 0``."""
+    qk = tl.dot(q, tl.trans(k), input_precision=PREC)  # [BLOCK_G, BLOCK_S]
+    z2 = tl.where(k_ok[None, :], score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM, FAST_LOG2), float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(z2, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: p = 0, not NaN
+    p = tl.exp2(z2 - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _sel_fwd_qmajor_kernel(
     Q, K, V, IDX, O, LSE, NP, BP,
     sqb, sqh, sqn, sqd,
@@ -142,12 +164,18 @@ def _sel_fwd_qmajor_kernel(
     scale, SBLK,
     TRANSFORM: tl.constexpr, PREC: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, FAST_LOG2: tl.constexpr = 0,
+    TMA: tl.constexpr = 0,
 ):
     """One program per (query token, kv head): the group's query heads are the rows of
     the tile (``BLOCK_G >= GROUP``), its ``TOPN`` selected blocks are streamed with an
     online softmax (log2 domain) -- one pass, no atomics, no inverted index. Writes ``o``
     (q's dtype) and ``lse`` (fp32; ``+inf`` and ``o = 0`` for a row with no key), the same
-    contract as the two-pass KV-major forward, which the backward consumes."""
+    contract as the two-pass KV-major forward, which the backward consumes.
+
+    ``TMA``: ``K``, ``V`` are rank-4 tensor descriptors (``ops.common.tma``). The loop then
+    has no branch (an empty slot reads block 0 with every key masked), so Triton's
+    pipeliner streams the blocks through shared memory ahead of the dots, and no thread
+    holds a tile of addresses."""
     t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // Hkv).to(tl.int64)
@@ -169,22 +197,23 @@ def _sel_fwd_qmajor_kernel(
     idx_row = IDX + b * sib + hk * sih + t64 * sin
     for slot in range(TOPN):
         j = tl.load(idx_row + slot * sis)
-        if j >= 0:
+        if TMA:  # branch-free: an empty slot (j < 0) reads block 0, every key masked
+            jc = tl.maximum(j, 0)
+            offs_k = jc * SBLK + offs_s
+            k_ok = (offs_s < SBLK) & (offs_k <= t) & (j >= 0)  # rows >= N read as 0
+            k = tma_tile(K, b.to(tl.int32), hk.to(tl.int32), jc * SBLK, BLOCK_S, BLOCK_D)
+            v = tma_tile(V, b.to(tl.int32), hk.to(tl.int32), jc * SBLK, BLOCK_S, BLOCK_D)
+            acc, m_i, l_i = _sel_online_step(q, k, v, k_ok, acc, m_i, l_i, scale, n_ssa, b_ssa,
+                                             TRANSFORM, PREC, FAST_LOG2)
+        elif j >= 0:
             offs_k = j * SBLK + offs_s
             k_ok = (offs_s < SBLK) & (offs_k < N) & (offs_k <= t)
             keys = offs_k.to(tl.int64)
             kv_mask = k_ok[:, None] & d_ok[None, :]
             k = tl.load(K + b * skb + hk * skh + keys[:, None] * skn + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
             v = tl.load(V + b * svb + hk * svh + keys[:, None] * svn + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
-            qk = tl.dot(q, tl.trans(k), input_precision=PREC)  # [BLOCK_G, BLOCK_S]
-            z2 = tl.where(k_ok[None, :], score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM, FAST_LOG2), float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(z2, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: p = 0, not NaN
-            p = tl.exp2(z2 - m_use[:, None])
-            alpha = tl.exp2(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
-            m_i = m_new
+            acc, m_i, l_i = _sel_online_step(q, k, v, k_ok, acc, m_i, l_i, scale, n_ssa, b_ssa,
+                                             TRANSFORM, PREC, FAST_LOG2)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     o = acc / l_safe[:, None]
@@ -294,8 +323,9 @@ def build_worklist(block_idx: torch.Tensor, n_select_blocks: int, block_q: int) 
 
 
 # ----------------------------------------------------------------------------- launchers
-#: tuning hook: ``{"block_q": int, "num_warps": int}`` (KV-major kernels), ``"qmajor"``
-#: (bool: force the query-major forward on or off) and ``"qmajor_warps"`` override the defaults
+#: tuning hook: ``{"block_q": int, "num_warps": int, "num_stages": int}`` (KV-major kernels),
+#: ``"qmajor"`` (bool: force the query-major forward on or off), ``"qmajor_tma"``,
+#: ``"qmajor_warps"`` and ``"qmajor_stages"`` (its tiles) override the defaults
 TILE_OVERRIDE: dict = {}
 
 
@@ -303,11 +333,21 @@ def _num_warps() -> int:
     return 1 if is_interpreter() else TILE_OVERRIDE.get("num_warps", 4)
 
 
-def _block_q(d: int) -> int:
+def _block_q(d: int, tid: int, qmajor: bool) -> int:
+    """Queries per KV-major work item. Under the query-major forward the backward builds
+    its own items, and SSA takes 32 rows there: at 64 its backward spills (387 spill
+    stores on sm_90) and ran 35.7 ms against 21.7 (D64 GQA16 N=64K, H200,
+    2026-11-26-nsa-selected). Where the KV-major forward shares its items with the
+    backward (GQA < 16), 64 rows up to D64 stay for both transforms: SSA at GQA 3, N=32K,
+    fwd+bwd 6.9 against 10.5 ms at 32 rows (D32) and 11.3 against 10.4 (D64), forward
+    3.7 against 4.7 (D64). Softmax: 64 up to D64 (18.0 ms, the fastest of 64/32 rows x
+    4/8 warps x 1-3 stages at D64 GQA16), 32 above."""
     if "block_q" in TILE_OVERRIDE:
         return TILE_OVERRIDE["block_q"]
     if is_interpreter():
         return 16
+    if tid == 1 and qmajor:
+        return 32
     return 64 if d <= 64 else 32
 
 
@@ -337,13 +377,26 @@ def _sel_fwd(q, k, v, wl: WorkList, n_t, b_t, tid, scale, sblk, ns, top_n):
 #: GQA groups at least this large take the query-major forward (the group's heads fill
 #: the rows of a tensor-core tile); smaller groups the KV-major two-pass forward
 QMAJOR_MIN_GROUP = 16
-QMAJOR_WARPS = 1
+#: query-major forward tiles, by head dim bound: ``(tma, num_warps, num_stages)``. K/V
+#: through descriptors, one warp, two stages at N=64K GQA16 (H200, 2026-11-26-nsa-selected):
+#: D64 6.68 ms against the pointer kernel's 10.0 (one warp; 2 warps 7.36, 4 warps 9.0 with
+#: descriptors), D128 14.2 against 25.9; at 16K 1.55 / 2.46 and 3.33 / 6.21. Above D128
+#: (not measured) the pointer kernel stays, as before.
+QMAJOR_TILES = {64: (1, 1, 2), 128: (1, 1, 2), 256: (0, 1, 3)}
 
 
 def use_qmajor(group: int) -> bool:
     """Which forward a GQA group size takes (``TILE_OVERRIDE["qmajor"]`` forces either)."""
     forced = TILE_OVERRIDE.get("qmajor")
     return bool(forced) if forced is not None else group >= QMAJOR_MIN_GROUP
+
+
+def _qmajor_tiles(d: int):
+    """``(tma, num_warps, num_stages)`` of the query-major forward at head dim ``d``;
+    ``TILE_OVERRIDE`` keys ``qmajor_tma``, ``qmajor_warps``, ``qmajor_stages`` override."""
+    tma, warps, stages = next(v for bound, v in sorted(QMAJOR_TILES.items()) if d <= bound)
+    return (TILE_OVERRIDE.get("qmajor_tma", tma), TILE_OVERRIDE.get("qmajor_warps", warps),
+            TILE_OVERRIDE.get("qmajor_stages", stages))
 
 
 def _sel_fwd_qmajor(q, k, v, block_idx, n_t, b_t, tid, scale, sblk):
@@ -354,15 +407,19 @@ def _sel_fwd_qmajor(q, k, v, block_idx, n_t, b_t, tid, scale, sblk):
     o = torch.empty_like(q)
     lse = torch.empty(bsz, hq, n_tok, device=q.device, dtype=torch.float32)
     idx = block_idx if block_idx.dtype == torch.int32 else block_idx.to(torch.int32)
-    # 1 warp: 10.1 ms at N=64K D64 GQA16 against 11.5 (2), 13.9 (4), 18.9 (8) (H200, 2026-11-26-hopper)
-    warps = 1 if is_interpreter() else TILE_OVERRIDE.get("qmajor_warps", QMAJOR_WARPS)
+    tma, warps, stages = _qmajor_tiles(d)
+    if is_interpreter():
+        warps = 1
+    bs = max(16, next_pow2(sblk))
+    tma = use_tma(tma, False, k, v)
+    kk, vv = (descriptor(k, bs, block_d(d)), descriptor(v, bs, block_d(d))) if tma else (k, v)
     _sel_fwd_qmajor_kernel[(n_tok, bsz * hkv)](
-        q, k, v, idx, o, lse, n_t, b_t,
+        q, kk, vv, idx, o, lse, n_t, b_t,
         *q.stride(), *k.stride(), *v.stride(), *idx.stride(), *o.stride(),
         hq, hkv, n_tok, d, group, idx.shape[-1], scale, sblk,
         TRANSFORM=tid, PREC=dot_precision(q.dtype), BLOCK_G=max(16, next_pow2(group)),
-        BLOCK_S=max(16, next_pow2(sblk)), BLOCK_D=block_d(d), num_warps=warps,
-        FAST_LOG2=fast_log2(tid, q.device),
+        BLOCK_S=bs, BLOCK_D=block_d(d), num_warps=warps, num_stages=stages,
+        FAST_LOG2=fast_log2(tid, q.device), TMA=tma,
     )
     return o, lse
 
@@ -382,7 +439,7 @@ def _sel_bwd(q, k, v, o, lse, do, wl: WorkList, n_t, b_t, tid, scale, sblk, ns):
         hq, hkv, n_tok, ns, d, hq // hkv, scale, sblk,
         TRANSFORM=tid, PREC=dot_precision(q.dtype), BLOCK_Q=wl.block_q,
         BLOCK_S=max(16, next_pow2(sblk)), BLOCK_D=block_d(d), num_warps=_num_warps(),
-        FAST_LOG2=fast_log2(tid, q.device),
+        num_stages=TILE_OVERRIDE.get("num_stages", 3), FAST_LOG2=fast_log2(tid, q.device),
     )
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dnb.sum(0, dtype=torch.float64)
 
@@ -393,15 +450,16 @@ class _SelectedAttention(torch.autograd.Function):
         n_tok = q.shape[2]
         ns = -(-n_tok // sblk)
         tid, n_t, b_t = ssa_scalars(transform, n, b, q.device)
-        if use_qmajor(q.shape[1] // k.shape[1]):
+        qmajor = use_qmajor(q.shape[1] // k.shape[1])
+        if qmajor:
             # the backward (KV-major) builds its inverted index itself, only when it runs
             o, lse = _sel_fwd_qmajor(q, k, v, block_idx, n_t, b_t, tid, scale, sblk)
             ctx.save_for_backward(q, k, v, o, lse, n_t, b_t, block_idx)
         else:
-            wl = build_worklist(block_idx, ns, _block_q(q.shape[-1]))
+            wl = build_worklist(block_idx, ns, _block_q(q.shape[-1], tid, False))
             o, lse = _sel_fwd(q, k, v, wl, n_t, b_t, tid, scale, sblk, ns, block_idx.shape[-1])
             ctx.save_for_backward(q, k, v, o, lse, n_t, b_t, wl.items, wl.tq, wl.ts)
-        ctx.args = (tid, scale, sblk, ns, _block_q(q.shape[-1]))
+        ctx.args = (tid, scale, sblk, ns, _block_q(q.shape[-1], tid, qmajor))
         ctx.n_meta = None if n is None else (n.shape, n.dtype)
         ctx.b_meta = None if b is None else (b.shape, b.dtype)
         ctx.mark_non_differentiable(lse)

@@ -755,12 +755,14 @@ SELECTED_CASES = [  # (B, Hq, Hkv, N, D, transform, top_n)
 ]
 
 
-@pytest.mark.parametrize("schedule", ["default", "kv-major", "query-major"])
+@pytest.mark.parametrize("schedule", ["default", "kv-major", "query-major", "query-major-tma"])
 @pytest.mark.parametrize("case", SELECTED_CASES, ids=lambda c: _ids(c[:6]) + f"-n{c[6]}")
 def test_selected_kernel(K, case, schedule, monkeypatch):
     B, Hq, Hkv, N, D, transform, top_n = case
     if schedule != "default":  # both forwards on every group size (same contract: o, lse)
-        monkeypatch.setitem(K.selected.TILE_OVERRIDE, "qmajor", schedule == "query-major")
+        monkeypatch.setitem(K.selected.TILE_OVERRIDE, "qmajor", schedule.startswith("query-major"))
+    if schedule.startswith("query-major"):  # K/V through pointers, or descriptors (branch-free slot loop)
+        monkeypatch.setitem(K.selected.TILE_OVERRIDE, "qmajor_tma", int(schedule.endswith("tma")))
     cfg = NSAConfig(block_len=4, stride=2, select_block=8, top_n=top_n, window=8)
     g = gen(24)
     q, k, v = rnd(B, Hq, N, D, g=g), rnd(B, Hkv, N, D, g=g), rnd(B, Hkv, N, D, g=g)

@@ -59,8 +59,12 @@ for dt, D, T in (("fp32", 32, 0), ("bf16", 128, 1)):
     compile(S._importance_kernel, P, dict(TRANSFORM=T, PREC=prec, BLOCK_M=64, BLOCK_C=64, BLOCK_S=128, BLOCK_D=D,
                                           HEADS_INNER=True, W_PREC="split" if dt == "bf16" else "ieee",
                                           FAST_LOG2=F))
-    compile(A._sel_fwd_qmajor_kernel, P, dict(TRANSFORM=T, PREC=prec, BLOCK_G=16, BLOCK_S=64, BLOCK_D=D, FAST_LOG2=F),
-            num_warps=1)
+    compile(A._sel_fwd_qmajor_kernel, P, dict(TRANSFORM=T, PREC=prec, BLOCK_G=16, BLOCK_S=64, BLOCK_D=D, FAST_LOG2=F,
+                                             TMA=0), num_warps=1)
+    kd = f"tensordesc<{dt}[1,1,64,{D}]>"  # the Hopper default: K/V blocks through descriptors, pipelined
+    tma_ops = compile(A._sel_fwd_qmajor_kernel, {**P, "K": kd, "V": kd},
+                      dict(TRANSFORM=T, PREC=prec, BLOCK_G=16, BLOCK_S=64, BLOCK_D=D, FAST_LOG2=F, TMA=1), num_warps=1)
+    assert tma_ops >= 2, tma_ops
     bq = 64 if D <= 64 else 32
     for PASS in (0, 1):
         compile(A._sel_fwd_kernel, P, dict(PASS=PASS, TRANSFORM=T, PREC=prec, BLOCK_Q=bq, BLOCK_S=64, BLOCK_D=D,
