@@ -68,6 +68,7 @@ from nemo_ssa.ops.nsa._common import (
     check_kernel_tensors,
     dot_precision,
     fast_log2,
+    row_delta,
     ssa_scalars,
 )
 
@@ -629,7 +630,7 @@ def _range_bwd(q, k, v, o, lse, do, n_t, b_t, tid, scale, kstride, koff, window)
     if nk == 0:
         dnb = torch.zeros(2, device=q.device, dtype=torch.float32)
         return dq.zero_(), torch.empty_like(k), torch.empty_like(v), dnb
-    delta = (o.float() * do.float()).sum(-1).contiguous()  # [B, Hq, N]
+    delta = row_delta(o, do)  # [B, Hq, N] fp32
     bm, bn, warps, stages = _blocks(d, "bwd", "window" if window else "compressed", ssa=tid == 1)
     tma = _tma("dq", d, k, v, scores=bsz * hq * n_tok * nk)
     common = dict(TRANSFORM=tid, HAS_WINDOW=bool(window), PREC=dot_precision(q.dtype),

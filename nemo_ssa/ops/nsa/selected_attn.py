@@ -55,7 +55,7 @@ from nemo_ssa.ops.common.device import tma_tile
 from nemo_ssa.ops.common.launch import is_interpreter, next_pow2
 from nemo_ssa.ops.common.tma import descriptor, use_tma
 from nemo_ssa.ops.common.transforms import grad_consts, score_bwd_parts, score_fwd, transform_consts
-from nemo_ssa.ops.nsa._common import block_d, check_kernel_tensors, dot_precision, fast_log2, ssa_scalars
+from nemo_ssa.ops.nsa._common import block_d, check_kernel_tensors, dot_precision, fast_log2, row_delta, ssa_scalars
 
 __all__ = ["selected_attention", "build_worklist", "WorkList"]
 
@@ -427,8 +427,8 @@ def _sel_fwd_qmajor(q, k, v, block_idx, n_t, b_t, tid, scale, sblk):
 def _sel_bwd(q, k, v, o, lse, do, wl: WorkList, n_t, b_t, tid, scale, sblk, ns):
     bsz, hq, n_tok, d = q.shape
     hkv = k.shape[1]
-    delta = (o.float() * do.float()).sum(-1).contiguous()
-    dq = torch.zeros(bsz, hq, n_tok, d, device=q.device, dtype=torch.float32)
+    dq = torch.empty(bsz, hq, n_tok, d, device=q.device, dtype=torch.float32)
+    delta = row_delta(o, do, zero=dq)  # and the dq accumulator zeroed in the same pass
     dk = torch.zeros(bsz, hkv, n_tok, d, device=q.device, dtype=torch.float32)
     dv = torch.zeros(bsz, hkv, n_tok, d, device=q.device, dtype=torch.float32)
     grid = (wl.items.shape[0],)

@@ -782,6 +782,22 @@ def test_selected_kernel(K, case, schedule, monkeypatch):
         keep=keep)
 
 
+def test_row_delta_matches_fp64_and_zeroes_the_accumulator(K):
+    """The backwards' ``delta = rowsum(o * do)`` in one pass: fp64 reference on a permuted
+    (Megatron-like) layout with odd sizes, and the NaN-poisoned fp32 accumulator zeroed."""
+    from nemo_ssa.ops.nsa._common import row_delta
+
+    g = gen(31)
+    o = rnd(2, 37, 3, 24, g=g).permute(0, 2, 1, 3)  # [B, H, N, D] view of [B, N, H, D]
+    do = rnd(2, 3, 37, 24, g=g)
+    acc = torch.full((2, 3, 37, 24), float("nan"), device=DEV)
+    delta = row_delta(o, do, zero=acc)
+    ref = (o.double() * do.double()).sum(-1)
+    assert delta.dtype == torch.float32 and delta.shape == (2, 3, 37)
+    assert (delta.double() - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
+    assert (acc == 0).all()
+
+
 def test_worklist_inverts_the_selection(K):
     idx = torch.tensor([[[[0, 1], [0, -1], [1, 0]]]], device=DEV)  # B=1, Hkv=1, N=3, n=2
     wl = K.selected.build_worklist(idx, n_select_blocks=2, block_q=2)
