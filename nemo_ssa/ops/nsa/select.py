@@ -13,7 +13,10 @@ Two kernels, both without gradient (the selection is an index choice):
   pass over the visible compressed keys per head, like the compressed forward; the
   heaviest (latest) query tiles are launched first. Default order (``HEADS_INNER``): per
   chunk of compressed blocks, ``p`` is summed over the group's heads first and multiplied
-  by ``M`` once (linear), as a hi/lo split into two tf32 dots (fp32-accurate).
+  by ``M`` once (linear), as a hi/lo split into two tf32 dots (fp32-accurate). The banded
+  order (``IMPORTANCE_BANDED``, off by default) visits each compressed chunk once per query
+  tile and multiplies it into the two ``STEP``-wide windows of selection blocks it can
+  overlap, carrying the upper one to the next chunk.
 * ``_topn_kernel``: per query row, forced blocks (first, current, previous) get ``+inf``,
   blocks that have not started ``-inf``, then ``top_n`` rounds of "take the maximum,
   lowest index on ties" -- the same deterministic choice as ``naive.select_blocks``. Rows
@@ -43,49 +46,93 @@ __all__ = ["importance_scores", "topn_blocks", "select_blocks_triton"]
 
 
 @triton.jit
+def _chunk_p_sum(start_c, kc_base, q_base, LSE, offs_m, m_ok, offs_d, d_ok, b, hk, Hq, N, NC,
+                 skn, skd, sqh, scale, n_ssa, b_ssa, CSTRIDE, CLEN, GROUP,
+                 TRANSFORM: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr, BLOCK_C: tl.constexpr,
+                 FAST_LOG2: tl.constexpr = 0):
+    """``(offs_c, p_sum)``: the compressed blocks ``start_c + [0, BLOCK_C)`` and ``p`` summed over
+    the group's heads ``[BLOCK_M, BLOCK_C]``. ``MASKED``: apply the visibility rule (chunks
+    at the diagonal); else every row sees every block of the chunk."""
+    offs_c = start_c + tl.arange(0, BLOCK_C)
+    if MASKED:
+        kc = tl.load(kc_base + offs_c.to(tl.int64)[:, None] * skn + offs_d[None, :] * skd,
+                     mask=(offs_c < NC)[:, None] & d_ok[None, :], other=0.0)
+        vis = ((offs_c * CSTRIDE + CLEN - 1)[None, :] <= offs_m[:, None]) & (offs_c < NC)[None, :]
+    else:
+        kc = tl.load(kc_base + offs_c.to(tl.int64)[:, None] * skn + offs_d[None, :] * skd,
+                     mask=d_ok[None, :], other=0.0)
+    p_sum = tl.zeros([offs_m.shape[0], BLOCK_C], dtype=tl.float32)
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        q = tl.load(q_base + h * sqh, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+        # rows past T1 read lse = +inf: p = 0 with or without the mask
+        lse = tl.load(LSE + (b * Hq + h) * N + offs_m, mask=m_ok, other=float("inf"))
+        qk = tl.dot(q, tl.trans(kc), input_precision=PREC)  # [BLOCK_M, BLOCK_C]
+        z2 = score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM, FAST_LOG2)
+        if MASKED:
+            p_sum += tl.exp2(tl.where(vis, z2 - lse[:, None], float("-inf")))
+        else:
+            p_sum += tl.exp2(z2 - lse[:, None])
+    return offs_c, p_sum
+
+
+@triton.jit
+def _overlap_product(acc, p_sum, offs_c, offs_s, CSTRIDE, CLEN, SBLK, W_PREC: tl.constexpr):
+    """``acc + p_sum @ M`` for compressed blocks ``offs_c`` and selection blocks ``offs_s``,
+    ``M`` the overlap fraction of compressed block c inside selection block s."""
+    cs = (offs_c * CSTRIDE)[:, None]
+    ss = (offs_s * SBLK)[None, :]
+    ov = tl.minimum(cs + CLEN, ss + SBLK) - tl.maximum(cs, ss)
+    w = tl.where(ov > 0, ov.to(tl.float32), 0.0) / CLEN
+    if W_PREC == "split":
+        # p_sum = hi + lo with hi exact in tf32 (low 13 mantissa bits cleared) and w
+        # exact in tf32 for the usual sizes (multiples of 1/CLEN): two tf32 dots
+        # give the product to ~2^-20 relative; one would round each head-summed
+        # p to 2^-11 and move the top-n on near-ties (measured in the record)
+        p_hi = (p_sum.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+        acc += tl.dot(p_hi, w, input_precision="tf32")
+        acc += tl.dot(p_sum - p_hi, w, input_precision="tf32")
+    else:
+        acc += tl.dot(p_sum, w, input_precision=W_PREC)
+    return acc
+
+
+@triton.jit
 def _importance_chunks(imp, start, end, kc_base, q_base, LSE, offs_m, m_ok, offs_d, d_ok, offs_s, b, hk, Hq, N, NC,
                        skn, skd, sqh, scale, n_ssa, b_ssa, CSTRIDE, CLEN, SBLK, GROUP,
                        TRANSFORM: tl.constexpr, PREC: tl.constexpr, W_PREC: tl.constexpr,
                        MASKED: tl.constexpr, BLOCK_C: tl.constexpr, FAST_LOG2: tl.constexpr = 0):
-    """``HEADS_INNER`` order over the compressed chunks ``[start, end)``: per chunk, ``p``
-    summed over the group's heads, times the overlap matrix once. ``MASKED``: apply the
-    visibility rule (chunks at the diagonal); else every row sees every block of the chunk."""
+    """``HEADS_INNER`` order over the compressed chunks ``[start, end)`` of one selection tile
+    ``offs_s``: per chunk, ``p`` summed over the group's heads, times the overlap matrix once."""
     for start_c in range(start, end, BLOCK_C):
-        offs_c = start_c + tl.arange(0, BLOCK_C)
-        if MASKED:
-            kc = tl.load(kc_base + offs_c.to(tl.int64)[:, None] * skn + offs_d[None, :] * skd,
-                         mask=(offs_c < NC)[:, None] & d_ok[None, :], other=0.0)
-            vis = ((offs_c * CSTRIDE + CLEN - 1)[None, :] <= offs_m[:, None]) & (offs_c < NC)[None, :]
-        else:
-            kc = tl.load(kc_base + offs_c.to(tl.int64)[:, None] * skn + offs_d[None, :] * skd,
-                         mask=d_ok[None, :], other=0.0)
-        p_sum = tl.zeros([offs_m.shape[0], BLOCK_C], dtype=tl.float32)
-        for g in range(GROUP):
-            h = hk * GROUP + g
-            q = tl.load(q_base + h * sqh, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-            # rows past T1 read lse = +inf: p = 0 with or without the mask
-            lse = tl.load(LSE + (b * Hq + h) * N + offs_m, mask=m_ok, other=float("inf"))
-            qk = tl.dot(q, tl.trans(kc), input_precision=PREC)  # [BLOCK_M, BLOCK_C]
-            z2 = score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM, FAST_LOG2)
-            if MASKED:
-                p_sum += tl.exp2(tl.where(vis, z2 - lse[:, None], float("-inf")))
-            else:
-                p_sum += tl.exp2(z2 - lse[:, None])
-        cs = (offs_c * CSTRIDE)[:, None]
-        ss = (offs_s * SBLK)[None, :]
-        ov = tl.minimum(cs + CLEN, ss + SBLK) - tl.maximum(cs, ss)
-        w = tl.where(ov > 0, ov.to(tl.float32), 0.0) / CLEN
-        if W_PREC == "split":
-            # p_sum = hi + lo with hi exact in tf32 (low 13 mantissa bits cleared) and w
-            # exact in tf32 for the usual sizes (multiples of 1/CLEN): two tf32 dots
-            # give the product to ~2^-20 relative; one would round each head-summed
-            # p to 2^-11 and move the top-n on near-ties (measured in the record)
-            p_hi = (p_sum.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
-            imp += tl.dot(p_hi, w, input_precision="tf32")
-            imp += tl.dot(p_sum - p_hi, w, input_precision="tf32")
-        else:
-            imp += tl.dot(p_sum, w, input_precision=W_PREC)
+        offs_c, p_sum = _chunk_p_sum(start_c, kc_base, q_base, LSE, offs_m, m_ok, offs_d, d_ok, b, hk, Hq, N, NC,
+                                     skn, skd, sqh, scale, n_ssa, b_ssa, CSTRIDE, CLEN, GROUP,
+                                     TRANSFORM, PREC, MASKED, BLOCK_C, FAST_LOG2)
+        imp = _overlap_product(imp, p_sum, offs_c, offs_s, CSTRIDE, CLEN, SBLK, W_PREC)
     return imp
+
+
+@triton.jit
+def _importance_band(carry, start, end, out_row, sij, NS, kc_base, q_base, LSE, offs_m, m_ok, offs_d, d_ok,
+                     b, hk, Hq, N, NC, skn, skd, sqh, scale, n_ssa, b_ssa, CSTRIDE, CLEN, SBLK, GROUP,
+                     TRANSFORM: tl.constexpr, PREC: tl.constexpr, W_PREC: tl.constexpr, MASKED: tl.constexpr,
+                     BLOCK_C: tl.constexpr, STEP: tl.constexpr, FAST_LOG2: tl.constexpr = 0):
+    """``BANDED`` order over the chunk-aligned compressed blocks ``[start, end)``: chunk ``k``
+    (blocks ``k*BLOCK_C ..``) overlaps only selection blocks ``k*STEP .. (k+2)*STEP - 1``
+    (``STEP = BLOCK_C * CSTRIDE / SBLK``). Its product goes to two ``STEP``-wide windows:
+    the lower one is complete with the previous chunk's ``carry`` and is stored, the upper
+    one becomes the next ``carry``. Each compressed block is visited once per query tile and
+    the overlap product is ``2 x STEP`` wide, not a whole selection tile."""
+    offs_w = tl.arange(0, STEP)
+    for start_c in range(start, end, BLOCK_C):
+        offs_c, p_sum = _chunk_p_sum(start_c, kc_base, q_base, LSE, offs_m, m_ok, offs_d, d_ok, b, hk, Hq, N, NC,
+                                     skn, skd, sqh, scale, n_ssa, b_ssa, CSTRIDE, CLEN, GROUP,
+                                     TRANSFORM, PREC, MASKED, BLOCK_C, FAST_LOG2)
+        lo = (start_c // BLOCK_C) * STEP + offs_w
+        done = _overlap_product(carry, p_sum, offs_c, lo, CSTRIDE, CLEN, SBLK, W_PREC)
+        tl.store(out_row + lo[None, :] * sij, done, mask=m_ok[:, None] & (lo < NS)[None, :])
+        carry = _overlap_product(tl.zeros_like(carry), p_sum, offs_c, lo + STEP, CSTRIDE, CLEN, SBLK, W_PREC)
+    return carry
 
 
 @triton.jit
@@ -99,6 +146,7 @@ def _importance_kernel(
     TRANSFORM: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     HEADS_INNER: tl.constexpr = False, W_PREC: tl.constexpr = "ieee", FAST_LOG2: tl.constexpr = 0,
+    STEP: tl.constexpr = 0,
 ):
     # heaviest query tiles (most visible compressed blocks) first: better tail balance.
     # HEADS_INNER: per chunk of compressed blocks, sum p over the group's heads first and
@@ -125,7 +173,24 @@ def _importance_kernel(
     c_vis_first = tl.where(m_first >= CLEN - 1, tl.maximum(m_first - CLEN + 1, 0) // CSTRIDE + 1, 0)
     kc_base = KC + b * skb + hk * skh
     q_base = Q + b * sqb + offs_m.to(tl.int64)[:, None] * sqn + offs_d[None, :] * sqd
-    for j0 in range(0, s_end, BLOCK_S):
+    if STEP > 0:  # BANDED (heads summed per chunk): one pass over the chunks, 2 x STEP-wide products
+        out_row = IMP + b * sib + hk * sih + (offs_m - T0).to(tl.int64)[:, None] * sin
+        # chunks every row of the tile sees whole need no mask; then up to the last row's
+        # visible blocks, rounded up to whole chunks (blocks past NC are masked)
+        band_full = c_vis_first // BLOCK_C * BLOCK_C
+        band_end = tl.cdiv(c_vis, BLOCK_C) * BLOCK_C
+        band_args = (out_row, sij, NS, kc_base, q_base, LSE, offs_m, m_ok, offs_d, d_ok, b, hk, Hq, N, NC, skn, skd,
+                     sqh, scale, n_ssa, b_ssa, CSTRIDE, CLEN, SBLK, GROUP)
+        carry = tl.zeros([BLOCK_M, STEP], dtype=tl.float32)
+        carry = _importance_band(carry, 0, band_full, *band_args, TRANSFORM, PREC, W_PREC, False, BLOCK_C, STEP,
+                                 FAST_LOG2)
+        carry = _importance_band(carry, band_full, band_end, *band_args, TRANSFORM, PREC, W_PREC, True, BLOCK_C,
+                                 STEP, FAST_LOG2)
+        # the last chunk's upper window (all zeros when the tile sees no compressed block);
+        # with it every selection block up to the tile's last row's own block is written
+        last = (band_end // BLOCK_C) * STEP + tl.arange(0, STEP)
+        tl.store(out_row + last[None, :] * sij, carry, mask=m_ok[:, None] & (last < NS)[None, :])
+    for j0 in range(0, 0 if STEP > 0 else s_end, BLOCK_S):
         offs_s = j0 + tl.arange(0, BLOCK_S)
         # compressed blocks overlapping selection blocks [j0, j0 + BLOCK_S)
         x = j0 * SBLK - CLEN
@@ -209,8 +274,33 @@ def _topn_kernel(
 IMPORTANCE_TILES = (64, 64, 128, 4)
 #: loop order of the importance kernel (``_importance_kernel``'s ``HEADS_INNER``)
 IMPORTANCE_HEADS_INNER = True
-#: tuning hook: ``{"importance": (bm, bc, bs, warps), "heads_inner": bool}`` overrides the two above
+#: the banded order (``_importance_band``, heads summed per chunk) where the configuration
+#: allows it (``banded_step``; BLOCK_S is then unused). Off by default until its selections
+#: are checked against an fp64 selection on the GPU: at N=64K GQA16 it picked a different
+#: block in some rows than the tile order (near-ties, not counted), identical ones at GQA 3
+#: and at 16K. Its importance pass measured 0.95 ms faster at D64 GQA16 64K (8.06 against
+#: 9.02 with the same top-n), 1.65 at GQA 3 and 1.66 at D128 (H200,
+#: docs/results/2026-11-26-nsa-selected, call 6); TILE_OVERRIDE["banded"] = True turns it on
+IMPORTANCE_BANDED = False
+#: tuning hook: ``{"importance": (bm, bc, bs, warps), "heads_inner": bool, "banded": bool}``
+#: overrides the three above
 TILE_OVERRIDE: dict = {}
+
+
+def banded_step(block_c: int, stride: int, block_len: int, select_block: int) -> int:
+    """``STEP`` of the banded importance order, or 0 where it does not apply: a chunk of
+    ``block_c`` compressed blocks must start on a selection-block boundary and advance by a
+    power-of-two number ``STEP`` of selection blocks (``block_c * stride = STEP * l'``), and
+    a block's overhang past its stride (``l - d``) must fit in the next ``STEP`` blocks, so
+    each chunk touches two ``STEP``-wide windows. On a GPU ``STEP >= 16`` (an MMA tile)."""
+    if (block_c * stride) % select_block:
+        return 0
+    step = block_c * stride // select_block
+    if step < 1 or step & (step - 1) or block_len - stride > step * select_block:
+        return 0
+    if step < 16 and not is_interpreter():
+        return 0
+    return step
 
 
 def _chunk_rows(bsz, hkv, ns, n_tok, max_buffer_elems, align):
@@ -257,6 +347,8 @@ def importance_scores(q, k_cmp, lse_cmp, config: NSAConfig, *, transform="softma
     # exact but measured 3x slower here; plain tf32 moved 3.9% of the top-n rows off the fp64
     # selection at 16K (the per-head order: 1.1%)
     w_prec = TILE_OVERRIDE.get("w_prec", "split" if dot_precision(q.dtype) == "tf32" else "ieee")
+    banded = heads_inner and TILE_OVERRIDE.get("banded", IMPORTANCE_BANDED)
+    step = banded_step(bc, config.stride, config.block_len, config.select_block) if banded else 0
     grid = (triton.cdiv(t1 - t0, bm), bsz * hkv)
     _importance_kernel[grid](
         q, k_cmp, lse_cmp.contiguous(), imp, n_t, b_t,
@@ -265,6 +357,7 @@ def importance_scores(q, k_cmp, lse_cmp, config: NSAConfig, *, transform="softma
         scale, config.stride, config.block_len, config.select_block,
         TRANSFORM=tid, PREC=dot_precision(q.dtype),
         BLOCK_M=bm, BLOCK_C=bc, BLOCK_S=bs, BLOCK_D=block_d(d), HEADS_INNER=bool(heads_inner), W_PREC=w_prec,
+        STEP=step,
         FAST_LOG2=fast_log2(tid, q.device),  # the compressed forward's scores, which made lse
         num_warps=warps,
     )

@@ -683,16 +683,24 @@ def test_dkv_split_choice(K):
         split(16384, 1023, 1, 8, 3, 32, 128, 64, 16, None, n_sm=132)
 
 
-@pytest.mark.parametrize("heads_inner,w_prec", [(False, None), (True, None), (True, "split")])
+@pytest.mark.parametrize("heads_inner,banded,w_prec", [(False, False, None), (True, False, None),
+                                                       (True, False, "split"), (True, True, None),
+                                                       (True, True, "split")])
 @pytest.mark.parametrize("transform", ["softmax", "ssa"])
-def test_selection_kernels_match_reference(K, transform, heads_inner, w_prec, monkeypatch):
-    # both loop orders of the importance kernel (per head, or heads summed per chunk), and
-    # the hi/lo split overlap product the 16-bit GPU path uses
+def test_selection_kernels_match_reference(K, transform, heads_inner, banded, w_prec, monkeypatch):
+    # the three loop orders of the importance kernel (per head; heads summed per chunk over
+    # selection tiles; banded: each chunk once, into two STEP-wide windows), and the hi/lo
+    # split overlap product the 16-bit GPU path uses
     monkeypatch.setitem(K.select.TILE_OVERRIDE, "heads_inner", heads_inner)
+    monkeypatch.setitem(K.select.TILE_OVERRIDE, "banded", banded)
     if w_prec:
         monkeypatch.setitem(K.select.TILE_OVERRIDE, "w_prec", w_prec)
     cfg = NSAConfig(block_len=4, stride=2, select_block=8, top_n=5, window=8)
-    B, Hq, Hkv, N, D = 2, 6, 2, 70, 32
+    # interpreter tiles: 16 compressed blocks per chunk, STEP = 16 * 2 / 8 = 4 selection blocks
+    assert K.select.banded_step(16, cfg.stride, cfg.block_len, cfg.select_block) == 4
+    # banded, N = 67: the last query tile sees exactly 32 compressed blocks, so the last
+    # block of its last chunk overhangs into the final window (the one stored after the loop)
+    B, Hq, Hkv, N, D = 2, 6, 2, 67 if banded else 70, 32
     g = gen(23)
     nc = num_compressed_blocks(N, cfg)
     q, kc = rnd(B, Hq, N, D, g=g).detach(), rnd(B, Hkv, nc, D, g=g).detach()
@@ -702,6 +710,8 @@ def test_selection_kernels_match_reference(K, transform, heads_inner, w_prec, mo
     ref_imp = selection_importance(p, cfg, Hkv)
     imp = K.select.importance_scores(q, kc, lse, cfg, transform=transform, **ssa)
     assert rel_err(imp, ref_imp) < 1e-5
+    # every entry, not only the norm: a block's share missing from one window shows here
+    assert (imp - ref_imp).abs().max().item() <= 1e-5 * ref_imp.abs().max().item()
     # top-n on identical scores: exactly the reference's choice (ties -> lower index)
     raw = K.select.topn_blocks(ref_imp, cfg)
     key = torch.where(raw < 0, 999, raw)
@@ -712,6 +722,14 @@ def test_selection_kernels_match_reference(K, transform, heads_inner, w_prec, mo
                                         max_buffer_elems=64 * num_select_blocks(N, cfg) * B * Hkv)
     assert idx.dtype == torch.int32
     assert torch.equal(idx.long(), select_blocks(ref_imp, cfg))
+
+
+def test_banded_step_applies_only_where_chunks_align(K):
+    banded_step = K.select.banded_step
+    assert banded_step(64, 16, 32, 64) == 16  # the paper's l=32, d=16, l'=64: 64 blocks = 16 selection blocks
+    assert banded_step(128, 16, 32, 64) == 32
+    assert banded_step(64, 24, 32, 64) == 0  # 64 * 24 = 1536 tokens: not a power-of-two count of l'
+    assert banded_step(64, 16, 32, 48) == 0  # chunks do not start on selection-block boundaries
 
 
 def test_topn_kernel_ties_and_short_rows(K):

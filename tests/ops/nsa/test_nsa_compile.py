@@ -54,11 +54,15 @@ for dt, D, T in (("fp32", 32, 0), ("bf16", 128, 1)):
             tma_ops = compile(R._range_bwd_kernel_dkv, {**P, "Q": qd, "DO": qd, "DK": "*fp32", "DV": "*fp32"}, ct)
             assert tma_ops >= 2, tma_ops
     compile(S._importance_kernel, P, dict(TRANSFORM=T, PREC=prec, BLOCK_M=64, BLOCK_C=32, BLOCK_S=16, BLOCK_D=D,
-                                          HEADS_INNER=False, W_PREC=prec, FAST_LOG2=F))
+                                          HEADS_INNER=False, W_PREC=prec, FAST_LOG2=F, STEP=0))
     # the default order: heads summed per chunk, the overlap product split hi/lo (16-bit) or IEEE
     compile(S._importance_kernel, P, dict(TRANSFORM=T, PREC=prec, BLOCK_M=64, BLOCK_C=64, BLOCK_S=128, BLOCK_D=D,
                                           HEADS_INNER=True, W_PREC="split" if dt == "bf16" else "ieee",
-                                          FAST_LOG2=F))
+                                          FAST_LOG2=F, STEP=0))
+    # the banded order (IMPORTANCE_BANDED): two 16-wide window products per chunk
+    compile(S._importance_kernel, P, dict(TRANSFORM=T, PREC=prec, BLOCK_M=64, BLOCK_C=64, BLOCK_S=128, BLOCK_D=D,
+                                          HEADS_INNER=True, W_PREC="split" if dt == "bf16" else "ieee",
+                                          FAST_LOG2=F, STEP=16))
     compile(A._sel_fwd_qmajor_kernel, P, dict(TRANSFORM=T, PREC=prec, BLOCK_G=16, BLOCK_S=64, BLOCK_D=D, FAST_LOG2=F,
                                              TMA=0), num_warps=1)
     kd = f"tensordesc<{dt}[1,1,64,{D}]>"  # the Hopper default: K/V blocks through descriptors, pipelined
