@@ -14,7 +14,7 @@ Two kernels, both without gradient (the selection is an index choice):
   heaviest (latest) query tiles are launched first. Default order (``HEADS_INNER``): per
   chunk of compressed blocks, ``p`` is summed over the group's heads first and multiplied
   by ``M`` once (linear), as a hi/lo split into two tf32 dots (fp32-accurate). The banded
-  order (``IMPORTANCE_BANDED``, off by default) visits each compressed chunk once per query
+  order (``IMPORTANCE_BANDED``, the default where its chunks align) visits each compressed chunk once per query
   tile and multiplies it into the two ``STEP``-wide windows of selection blocks it can
   overlap, carrying the upper one to the next chunk.
 * ``_topn_kernel``: per query row, forced blocks (first, current, previous) get ``+inf``,
@@ -275,13 +275,15 @@ IMPORTANCE_TILES = (64, 64, 128, 4)
 #: loop order of the importance kernel (``_importance_kernel``'s ``HEADS_INNER``)
 IMPORTANCE_HEADS_INNER = True
 #: the banded order (``_importance_band``, heads summed per chunk) where the configuration
-#: allows it (``banded_step``; BLOCK_S is then unused). Off by default until its selections
-#: are checked against an fp64 selection on the GPU: at N=64K GQA16 it picked a different
-#: block in some rows than the tile order (near-ties, not counted), identical ones at GQA 3
-#: and at 16K. Its importance pass measured 0.95 ms faster at D64 GQA16 64K (8.06 against
-#: 9.02 with the same top-n), 1.65 at GQA 3 and 1.66 at D128 (H200,
-#: docs/results/2026-11-26-nsa-selected, call 6); TILE_OVERRIDE["banded"] = True turns it on
-IMPORTANCE_BANDED = False
+#: allows it (``banded_step``; BLOCK_S is then unused). Its importance pass measured 0.95 ms
+#: faster at D64 GQA16 64K (8.06 against 9.02 with the same top-n), 1.65 at GQA 3 and 1.66
+#: at D128 (H200, docs/results/2026-11-26-nsa-selected, call 6). Against an fp64 selection
+#: (kv head 0; H100, docs/results/2026-11-26-gluon, call 1) it misses no more rows than the
+#: tile order at any shape checked (64K: 4 of 65,536 rows at D64 GQA16 for both, 4 against 5
+#: at D128; none at GQA 3 64K and at D64 GQA16 16K), and the importance its misses lose is
+#: fp32 noise (at most 2e-7 of the row's largest importance). TILE_OVERRIDE["banded"] = False
+#: restores the tile order
+IMPORTANCE_BANDED = True
 #: tuning hook: ``{"importance": (bm, bc, bs, warps), "heads_inner": bool, "banded": bool}``
 #: overrides the three above
 TILE_OVERRIDE: dict = {}
