@@ -53,6 +53,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from nemo_ssa.ops.attention.hopper import gluon_fwd, gluon_fwd_config
 from nemo_ssa.ops.common.alloc import new_cstat, new_output, new_output_like
 from nemo_ssa.ops.common.bwd import MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES, attention_bwd
 from nemo_ssa.ops.common.bwd_config import d_bucket, use_single_pass
@@ -354,7 +355,12 @@ def _flash_fwd(
     meta = dict(HEAD_DIM=d, BLOCK_D=block_d, TRANSFORM=tid, CAUSAL=bool(causal), VARLEN=varlen,
                 HAS_DROPOUT=has_dropout, INPUT_PRECISION=input_precision,
                 FAST_LOG2=log2_mode(fast_math) if tid == 1 else int(bool(fast_math)), SAVE_C=save_c)
-    if config is None and autotune_enabled():
+    gcfg = gluon_fwd_config(q, k, v, o, transform="ssa" if tid == 1 else "softmax", varlen=varlen,
+                            dropout=has_dropout, save_c=save_c, fast_log2=meta["FAST_LOG2"],
+                            explicit_config=config is not None or autotune_enabled())
+    if gcfg is not None:  # the Hopper kernel (ops.attention.hopper): same contract
+        gluon_fwd(q, k, v, o, M, n_ptr, b_ptr, transform_id=tid, causal=causal, scale=scale, config=gcfg)
+    elif config is None and autotune_enabled():
         kern = autotuned("fwd", _attn_fwd_kernel, _FWD_TUNE, ("BLOCK_M", "BLOCK_N"),
                          ["HQ", "GROUP", "SEQ_Q", "SEQ_K", "HEAD_DIM", "TRANSFORM", "CAUSAL", "VARLEN", "HAS_DROPOUT"])
         kern[lambda m: (triton.cdiv(sq, m["BLOCK_M"]), bz * hq)](*args, **meta)
