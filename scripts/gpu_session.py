@@ -49,7 +49,8 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-GPU_FILES = ["tests/ops/attention/test_flash_gpu.py", "tests/ops/attention/test_flex_gpu.py", "tests/ops/elsa/test_elsa_gpu.py",
+GPU_FILES = ["tests/ops/attention/test_flash_gpu.py", "tests/ops/attention/test_flash_gluon.py",
+             "tests/ops/attention/test_flex_gpu.py", "tests/ops/elsa/test_elsa_gpu.py",
              "tests/ops/nsa/test_nsa_gpu.py", "tests/ops/test_fused_attention_range.py", "tests/ops/mlp/test_mlp_gpu.py",
              "tests/ops/test_tiny_shapes.py"]
 
@@ -68,7 +69,8 @@ PRESETS = {
               "extreme logits, tiny lengths (N=1,2,3,15,17), fused RoPE+layout, LM cross-entropy, fused MLP, the step's foreach/fused-AdamW paths",
         expect=360, budget=530,
         steps=[("pytest", "tests-full-1", 505,
-                ["tests/ops/attention/test_flash_gpu.py", "tests/ops/attention/test_flex_gpu.py", "tests/ops/elsa/test_elsa_gpu.py",
+                ["tests/ops/attention/test_flash_gpu.py", "tests/ops/attention/test_flash_gluon.py",
+                 "tests/ops/attention/test_flex_gpu.py", "tests/ops/elsa/test_elsa_gpu.py",
                  "tests/ops/test_fused_attention_range.py", "tests/ops/attention/test_flash.py", "tests/ops/attention/test_flash_autograd_paths.py",
                  "tests/ops/rope/test_rope.py", "tests/ops/cross_entropy/test_cross_entropy.py", "tests/megatron/test_fast_paths.py",
                  "tests/ops/mlp/test_mlp_gpu.py", "tests/ops/test_tiny_shapes.py"],
