@@ -1,4 +1,4 @@
-"""Device probe: Gluon Hopper forward (scratch/gluon_fwd.py) -- correctness against fp64 /
+"""Device probe: Gluon Hopper forward (variants/gluon_fwd_probe.py) -- correctness against fp64 /
 bf16 eager / the Triton forward, then timing against SDPA cuDNN/flash and the Triton forward."""
 import os, sys, math
 sys.path.insert(0, os.getcwd())

@@ -1,4 +1,4 @@
-"""Device probe: Gluon Hopper single-pass backward (scratch/gluon_bwd.py), softmax --
+"""Device probe: Gluon Hopper single-pass backward (variants/gluon_bwd_probe.py), softmax --
 gradients against fp64 autograd (2x bf16 eager), then backward time against the Triton
 backward (ops.common.bwd.attention_bwd) and SDPA cuDNN's (fwd+bwd minus fwd)."""
 import os, sys
