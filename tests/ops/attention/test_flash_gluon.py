@@ -209,13 +209,13 @@ def _case_id(c):
     return f"{tr}-B{B}-H{Hq}x{Hkv}-T{Sq}-TK{Sk}-D{D}-{'causal' if causal else 'full'}{'-sbhd' if meg else ''}"
 
 
-def _inputs(B, Hq, Hkv, Sq, Sk, D, megatron, seed):
+def _inputs(B, Hq, Hkv, Sq, Sk, D, megatron, seed, dtype=torch.bfloat16):
     g = torch.Generator(device="cuda").manual_seed(seed)
 
     def mk(S, H):
         if megatron:  # [s, b, h, d] memory, used as [b, h, s, d]
-            return torch.randn(S, B, H, D, device="cuda", generator=g).to(torch.bfloat16).permute(1, 2, 0, 3)
-        return torch.randn(B, H, S, D, device="cuda", generator=g).to(torch.bfloat16)
+            return torch.randn(S, B, H, D, device="cuda", generator=g).to(dtype).permute(1, 2, 0, 3)
+        return torch.randn(B, H, S, D, device="cuda", generator=g).to(dtype)
     return mk(Sq, Hq), mk(Sk, Hkv), mk(Sk, Hkv), mk(Sq, Hq)
 
 
@@ -224,8 +224,19 @@ def _inputs(B, Hq, Hkv, Sq, Sk, D, megatron, seed):
 @pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 GPU (H100/H200)")
 @pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
 def test_gluon_forward_matches_reference(case):
+    _check_forward(case, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("case", [GPU_CASES[0], GPU_CASES[2], GPU_CASES[6]], ids=_case_id)
+def test_gluon_forward_matches_reference_fp16(case):
+    _check_forward(case, torch.float16)
+
+
+def _check_forward(case, dtype):
     B, Hq, Hkv, Sq, Sk, D, causal, tr, meg = case
-    q, k, v, _ = _inputs(B, Hq, Hkv, Sq, Sk, D, meg, seed=Sq * 31 + D)
+    q, k, v, _ = _inputs(B, Hq, Hkv, Sq, Sk, D, meg, seed=Sq * 31 + D, dtype=dtype)
     nb = dict(n=torch.tensor([1.5], device="cuda"), b=torch.tensor([0.8], device="cuda")) if tr == "ssa" else {}
     cfg = hopper.GLUON_FWD.get((D, tr), hopper.GLUON_FWD[(128, "softmax")])
     o = torch.full_like(q, float("nan"))  # poisoned: an unwritten element fails
