@@ -17,6 +17,7 @@ CASES = {
     "NEMO_SSA_FUSED_DELTA": (env.fused_delta, [(None, None), ("", None), ("0", False), ("1", True), ("2", None)]),
     "NEMO_SSA_POLY_LOG2": (env.poly_log2, [(None, False), ("", False), ("0", False), ("1", True)]),
     "NEMO_SSA_TMA": (env.tma, [(None, True), ("", False), ("0", False), ("1", True)]),
+    "NEMO_SSA_GLUON": (env.gluon, [(None, True), ("", False), ("0", False), ("1", True)]),
     "NEMO_SSA_MLP_TILES": (env.mlp_tiles, [(None, ""), ("  fwd=1x2x3/4/5 ", "fwd=1x2x3/4/5")]),
     "NEMO_SSA_CE_COMPILE": (env.ce_compile, [(None, True), ("", False), ("0", False), ("1", True)]),
 }
