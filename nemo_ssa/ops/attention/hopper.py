@@ -88,10 +88,10 @@ def gluon_fwd_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch
                      explicit_config: bool) -> Optional[GluonFwdConfig]:
     """The Gluon tiles for this call, or None (the Triton kernel runs). See the module
     docstring for the conditions; every one is a measured or a correctness limit."""
-    if not HAVE_GLUON or varlen or dropout or save_c or explicit_config or not env.gluon():
+    cfg = GLUON_FWD.get((q.shape[-1], transform))  # first: the recipe's D32 calls stop here
+    if cfg is None or not HAVE_GLUON or varlen or dropout or save_c or explicit_config:
         return None
-    cfg = GLUON_FWD.get((q.shape[-1], transform))
-    if cfg is None or q.dtype not in (torch.bfloat16, torch.float16):
+    if q.dtype not in (torch.bfloat16, torch.float16) or not env.gluon():
         return None
     if transform == "ssa" and fast_log2 != 1:  # the backward recomputes z with this log2
         return None
