@@ -50,6 +50,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 GPU_FILES = ["tests/ops/attention/test_flash_gpu.py", "tests/ops/attention/test_flash_gluon.py",
+             "tests/ops/common/test_hopper_bwd.py",
              "tests/ops/attention/test_flex_gpu.py", "tests/ops/elsa/test_elsa_gpu.py",
              "tests/ops/nsa/test_nsa_gpu.py", "tests/ops/test_fused_attention_range.py", "tests/ops/mlp/test_mlp_gpu.py",
              "tests/ops/test_tiny_shapes.py"]
@@ -70,6 +71,7 @@ PRESETS = {
         expect=360, budget=530,
         steps=[("pytest", "tests-full-1", 505,
                 ["tests/ops/attention/test_flash_gpu.py", "tests/ops/attention/test_flash_gluon.py",
+                 "tests/ops/common/test_hopper_bwd.py",
                  "tests/ops/attention/test_flex_gpu.py", "tests/ops/elsa/test_elsa_gpu.py",
                  "tests/ops/test_fused_attention_range.py", "tests/ops/attention/test_flash.py", "tests/ops/attention/test_flash_autograd_paths.py",
                  "tests/ops/rope/test_rope.py", "tests/ops/cross_entropy/test_cross_entropy.py", "tests/megatron/test_fast_paths.py",

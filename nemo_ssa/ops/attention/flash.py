@@ -57,6 +57,7 @@ from nemo_ssa.ops.attention.hopper import gluon_fwd, gluon_fwd_config
 from nemo_ssa.ops.common.alloc import new_cstat, new_output, new_output_like
 from nemo_ssa.ops.common.bwd import MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES, attention_bwd
 from nemo_ssa.ops.common.bwd_config import d_bucket, use_single_pass
+from nemo_ssa.ops.common.hopper_bwd import gluon_bwd_capable
 from nemo_ssa.ops.common.device import (
     dropout_keep,
     dropout_rng_layout,
@@ -526,7 +527,9 @@ def _flash_apply(q, k, v, n, b, rng, cu_q, cu_k, transform, causal, scale, dropo
     # costs a stride check): see bwd_config.single_pass_pays
     tma = (transform == "ssa" and d_bucket(d) == 64
            and bool(use_tma(1, cu_q is not None, q, k, v, scores=q.shape[0] * q.shape[1] * max_q * max_k)))
-    det = bool(deterministic) or not use_single_pass(transform, d, tma=tma)
+    gluon = transform == "softmax" and d == 128 and gluon_bwd_capable(transform, q, k, v, varlen=cu_q is not None,
+                                                                        dropout=dropout_p > 0.0)
+    det = bool(deterministic) or not use_single_pass(transform, d, tma=tma, gluon=gluon)
     save_c = (not det and transform == "ssa" and n is not None and torch.is_grad_enabled() and n.requires_grad
               and not (b is not None and b.requires_grad))
     if torch.compiler.is_compiling() or not EAGER_FASTPATH:

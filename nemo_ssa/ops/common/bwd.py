@@ -11,7 +11,8 @@ tile, never materialising ``[Sq, Sk]``; the kernels and their math are in
 Two host paths share one argument builder (``_BwdCall`` and the ``_*_args`` helpers):
 the two-kernel backward (dQ kernel, then dK/dV kernel; every gradient bit-identical run
 to run) and the single pass (``use_single_pass``: one dK/dV kernel that also adds ``dq``
-with fp32 atomics).
+with fp32 atomics). On sm_90 the single pass of softmax at D128 is the warp-specialised
+Gluon kernel of ``hopper_bwd`` (``_attention_bwd_gluon``), where ``gluon_bwd_config`` allows.
 
 Layouts: dense ``[B, H, S, D]`` with arbitrary strides on all four dims (views such as
 Megatron's ``[s, b, h, d]`` permuted to ``[b, h, s, d]`` work without copies), or packed
@@ -45,6 +46,7 @@ from nemo_ssa.ops.common.bwd_kernels import (
     attn_bwd_preprocess,
 )
 from nemo_ssa.ops.common.device import dropout_rng_layout
+from nemo_ssa.ops.common.hopper_bwd import gluon_bwd_config, launch_gluon_bwd
 from nemo_ssa.ops.common.launch import (
     autotune_enabled,
     autotuned,
@@ -195,8 +197,13 @@ def attention_bwd(
     if deterministic is None:
         # the TMA path changes the choice only for SSA at D64 (bwd_config.single_pass_pays)
         tma = is_ssa and d_bucket(d) == 64 and bool(use_tma(1, varlen, q, k, v, do, o, scores=bz * hq * sq * sk))
-        deterministic = not use_single_pass(transform, d, tma=tma)
+        gluon = gluon_bwd_config(transform, q, k, v, do, o, varlen=varlen, dropout=has_dropout) is not None
+        deterministic = not use_single_pass(transform, d, tma=tma, gluon=gluon)
     if not deterministic and not tune and not want_db and (not dparams or cstat is not None):
+        gcfg = None if config is not None else gluon_bwd_config(transform, q, k, v, do, o, varlen=varlen,
+                                                                dropout=has_dropout)
+        if gcfg is not None:  # the Gluon single pass (ops.common.hopper_bwd): softmax at D128 on sm_90
+            return _attention_bwd_gluon(call, do, q, k, v, o, M, causal, gcfg)
         return _attention_bwd_single(call, do, q, k, v, o, M, cstat if dparams else None,
                                      config or single_config(d, q.dtype), table=config is None)
     return _attention_bwd_two_kernels(call, do, q, k, v, o, M, config or bwd_config(d, causal, q.dtype),
@@ -382,6 +389,24 @@ def _attention_bwd_two_kernels(c: _BwdCall, do, q, k, v, o, M, cfg: BwdConfig, *
     else:
         dn = db = None
     return dq, dk, dv, dn, db
+
+
+def _attention_bwd_gluon(c: _BwdCall, do, q, k, v, o, M, causal: bool, gcfg):
+    """The Gluon single pass (softmax): the preprocess launch (delta, the fp32 dq
+    accumulator zeroed), the warp-specialised kernel (dK, dV; dq tiles by TMA bulk reduce),
+    the postprocess launch (dq cast)."""
+    dqa = new_output_like(q, dtype=torch.float32)  # zeroed by the preprocess kernel
+    dq = new_output_like(q)
+    dk = new_output_like(k)
+    dv = new_output_like(v)
+    delta = new_output_like(M)
+    _preprocess(c, o, do, delta, M, dqa)
+    launch_gluon_bwd(q, k, v, do, dk, dv, dqa, M, delta, causal=causal, scale=c.scale, config=gcfg)
+    numel = dqa.numel()
+    pb = _POST_BLOCK_INTERP if is_interpreter() else _POST_BLOCK
+    launch(attn_bwd_postprocess, (cdiv(numel, pb),), (dqa, dq, M, numel, 0),
+           dict(BLOCK=pb, DN_BLOCK=pb, CAST=True, DPARAMS=False, num_warps=4), 3)
+    return dq, dk, dv, None, None
 
 
 # elements per program of attn_bwd_postprocess (dq cast; also the dn sum's block)

@@ -148,7 +148,7 @@ def single_config(head_dim: int, dtype: torch.dtype, interpret: Optional[bool] =
     return BwdConfig(0, 0, 0, 0, bm, bn, w, s, tma_kv=tma[0] if tma else 0)
 
 
-def single_pass_pays(transform: str, head_dim: int, tma: bool = False) -> bool:
+def single_pass_pays(transform: str, head_dim: int, tma: bool = False, gluon: bool = False) -> bool:
     """Where the single-pass backward is the faster one (measured, bf16, causal; results
     in docs/results): SSA at head dim <= 32, whose dQ kernel spends many instructions per
     score recomputing what the dK/dV loop already has. Softmax's dQ loop is cheap and the
@@ -159,12 +159,15 @@ def single_pass_pays(transform: str, head_dim: int, tma: bool = False) -> bool:
     B2 N8K H16, docs/results/2026-11-26-hopper). Softmax D64 (1.88 vs 1.90) and D128
     (both transforms) stay on the two kernels."""
     if transform not in ("ssa", TRANSFORM_SSA):
-        return False
+        # softmax at D128 where the call can take the Gluon single pass (``gluon``:
+        # ops.common.hopper_bwd.gluon_bwd_capable): 1.62 against the two kernels' 1.77 ms
+        # (H100, B2 N8K H8; docs/results/2026-11-26-gluon)
+        return bool(gluon) and int(head_dim) == 128
     bucket = d_bucket(int(head_dim))
     return bucket == 32 or (bucket == 64 and bool(tma))
 
 
-def use_single_pass(transform: str, head_dim: int, tma: bool = False) -> bool:
+def use_single_pass(transform: str, head_dim: int, tma: bool = False, gluon: bool = False) -> bool:
     """Which backward a call takes. ``NEMO_SSA_BWD`` = ``auto`` (default): the two-kernel
     backward when ``torch.are_deterministic_algorithms_enabled()`` (e.g. Megatron's
     ``deterministic_mode``), else the single pass where it is measured faster
@@ -174,7 +177,8 @@ def use_single_pass(transform: str, head_dim: int, tma: bool = False) -> bool:
     (a dQ kernel recomputes ``p``; every gradient bit-identical run to run)."""
     mode = env.bwd_mode()
     if mode == "auto":
-        return (not torch.are_deterministic_algorithms_enabled()) and single_pass_pays(transform, head_dim, tma)
+        return (not torch.are_deterministic_algorithms_enabled()) and single_pass_pays(transform, head_dim, tma,
+                                                                                       gluon)
     return mode == "atomic"
 
 

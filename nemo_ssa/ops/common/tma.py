@@ -30,7 +30,7 @@ import torch
 from nemo_ssa.ops.common import env
 from nemo_ssa.ops.common.launch import is_interpreter
 
-__all__ = ["MIN_SCORES", "tma_capable", "tma_ready", "use_tma", "descriptor"]
+__all__ = ["MIN_SCORES", "tma_capable", "tma_ready", "use_tma", "descriptor", "wgmma_capable"]
 
 #: Below this many scores per call (``B * Hq * Sq * Sk``) a config from the tile tables keeps
 #: the pointer kernels: descriptors are built on the host and launched through Triton's
@@ -39,6 +39,7 @@ __all__ = ["MIN_SCORES", "tma_capable", "tma_ready", "use_tma", "descriptor"]
 MIN_SCORES = 1 << 24
 
 _CAPABLE: Dict[int, bool] = {}
+_SM90: Dict[int, bool] = {}
 
 
 def tma_capable(device: torch.device) -> bool:
@@ -52,6 +53,19 @@ def tma_capable(device: torch.device) -> bool:
     ok = _CAPABLE.get(idx)
     if ok is None:
         ok = _CAPABLE[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
+    return ok
+
+
+def wgmma_capable(device: torch.device) -> bool:
+    """Compute capability exactly 9.0 (H100/H200): Hopper's warpgroup MMA (``wgmma``), which
+    the Gluon kernels (``ops.attention.hopper``, ``ops.common.hopper_bwd``) are built on, is
+    sm_90a-only -- not on Blackwell or later, not in the interpreter."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _SM90.get(idx)
+    if ok is None:
+        ok = _SM90[idx] = tuple(torch.cuda.get_device_capability(idx)) == (9, 0)
     return ok
 
 

@@ -147,14 +147,15 @@ def test_gluon_config_refuses_what_it_does_not_cover(sm90, monkeypatch):
 
 
 def test_sm90_check_is_exact_capability(monkeypatch):
+    from nemo_ssa.ops.common import tma as T
+
     assert not hopper._sm90(torch.device("cpu"))
-    hopper._CAP.clear()
     monkeypatch.setattr(torch.version, "hip", None)
     for cap, want in (((9, 0), True), ((10, 0), False), ((8, 9), False), ((12, 0), False)):
-        hopper._CAP.clear()
+        T._SM90.clear()
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda idx=None, c=cap: c)
         assert hopper._sm90(torch.device("cuda", 0)) is want, cap
-    hopper._CAP.clear()
+    T._SM90.clear()
 
 
 def test_flash_fwd_routes_an_accepted_call_to_the_gluon_kernel(monkeypatch):
