@@ -103,20 +103,24 @@ if HAVE_GLUON:
 
     @builtin
     def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+        """``cp.reduce.async.bulk.tensor.add``: add the shared tile ``src`` into global memory
+        at ``coord`` (Gluon 3.6 builds the op but has no wrapper for it)."""
         coord = _semantic._convert_to_ir_values(coord, require_i64=False)
         _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
-
     @gluon.jit
     def _coords(it, lo, n_blk, BLOCK_M: gl.constexpr):
+        """(query head offset in the group, first row) of flat iteration ``it``: heads
+        outer, the ``n_blk`` query blocks from ``lo`` inner."""
         g = it // gl.maximum(n_blk, 1)
         j = lo // BLOCK_M + it - g * n_blk
         return g, j * BLOCK_M
 
-
     @gluon.jit
     def _producer(q_desc, do_desc, q_smem, do_smem, ready, empty, z, h0, lo, n_blk, total,
                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+        """Producer warp: Q and dO of every iteration into the ring, each slot refilled once
+        the consumers have released it (``empty``; a fresh barrier counts as released)."""
         for it in range(total):
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
@@ -126,9 +130,10 @@ if HAVE_GLUON:
             tma.async_copy_global_to_shared(q_desc, [z, h0 + g, start_m, 0], bar, q_smem.index(s))
             tma.async_copy_global_to_shared(do_desc, [z, h0 + g, start_m, 0], bar, do_smem.index(s))
 
-
     @gluon.jit
     def _dq_writer(dq_desc, dq_smem, dq_ready, dq_empty, z, h0, lo, n_blk, total, BLOCK_M: gl.constexpr):
+        """Writer warp: each staged dq tile (double-buffered) added into the fp32
+        accumulator by one bulk tensor reduce, its buffer released once the reduce has read it."""
         for it in range(total):
             b = it % 2
             mbarrier.wait(dq_ready.index(b), (it // 2) & 1)
@@ -137,13 +142,14 @@ if HAVE_GLUON:
             tma.store_wait(pendings=0)
             mbarrier.arrive(dq_empty.index(b), count=1)
 
-
     @gluon.jit
     def _consume_step(dk, dv, it, g, start_m, k_smem, v_smem, q_smem, do_smem, ready, empty, dsT_smem, dq_smem,
                       dq_ready, dq_empty, M, Delta, m_base, s_mh, s_ms, h0, cols, SEQ_Q, SEQ_K, off_c, c0, g_s,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                       sT_layout: gl.constexpr, a_layout: gl.constexpr, dq_layout: gl.constexpr,
                       CAUSAL: gl.constexpr, MASKED: gl.constexpr):
+        """One query block in the consumer warpgroups: the five products, ``dq`` staged for
+        the writer and the Q/dO slot released. ``MASKED``: the causal band or a ragged tail."""
         dtype: gl.constexpr = k_smem.dtype
         rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, sT_layout))
         row_ok = rows < SEQ_Q
@@ -190,12 +196,13 @@ if HAVE_GLUON:
         mbarrier.arrive(empty.index(s), count=1)
         return dk, dv
 
-
     @gluon.jit
     def _consumers(k_smem, v_smem, q_smem, do_smem, ready, empty, dsT_smem, dq_smem, dq_ready, dq_empty, kv_bar,
                    M, Delta, m_base, s_mh, s_ms, h0, lo, n_blk, n_mask, GROUP, start_n, SEQ_Q, SEQ_K, off_c, scale,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+        """The default partition (two consumer warpgroups, 64 keys each): every query head of
+        the group, masked blocks then unmasked ones; returns ``(dK * scale, dV)``."""
         sT_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                             instr_shape=[16, BLOCK_M, 16])
         kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -225,11 +232,13 @@ if HAVE_GLUON:
                 it += 1
         return dk * g_s, dv
 
-
     @gluon.jit
     def _hopper_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, M, Delta,
                               s_mz, s_mh, s_ms, HKV, GROUP, SEQ_Q, SEQ_K, scale,
                               CAUSAL: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+        """One program per (key block, batch * kv head); rank-4 ``[B, H, S, D]`` descriptors
+        (``dq_desc``: the fp32 accumulator). K and V load once, then the three partitions run;
+        dK and dV leave through K's and V's tiles."""
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
