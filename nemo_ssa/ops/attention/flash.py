@@ -360,7 +360,8 @@ def _flash_fwd(
                             dropout=has_dropout, save_c=save_c, fast_log2=meta["FAST_LOG2"],
                             explicit_config=config is not None or autotune_enabled())
     if gcfg is not None:  # the Hopper kernel (ops.attention.hopper): same contract
-        gluon_fwd(q, k, v, o, M, n_ptr, b_ptr, transform_id=tid, causal=causal, scale=scale, config=gcfg)
+        gluon_fwd(q, k, v, o, M, n_ptr, b_ptr, transform_id=tid, causal=causal, scale=scale, config=gcfg,
+                  cstat=cstat)
     elif config is None and autotune_enabled():
         kern = autotuned("fwd", _attn_fwd_kernel, _FWD_TUNE, ("BLOCK_M", "BLOCK_N"),
                          ["HQ", "GROUP", "SEQ_Q", "SEQ_K", "HEAD_DIM", "TRANSFORM", "CAUSAL", "VARLEN", "HAS_DROPOUT"])
@@ -527,8 +528,8 @@ def _flash_apply(q, k, v, n, b, rng, cu_q, cu_k, transform, causal, scale, dropo
     # costs a stride check): see bwd_config.single_pass_pays
     tma = (transform == "ssa" and d_bucket(d) == 64
            and bool(use_tma(1, cu_q is not None, q, k, v, scores=q.shape[0] * q.shape[1] * max_q * max_k)))
-    gluon = transform == "softmax" and d == 128 and gluon_bwd_capable(transform, q, k, v, varlen=cu_q is not None,
-                                                                        dropout=dropout_p > 0.0)
+    gluon = gluon_bwd_capable(transform, q, k, v, varlen=cu_q is not None, dropout=dropout_p > 0.0,
+                              fast_log2=log2_mode(fast) if transform == "ssa" else 1)
     det = bool(deterministic) or not use_single_pass(transform, d, tma=tma, gluon=gluon)
     save_c = (not det and transform == "ssa" and n is not None and torch.is_grad_enabled() and n.requires_grad
               and not (b is not None and b.requires_grad))

@@ -11,8 +11,8 @@ tile, never materialising ``[Sq, Sk]``; the kernels and their math are in
 Two host paths share one argument builder (``_BwdCall`` and the ``_*_args`` helpers):
 the two-kernel backward (dQ kernel, then dK/dV kernel; every gradient bit-identical run
 to run) and the single pass (``use_single_pass``: one dK/dV kernel that also adds ``dq``
-with fp32 atomics). On sm_90 the single pass of softmax at D128 is the warp-specialised
-Gluon kernel of ``hopper_bwd`` (``_attention_bwd_gluon``), where ``gluon_bwd_config`` allows.
+with fp32 atomics). On sm_90 the single pass at D64 and D128 is the warp-specialised Gluon
+kernel of ``hopper_bwd`` (``_attention_bwd_gluon``), where ``gluon_bwd_config`` allows.
 
 Layouts: dense ``[B, H, S, D]`` with arbitrary strides on all four dims (views such as
 Megatron's ``[s, b, h, d]`` permuted to ``[b, h, s, d]`` work without copies), or packed
@@ -46,7 +46,7 @@ from nemo_ssa.ops.common.bwd_kernels import (
     attn_bwd_preprocess,
 )
 from nemo_ssa.ops.common.device import dropout_rng_layout
-from nemo_ssa.ops.common.hopper_bwd import gluon_bwd_config, launch_gluon_bwd
+from nemo_ssa.ops.common.hopper_bwd import gluon_bwd_config, gluon_key_blocks, launch_gluon_bwd
 from nemo_ssa.ops.common.launch import (
     autotune_enabled,
     autotuned,
@@ -197,13 +197,15 @@ def attention_bwd(
     if deterministic is None:
         # the TMA path changes the choice only for SSA at D64 (bwd_config.single_pass_pays)
         tma = is_ssa and d_bucket(d) == 64 and bool(use_tma(1, varlen, q, k, v, do, o, scores=bz * hq * sq * sk))
-        gluon = gluon_bwd_config(transform, q, k, v, do, o, varlen=varlen, dropout=has_dropout) is not None
+        gluon = gluon_bwd_config(transform, q, k, v, do, o, varlen=varlen, dropout=has_dropout,
+                                 fast_log2=call.meta["FAST_LOG2"]) is not None
         deterministic = not use_single_pass(transform, d, tma=tma, gluon=gluon)
     if not deterministic and not tune and not want_db and (not dparams or cstat is not None):
         gcfg = None if config is not None else gluon_bwd_config(transform, q, k, v, do, o, varlen=varlen,
-                                                                dropout=has_dropout)
-        if gcfg is not None:  # the Gluon single pass (ops.common.hopper_bwd): softmax at D128 on sm_90
-            return _attention_bwd_gluon(call, do, q, k, v, o, M, causal, gcfg)
+                                                                dropout=has_dropout,
+                                                                fast_log2=call.meta["FAST_LOG2"])
+        if gcfg is not None:  # the Gluon single pass (ops.common.hopper_bwd): D64/D128 on sm_90
+            return _attention_bwd_gluon(call, do, q, k, v, o, M, cstat if dparams else None, causal, gcfg)
         return _attention_bwd_single(call, do, q, k, v, o, M, cstat if dparams else None,
                                      config or single_config(d, q.dtype), table=config is None)
     return _attention_bwd_two_kernels(call, do, q, k, v, o, M, config or bwd_config(d, causal, q.dtype),
@@ -391,22 +393,41 @@ def _attention_bwd_two_kernels(c: _BwdCall, do, q, k, v, o, M, cfg: BwdConfig, *
     return dq, dk, dv, dn, db
 
 
-def _attention_bwd_gluon(c: _BwdCall, do, q, k, v, o, M, causal: bool, gcfg):
-    """The Gluon single pass (softmax): the preprocess launch (delta, the fp32 dq
-    accumulator zeroed), the warp-specialised kernel (dK, dV; dq tiles by TMA bulk reduce),
-    the postprocess launch (dq cast)."""
+def _attention_bwd_gluon(c: _BwdCall, do, q, k, v, o, M, cstat, causal: bool, gcfg):
+    """The Gluon single pass: the preprocess launch (delta, the fp32 dq accumulator zeroed),
+    the warp-specialised kernel (dK, dV; dq tiles by TMA bulk reduce; with ``cstat``, SSA's
+    float64 ``dn`` partial per key block), the postprocess launch (dq cast, dn sum)."""
     dqa = new_output_like(q, dtype=torch.float32)  # zeroed by the preprocess kernel
     dq = new_output_like(q)
     dk = new_output_like(k)
     dv = new_output_like(v)
     delta = new_output_like(M)
+    dparams = cstat is not None
+    nk, dnk, _ = _dn_partials(c, gluon_key_blocks(c.sk, gcfg), q.device, cstat, M)
     _preprocess(c, o, do, delta, M, dqa)
-    launch_gluon_bwd(q, k, v, do, dk, dv, dqa, M, delta, causal=causal, scale=c.scale, config=gcfg)
+    launch_gluon_bwd(q, k, v, do, dk, dv, dqa, M, delta, causal=causal, scale=c.scale, config=gcfg,
+                     transform_id=int(c.is_ssa), n_ptr=c.n_ptr, b_ptr=c.b_ptr, cstat=cstat,
+                     dn_part=dnk[:2 * nk].view(torch.float64) if dparams else None)
     numel = dqa.numel()
     pb = _POST_BLOCK_INTERP if is_interpreter() else _POST_BLOCK
-    launch(attn_bwd_postprocess, (cdiv(numel, pb),), (dqa, dq, M, numel, 0),
-           dict(BLOCK=pb, DN_BLOCK=pb, CAST=True, DPARAMS=False, num_warps=4), 3)
-    return dq, dk, dv, None, None
+    launch(attn_bwd_postprocess, (cdiv(numel, pb) + int(dparams),), (dqa, dq, dnk if dparams else M, numel, nk),
+           dict(BLOCK=pb, DN_BLOCK=pb, CAST=True, DPARAMS=dparams, num_warps=4), 3)
+    return dq, dk, dv, (dnk[2 * nk:] if dparams else None), None
+
+
+def _dn_partials(c: _BwdCall, nblk: int, device, cstat, M):
+    """``(nk, dnk, strides)`` of a single pass's ``dn``: one float64 partial per key block
+    (``[B, Hkv, nblk]``, B = sequences when packed) and, after them, the fp32 total the
+    postprocess kernel writes -- one fp32 allocation (the partials are read through a
+    float64 pointer), ``dn`` a view; ``(0, None, (0, 0, 0))`` without ``cstat``. Per block,
+    not per key row: the postprocess kernel's single-program sum stays short."""
+    if cstat is None:
+        return 0, None, (0, 0, 0)
+    if cstat.dtype != torch.float32 or cstat.shape != M.shape or cstat.stride() != M.stride():
+        raise ValueError(f"cstat must be fp32 with M's shape {tuple(M.shape)} and strides {M.stride()}, "
+                         f"got {cstat.dtype} {tuple(cstat.shape)} {cstat.stride()}")
+    nk = c.bz * c.hkv * nblk
+    return nk, new_output((2 * nk + 1,), torch.float32, device), (c.hkv * nblk, nblk, 1)
 
 
 # elements per program of attn_bwd_postprocess (dq cast; also the dn sum's block)
@@ -432,20 +453,7 @@ def _attention_bwd_single(c: _BwdCall, do, q, k, v, o, M, cstat, cfg: BwdConfig,
     dk = new_output_like(k)
     dv = new_output_like(v)
     delta = new_output_like(M)
-    if dparams:
-        if cstat.dtype != torch.float32 or cstat.shape != M.shape or cstat.stride() != M.stride():
-            raise ValueError(f"cstat must be fp32 with M's shape {tuple(M.shape)} and strides {M.stride()}, "
-                             f"got {cstat.dtype} {tuple(cstat.shape)} {cstat.stride()}")
-        # one float64 dn partial per key block ([B, Hkv, cdiv(Sk, BLOCK_N)], B = sequences
-        # when packed) and, after them, the fp32 total the postprocess kernel writes: one
-        # fp32 allocation (the partials are read through a float64 pointer), dn a view.
-        # Per block, not per key row: the postprocess kernel's single-program sum stays short
-        nblk = cdiv(c.sk, cfg.block_n_kv)
-        nk = c.bz * c.hkv * nblk
-        dnk = new_output((2 * nk + 1,), torch.float32, q.device)
-        ns = (c.hkv * nblk, nblk, 1)
-    else:
-        nk, dnk, ns = 0, None, (0, 0, 0)
+    nk, dnk, ns = _dn_partials(c, cdiv(c.sk, cfg.block_n_kv), q.device, cstat, M)
     _preprocess(c, o, do, delta, M, dqa=dqa)
     kv_args = _dkv_args(c, q, k, v, do, dk, dv, M, delta, dqa=dqa, cstat=cstat, dnk=dnk, dn_strides=ns)
     _launch_dkv(c, cfg, tma_kv, kv_args, q, k, v, do, dk, dv,

@@ -150,19 +150,24 @@ def single_config(head_dim: int, dtype: torch.dtype, interpret: Optional[bool] =
 
 def single_pass_pays(transform: str, head_dim: int, tma: bool = False, gluon: bool = False) -> bool:
     """Where the single-pass backward is the faster one (measured, bf16, causal; results
-    in docs/results): SSA at head dim <= 32, whose dQ kernel spends many instructions per
-    score recomputing what the dK/dV loop already has. Softmax's dQ loop is cheap and the
-    fp32 atomics (``D / BLOCK_N`` per score, per-thread ``red`` into L2) cost more than
-    it: single pass measured slower there; so did D >= 64 for both -- except SSA at D64
-    on the TMA path (``tma``: the call can take it, ``ops.common.tma``), where each dq tile
-    is added by one bulk tensor reduce: 2.43 ms against the two kernels' 2.80 (H200,
-    B2 N8K H16, docs/results/2026-11-26-hopper). Softmax D64 (1.88 vs 1.90) and D128
-    (both transforms) stay on the two kernels."""
+    in docs/results).
+
+    * ``gluon`` (the call can take the warp-specialised Gluon single pass,
+      ``ops.common.hopper_bwd.gluon_bwd_capable``, whose table holds only the rows measured
+      faster): softmax D128 1.62 against the two kernels' 1.77 ms (H100, B2 N8K H8,
+      docs/results/2026-11-26-gluon); SSA D128 (docs/results/2026-11-26-gluon-ssa).
+    * SSA at head dim <= 32, whose dQ kernel spends many instructions per score
+      recomputing what the dK/dV loop already has; and SSA at D64 on the TMA path (``tma``:
+      the call can take it, ``ops.common.tma``), where each dq tile is added by one bulk
+      tensor reduce: 2.43 ms against the two kernels' 2.80 (H200, B2 N8K H16,
+      docs/results/2026-11-26-hopper).
+    * Otherwise the two Triton kernels: softmax's dQ loop is cheap and the fp32 atomics
+      (``D / BLOCK_N`` per score, per-thread ``red`` into L2) cost more than it (softmax D64
+      1.88 against 1.90 ms)."""
+    if gluon:
+        return True
     if transform not in ("ssa", TRANSFORM_SSA):
-        # softmax at D128 where the call can take the Gluon single pass (``gluon``:
-        # ops.common.hopper_bwd.gluon_bwd_capable): 1.62 against the two kernels' 1.77 ms
-        # (H100, B2 N8K H8; docs/results/2026-11-26-gluon)
-        return bool(gluon) and int(head_dim) == 128
+        return False
     bucket = d_bucket(int(head_dim))
     return bucket == 32 or (bucket == 64 and bool(tma))
 

@@ -3,32 +3,43 @@
 One program per (key block of 128 keys, batch, kv head) loops over the GQA group's query
 heads and their 64-row query blocks in three *partitions* (``gl.warp_specialize``):
 
-* a producer warp streams Q and dO through a ``STAGES``-deep ring of TMA copies
-  (``ready`` / ``empty`` mbarriers per slot);
+* a producer warp streams Q and dO through a ``STAGES``-deep ring of TMA copies and, by
+  ``cp.async`` into the same slot, the rows' statistics ``M``, ``delta`` and (SSA with ``dn``)
+  the forward's row means ``C`` (``ready`` / ``empty`` mbarriers per slot);
 * the default partition, two consumer warpgroups of 64 keys each, computes per block
   ``Sᵀ = K Qᵀ`` and ``dPᵀ = V dOᵀ`` (asynchronous warpgroup MMAs), ``Pᵀ = exp2(z - M)``,
-  ``dSᵀ = Pᵀ (dPᵀ - delta)``, ``dV += Pᵀ dO`` and ``dK += dSᵀ Q`` with ``Pᵀ`` and ``dSᵀ``
-  from registers, then ``dQ = dS K`` from ``dSᵀ`` staged in shared memory (a transposed view),
-  scaled and staged in fp32;
+  ``dZᵀ = Pᵀ (dPᵀ - delta)``, ``dSᵀ = dZᵀ`` (softmax) or ``dZᵀ / (1 + b|s|)`` (SSA), ``dV += Pᵀ
+  dO`` and ``dK += dSᵀ Q`` with ``Pᵀ`` and ``dSᵀ`` from registers, then ``dQ = dS K`` from
+  ``dSᵀ`` staged in shared memory (a transposed view), scaled and staged in fp32; SSA's ``dn``
+  as one float64 partial per program of ``sum dz (smag - C_i)`` (``bwd_kernels``' single-pass
+  split: fixed order, bit-identical run to run);
 * a writer warp adds each staged dq tile into the fp32 accumulator with one TMA bulk reduce
   (``cp.reduce.async.bulk.tensor``; Gluon 3.6 has the op in its builder but no wrapper).
+
+``pipeline`` (``GluonBwdConfig``; SSA at D64): the consumers issue block ``j``'s ``Sᵀ``, ``dPᵀ``
+ahead of block ``j - 1``'s ``dV``, ``dK``, ``dQ`` and compute ``j``'s score gradients while
+those run (FA3's intra-warpgroup overlap, here in the backward); ``dSᵀ`` gets two buffers and
+the ring must hold two blocks plus the one in flight (three stages). At D128 the extra live
+registers spill.
 
 The two one-warp partitions run at 24 registers, which ``setmaxnreg`` gives to the consumers
 (240 each at ``maxnreg=168``). Five products per block against the two-kernel backward's seven;
 ``dq`` is summed by fp32 atomics in the L2, so it is not bit-identical run to run: the kernel
 runs only where the backward may be non-deterministic (``bwd_config.use_single_pass``).
 
-Measured (H100, bf16, causal, softmax; docs/results/2026-11-26-gluon, call 9), backward ms,
-Triton two kernels → this kernel: D128 B2 N8192 H8 1.770 → 1.619, B8 N4096 1.829 → 1.695;
-with the Gluon forward, fwd+bwd × SDPA cuDNN 1.24 → 1.14 and 1.20 → 1.13 (call 10).
-At D64 it was no faster (1.866 → 1.921, 2.036 → 2.044) and the Triton kernels keep D64.
-Softmax only: SSA's single pass needs the forward's row means ``C`` and the ``dn`` partials.
+Measured (H100, bf16, causal, fwd+bwd × SDPA cuDNN, B2 N8K / B8 N4K; docs/results/
+2026-11-26-gluon-ssa, call 6), the Gluon kernels off → on (this one and the Gluon forward): softmax D128 1.23 /
+1.16 → 1.04 / 1.05, SSA D128 1.46 / 1.43 → 1.22 / 1.20, softmax D64 1.06 / 1.07 → 1.03 / 1.03,
+SSA D64 1.42 / 1.41 → 1.39 / 1.34. Spill stores in the consumers' loop decided most of it: SSA
+at D128 with 93 of them ran at 1.57 (call 4), with 10 at 1.27 (call 5) -- the statistics read
+from shared memory and the score gradients in one function (``_grad_scores``) freed the
+registers the per-element global loads and their 64-bit addresses held.
 
-Same contract as ``bwd.attention_bwd`` (any forward writing ``o`` and ``M`` under it).
-``gluon_bwd_config`` takes it only where it applies and was measured faster; the Triton
-backward is its reference, CPU path and fallback (``NEMO_SSA_GLUON=0``). Gluon has no
-interpreter: the CPU suite compiles the kernel for sm_90 and checks the dispatch; the GPU
-suite checks its gradients.
+Same contract as ``bwd.attention_bwd`` (any forward writing ``o`` and ``M`` under it; SSA's
+``dn`` also needs ``C``). ``gluon_bwd_config`` takes it only where it applies and was measured
+faster; the Triton backward is its reference, CPU path and fallback (``NEMO_SSA_GLUON=0``).
+Gluon has no interpreter: the CPU suite compiles the kernel for sm_90 and checks the dispatch;
+the GPU suite checks its gradients.
 """
 
 from __future__ import annotations
@@ -39,9 +50,10 @@ import torch
 import triton
 
 from nemo_ssa.ops.common import env
+from nemo_ssa.ops.common.gluon_math import HAVE_GLUON
 from nemo_ssa.ops.common.tma import MIN_SCORES, tma_ready, wgmma_capable
 
-try:  # Gluon ships with Triton >= 3.5; the package pins 3.6
+if HAVE_GLUON:  # Gluon ships with Triton >= 3.5; the package pins 3.6
     from triton._C.libtriton import ir
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -54,11 +66,12 @@ try:  # Gluon ships with Triton >= 3.5; the package pins 3.6
         warpgroup_mma_wait,
     )
 
-    HAVE_GLUON = True
-except ImportError:  # pragma: no cover - an older Triton: the Triton kernels run
-    HAVE_GLUON = False
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-__all__ = ["GluonBwdConfig", "GLUON_BWD", "HAVE_GLUON", "gluon_bwd_capable", "gluon_bwd_config", "launch_gluon_bwd"]
+    from nemo_ssa.ops.common.gluon_math import rcp, ssa_parts
+
+__all__ = ["GluonBwdConfig", "GLUON_BWD", "HAVE_GLUON", "gluon_bwd_capable", "gluon_bwd_config", "gluon_key_blocks",
+           "launch_gluon_bwd"]
 
 
 class GluonBwdConfig(NamedTuple):
@@ -66,20 +79,31 @@ class GluonBwdConfig(NamedTuple):
     num_warps: int  # the consumer partition (64 keys per warpgroup: BLOCK_N = 16 * num_warps)
     stages: int  # depth of the Q/dO ring
     maxnreg: int  # registers per thread at launch (the workers hand theirs to the consumers)
+    pipeline: int = 0  # 1: the consumers overlap a block's score gradients with the previous block's products
 
 
-#: (head dim, transform) -> tiles (H100, docs/results/2026-11-26-gluon, call 9). Three stages
-#: do not fit in shared memory at D128 (246 KB).
+#: (head dim, transform) -> tiles, measured on an H100 (docs/results/2026-11-26-gluon-ssa, call 5;
+#: fwd+bwd x SDPA cuDNN, B2 N8K / B8 N4K, against the Triton backward): softmax D128 1.10 / 1.04
+#: (Triton 1.28 / 1.16), SSA D128 1.27 / 1.20 (1.55 / 1.43), softmax D64 1.01 / 1.02 (1.08 /
+#: 1.08), SSA D64 pipelined with three stages 1.34 / 1.34 (1.41 / 1.42). Three stages do not fit in
+#: shared memory at D128 (246 KB); the pipelined consumers at D128 spill (59-83 stores) and ran
+#: slower; at D64 with two stages they wait on every load (1.57).
 GLUON_BWD: Dict[tuple, GluonBwdConfig] = {
     (128, "softmax"): GluonBwdConfig(64, 8, 2, 168),
+    (128, "ssa"): GluonBwdConfig(64, 8, 2, 168),
+    (64, "softmax"): GluonBwdConfig(64, 8, 2, 168),
+    (64, "ssa"): GluonBwdConfig(64, 8, 3, 168, 1),
 }
 
 
 def gluon_bwd_capable(transform: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool,
-                      dropout: bool) -> bool:
+                      dropout: bool, fast_log2: int = 1) -> bool:
     """Whether the backward of this call can take the Gluon kernel, from what the forward
-    knows (``o`` and ``dO`` are checked again in ``gluon_bwd_config``)."""
+    knows (``o`` and ``dO`` are checked again in ``gluon_bwd_config``). SSA needs the
+    ``log2`` mode the kernel recomputes ``z`` with (``FAST_LOG2 = 1``, as the forward's)."""
     if (q.shape[-1], transform) not in GLUON_BWD or not HAVE_GLUON or varlen or dropout:
+        return False
+    if transform == "ssa" and int(fast_log2) != 1:
         return False
     if q.dtype not in (torch.bfloat16, torch.float16) or not env.gluon():
         return False
@@ -90,9 +114,9 @@ def gluon_bwd_capable(transform: str, q: torch.Tensor, k: torch.Tensor, v: torch
 
 
 def gluon_bwd_config(transform: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
-                     o: torch.Tensor, *, varlen: bool, dropout: bool) -> Optional[GluonBwdConfig]:
+                     o: torch.Tensor, *, varlen: bool, dropout: bool, fast_log2: int = 1) -> Optional[GluonBwdConfig]:
     """The Gluon tiles for this backward call, or None (the Triton kernels run)."""
-    if not gluon_bwd_capable(transform, q, k, v, varlen=varlen, dropout=dropout):
+    if not gluon_bwd_capable(transform, q, k, v, varlen=varlen, dropout=dropout, fast_log2=fast_log2):
         return None
     if not (tma_ready(do) and tma_ready(o) and do.dtype == q.dtype):
         return None
@@ -117,15 +141,28 @@ if HAVE_GLUON:
         return g, j * BLOCK_M
 
     @gluon.jit
-    def _producer(q_desc, do_desc, q_smem, do_smem, ready, empty, z, h0, lo, n_blk, total,
-                  BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-        """Producer warp: Q and dO of every iteration into the ring, each slot refilled once
-        the consumers have released it (``empty``; a fresh barrier counts as released)."""
+    def _producer(q_desc, do_desc, q_smem, do_smem, stat_smem, ready, empty, M, Delta, CS, m_base, s_mh, s_ms,
+                  z, h0, lo, n_blk, total, SEQ_Q, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                  DN_KV: gl.constexpr):
+        """Producer warp: Q and dO (TMA) and the rows' statistics M, delta and (``DN_KV``) C
+        (``cp.async``, zero past ``SEQ_Q``, where Q and dO are zero too) of every iteration
+        into the ring, each slot refilled once the consumers have released it (``empty``; a
+        fresh barrier counts as released). The ``cp.async`` arrive goes first, so the slot's
+        phase cannot complete on the TMA bytes alone."""
+        lanes = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0]))
         for it in range(total):
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             g, start_m = _coords(it, lo, n_blk, BLOCK_M)
             bar = ready.index(s)
+            ok = start_m + lanes < SEQ_Q
+            off = m_base + (h0 + g).to(gl.int64) * s_mh + start_m.to(gl.int64) * s_ms + lanes * s_ms
+            NSTAT: gl.constexpr = 3 if DN_KV else 2
+            async_copy.async_copy_global_to_shared(stat_smem.index(s * NSTAT), M + off, mask=ok)
+            async_copy.async_copy_global_to_shared(stat_smem.index(s * NSTAT + 1), Delta + off, mask=ok)
+            if DN_KV:
+                async_copy.async_copy_global_to_shared(stat_smem.index(s * NSTAT + 2), CS + off, mask=ok)
+            async_copy.mbarrier_arrive(bar)
             mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [z, h0 + g, start_m, 0], bar, q_smem.index(s))
             tma.async_copy_global_to_shared(do_desc, [z, h0 + g, start_m, 0], bar, do_smem.index(s))
@@ -143,19 +180,52 @@ if HAVE_GLUON:
             mbarrier.arrive(dq_empty.index(b), count=1)
 
     @gluon.jit
-    def _consume_step(dk, dv, it, g, start_m, k_smem, v_smem, q_smem, do_smem, ready, empty, dsT_smem, dq_smem,
-                      dq_ready, dq_empty, M, Delta, m_base, s_mh, s_ms, h0, cols, SEQ_Q, SEQ_K, off_c, c0, g_s,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                      sT_layout: gl.constexpr, a_layout: gl.constexpr, dq_layout: gl.constexpr,
+    def _grad_scores(sT, dpT, dnk, rows, stat_smem, s, cols, SEQ_K, off_c, c0, c1, dtype: gl.constexpr,
+                     sT_layout: gl.constexpr, a_layout: gl.constexpr, TRANSFORM: gl.constexpr,
+                     DN_KV: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr):
+        """``(Pᵀ, dSᵀ)`` of one block as MMA operands (registers), ``dSᵀ`` also in 16 bits for
+        shared memory, and ``dnk`` updated: ``Pᵀ = exp2(z - M)``, ``dZᵀ = Pᵀ (dPᵀ - delta)``,
+        ``dSᵀ = dZᵀ`` (softmax) or ``dZᵀ / t`` (SSA, ``z2``, ``smag`` and ``t = 1 + b|s|`` as
+        ``transforms.score_bwd_parts``); ``DN_KV``: ``dnk`` (per key) adds
+        ``sum_i dz (smag - C_i)``, ``bwd_kernels._bwd_dkv_inner``'s ``dn`` split. The rows'
+        statistics come from the ring slot ``s`` (the producer's copies)."""
+        NSTAT: gl.constexpr = 3 if DN_KV else 2
+        m_row = stat_smem.index(s * NSTAT).load(gl.SliceLayout(0, sT_layout))
+        d_row = stat_smem.index(s * NSTAT + 1).load(gl.SliceLayout(0, sT_layout))
+        if TRANSFORM == 1:
+            z2, smag, t = ssa_parts(sT, c0, c1)
+        else:
+            z2 = sT * c0
+        if MASKED:
+            keep = gl.expand_dims(cols < SEQ_K, 1)
+            if CAUSAL:
+                keep = keep & (gl.expand_dims(cols, 1) <= gl.expand_dims(rows + off_c, 0))
+            z2 = gl.where(keep, z2, float("-inf"))
+        pT = gl.exp2(z2 - gl.expand_dims(m_row, 0))  # masked, padding, empty rows (M = +inf) -> 0
+        dzT = pT * (dpT - gl.expand_dims(d_row, 0))
+        if TRANSFORM == 1:
+            dsT = dzT * rcp(t)
+            if DN_KV:
+                c_row = stat_smem.index(s * NSTAT + 2).load(gl.SliceLayout(0, sT_layout))
+                dnk += gl.sum(dzT * (smag - gl.expand_dims(c_row, 0)), axis=1)
+        else:
+            dsT = dzT
+        pa = gl.convert_layout(pT.to(dtype), a_layout)
+        ds_lp = dsT.to(dtype)
+        dsa = gl.convert_layout(ds_lp, a_layout)
+        return pa, dsa, ds_lp, dnk
+
+    @gluon.jit
+    def _consume_step(dk, dv, dnk, it, g, start_m, k_smem, v_smem, q_smem, do_smem, stat_smem, ready, empty,
+                      dsT_smem, dq_smem, dq_ready, dq_empty, cols, SEQ_K, off_c,
+                      c0, c1, g_s, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                      STAGES: gl.constexpr, sT_layout: gl.constexpr, a_layout: gl.constexpr,
+                      dq_layout: gl.constexpr, TRANSFORM: gl.constexpr, DN_KV: gl.constexpr,
                       CAUSAL: gl.constexpr, MASKED: gl.constexpr):
         """One query block in the consumer warpgroups: the five products, ``dq`` staged for
         the writer and the Q/dO slot released. ``MASKED``: the causal band or a ragged tail."""
         dtype: gl.constexpr = k_smem.dtype
         rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, sT_layout))
-        row_ok = rows < SEQ_Q
-        m_off = m_base + (h0 + g).to(gl.int64) * s_mh + rows.to(gl.int64) * s_ms
-        m_row = gl.load(M + m_off, mask=row_ok, other=float("inf"))
-        d_row = gl.load(Delta + m_off, mask=row_ok, other=0.0)
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         z0 = it >> 30  # 0, but not provably: the operand descriptors are rebuilt per block, not hoisted
@@ -167,17 +237,8 @@ if HAVE_GLUON:
         sT = warpgroup_mma(k2, q2.permute((1, 0)), zero, use_acc=False, is_async=True)
         dpT = warpgroup_mma(v2, do2.permute((1, 0)), zero, use_acc=False, is_async=True)
         sT, dpT = warpgroup_mma_wait(0, deps=(sT, dpT))
-        z2 = sT * c0
-        if MASKED:
-            keep = gl.expand_dims(cols < SEQ_K, 1)
-            if CAUSAL:
-                keep = keep & (gl.expand_dims(cols, 1) <= gl.expand_dims(rows + off_c, 0))
-            z2 = gl.where(keep, z2, float("-inf"))
-        pT = gl.exp2(z2 - gl.expand_dims(m_row, 0))
-        dsT = pT * (dpT - gl.expand_dims(d_row, 0))
-        pa = gl.convert_layout(pT.to(dtype), a_layout)
-        ds_lp = dsT.to(dtype)
-        dsa = gl.convert_layout(ds_lp, a_layout)
+        pa, dsa, ds_lp, dnk = _grad_scores(sT, dpT, dnk, rows, stat_smem, s, cols, SEQ_K, off_c, c0, c1, dtype,
+                                           sT_layout, a_layout, TRANSFORM, DN_KV, CAUSAL, MASKED)
         dv = warpgroup_mma(pa, do2, dv, is_async=True)
         dk = warpgroup_mma(dsa, q2, dk, is_async=True)
         b = it % 2
@@ -194,15 +255,17 @@ if HAVE_GLUON:
         gl.thread_barrier()  # dq staged; every read of this Q/dO slot and of dS^T is done
         mbarrier.arrive(dq_ready.index(b), count=1)
         mbarrier.arrive(empty.index(s), count=1)
-        return dk, dv
+        return dk, dv, dnk
 
     @gluon.jit
-    def _consumers(k_smem, v_smem, q_smem, do_smem, ready, empty, dsT_smem, dq_smem, dq_ready, dq_empty, kv_bar,
-                   M, Delta, m_base, s_mh, s_ms, h0, lo, n_blk, n_mask, GROUP, start_n, SEQ_Q, SEQ_K, off_c, scale,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                   CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+    def _consumers(k_smem, v_smem, q_smem, do_smem, stat_smem, ready, empty, dsT_smem, dq_smem, dq_ready, dq_empty,
+                   kv_bar, NP, BP, lo, n_blk, n_mask, GROUP, start_n, SEQ_K, off_c, scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                   STAGES: gl.constexpr, TRANSFORM: gl.constexpr, DN_KV: gl.constexpr, CAUSAL: gl.constexpr,
+                   num_warps: gl.constexpr):
         """The default partition (two consumer warpgroups, 64 keys each): every query head of
-        the group, masked blocks then unmasked ones; returns ``(dK * scale, dV)``."""
+        the group, masked blocks then unmasked ones; returns ``(dK * g_s, dV, dn_k)`` with
+        ``g_s`` = ``scale`` (softmax) or ``n b scale`` (SSA) and ``dn_k`` the ``dn`` of each
+        key (``ln 2`` applied, 0 past ``SEQ_K``; zeros unless ``DN_KV``)."""
         sT_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                             instr_shape=[16, BLOCK_M, 16])
         kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -210,35 +273,186 @@ if HAVE_GLUON:
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
                                                             instr_shape=[16, HEAD_D // (num_warps // 4), 16])
-        c0 = scale * 1.4426950408889634
-        g_s = scale
+        if TRANSFORM == 1:  # transforms.transform_consts / grad_consts
+            n = gl.load(NP).to(gl.float32)
+            b = gl.load(BP).to(gl.float32)
+            c0 = scale * b
+            c1 = n
+            g_s = n * b * scale
+        else:
+            c0 = scale * 1.4426950408889634
+            c1 = 0.0
+            g_s = scale
         cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, sT_layout))
         dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, kv_layout)
         dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, kv_layout)
+        dnk = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(1, sT_layout))
         mbarrier.wait(kv_bar, 0)
         it = 0
         for g in range(GROUP):
             for jm in range(n_mask):
-                dk, dv = _consume_step(dk, dv, it, g, lo + jm * BLOCK_M, k_smem, v_smem, q_smem, do_smem, ready, empty,
-                                       dsT_smem, dq_smem, dq_ready, dq_empty, M, Delta, m_base, s_mh, s_ms, h0, cols,
-                                       SEQ_Q, SEQ_K, off_c, c0, g_s, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-                                       sT_layout, a_layout, dq_layout, CAUSAL, True)
+                dk, dv, dnk = _consume_step(dk, dv, dnk, it, g, lo + jm * BLOCK_M, k_smem, v_smem, q_smem, do_smem,
+                                            stat_smem, ready, empty, dsT_smem, dq_smem, dq_ready, dq_empty, cols,
+                                            SEQ_K, off_c, c0, c1, g_s, BLOCK_M, BLOCK_N,
+                                            HEAD_D, STAGES, sT_layout, a_layout, dq_layout, TRANSFORM, DN_KV,
+                                            CAUSAL, True)
                 it += 1
             for ju in range(n_mask, n_blk):
-                dk, dv = _consume_step(dk, dv, it, g, lo + ju * BLOCK_M, k_smem, v_smem, q_smem, do_smem, ready, empty,
-                                       dsT_smem, dq_smem, dq_ready, dq_empty, M, Delta, m_base, s_mh, s_ms, h0, cols,
-                                       SEQ_Q, SEQ_K, off_c, c0, g_s, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-                                       sT_layout, a_layout, dq_layout, CAUSAL, False)
+                dk, dv, dnk = _consume_step(dk, dv, dnk, it, g, lo + ju * BLOCK_M, k_smem, v_smem, q_smem, do_smem,
+                                            stat_smem, ready, empty, dsT_smem, dq_smem, dq_ready, dq_empty, cols,
+                                            SEQ_K, off_c, c0, c1, g_s, BLOCK_M, BLOCK_N,
+                                            HEAD_D, STAGES, sT_layout, a_layout, dq_layout, TRANSFORM, DN_KV,
+                                            CAUSAL, False)
                 it += 1
-        return dk * g_s, dv
+        dnk = gl.where(cols < SEQ_K, dnk * 0.6931471805599453, 0.0)  # grad_consts' g_n
+        return dk * g_s, dv, dnk
 
     @gluon.jit
-    def _hopper_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, M, Delta,
-                              s_mz, s_mh, s_ms, HKV, GROUP, SEQ_Q, SEQ_K, scale,
-                              CAUSAL: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    def _pp_issue_prev(dk, dv, pa_p, dsa_p, it, k2, q_smem, do_smem, dsT_smem, BLOCK_M: gl.constexpr,
+                       HEAD_D: gl.constexpr, STAGES: gl.constexpr, dq_layout: gl.constexpr):
+        """The pipelined consumers' products of block ``it - 1``: ``dV += Pᵀ dO``, ``dK += dSᵀ Q``
+        (operands from registers, Q/dO still in their slot) and ``dQ = dS K`` (dSᵀ of both
+        warpgroups in its shared buffer), all asynchronous."""
+        sp = (it - 1) % STAGES
+        qp = q_smem.index(sp).reshape([BLOCK_M, HEAD_D])
+        dop = do_smem.index(sp).reshape([BLOCK_M, HEAD_D])
+        dv = warpgroup_mma(pa_p, dop, dv, is_async=True)
+        dk = warpgroup_mma(dsa_p, qp, dk, is_async=True)
+        dq = warpgroup_mma(dsT_smem.index((it - 1) % 2).permute((1, 0)), k2,
+                           gl.zeros([BLOCK_M, HEAD_D], gl.float32, dq_layout), use_acc=False, is_async=True)
+        return dk, dv, dq
+
+    @gluon.jit
+    def _pp_retire_prev(dq, it, dq_smem, dq_ready, dq_empty, empty, g_s, BLOCK_M: gl.constexpr,
+                        HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+        """Block ``it - 1``'s dq staged for the writer (its products done)."""
+        b = (it - 1) % 2
+        mbarrier.wait(dq_empty.index(b), (((it - 1) // 2) & 1) ^ 1)
+        dq_smem.index(b).reshape([BLOCK_M, HEAD_D]).store(dq * g_s)
+
+    @gluon.jit
+    def _pp_step(dk, dv, dnk, pa_p, dsa_p, it, start_m, k_smem, v_smem, q_smem, do_smem, stat_smem, ready, empty,
+                 dsT_smem, dq_smem, dq_ready, dq_empty, cols, SEQ_K, off_c, c0, c1, g_s, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, sT_layout: gl.constexpr,
+                 a_layout: gl.constexpr, dq_layout: gl.constexpr, TRANSFORM: gl.constexpr, DN_KV: gl.constexpr,
+                 CAUSAL: gl.constexpr, MASKED: gl.constexpr, FIRST: gl.constexpr):
+        """One block of the pipelined consumers: ``Sᵀ``, ``dPᵀ`` of block ``it`` issued ahead of
+        block ``it - 1``'s three products, and the score gradients of ``it`` computed while
+        those run on the tensor cores (FA3's intra-warpgroup overlap, in the backward). Then
+        ``it - 1`` retires (dq staged, its slot released) and ``it``'s dSᵀ goes to shared
+        memory (two buffers: the other warpgroup may still read the previous one); one
+        barrier per block. ``FIRST``: no block before."""
+        dtype: gl.constexpr = k_smem.dtype
+        rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, sT_layout))
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        z0 = it >> 30  # 0, but not provably: the operand descriptors are rebuilt per block, not hoisted
+        k2 = k_smem.index(z0).reshape([BLOCK_N, HEAD_D])
+        v2 = v_smem.index(z0).reshape([BLOCK_N, HEAD_D])
+        q2 = q_smem.index(s).reshape([BLOCK_M, HEAD_D])
+        do2 = do_smem.index(s).reshape([BLOCK_M, HEAD_D])
+        zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, sT_layout)
+        sT = warpgroup_mma(k2, q2.permute((1, 0)), zero, use_acc=False, is_async=True)
+        dpT = warpgroup_mma(v2, do2.permute((1, 0)), zero, use_acc=False, is_async=True)
+        if FIRST:
+            sT, dpT = warpgroup_mma_wait(0, deps=(sT, dpT))
+        else:
+            dk, dv, dq = _pp_issue_prev(dk, dv, pa_p, dsa_p, it, k2, q_smem, do_smem, dsT_smem, BLOCK_M, HEAD_D,
+                                        STAGES, dq_layout)
+            sT, dpT = warpgroup_mma_wait(3, deps=(sT, dpT))  # block it - 1's products may still run
+        pa, dsa, ds_lp, dnk = _grad_scores(sT, dpT, dnk, rows, stat_smem, s, cols, SEQ_K, off_c, c0, c1, dtype,
+                                           sT_layout, a_layout, TRANSFORM, DN_KV, CAUSAL, MASKED)
+        if not FIRST:
+            dq, dk, dv, pa_p, dsa_p = warpgroup_mma_wait(0, deps=(dq, dk, dv, pa_p, dsa_p))
+            _pp_retire_prev(dq, it, dq_smem, dq_ready, dq_empty, empty, g_s, BLOCK_M, HEAD_D, STAGES)
+        dsT_smem.index(it % 2).store(ds_lp)
+        fence_async_shared()
+        gl.thread_barrier()  # dS^T of block it from both warpgroups; block it - 1 done everywhere
+        if not FIRST:
+            mbarrier.arrive(dq_ready.index((it - 1) % 2), count=1)
+            mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
+        return dk, dv, dnk, pa, dsa
+
+    @gluon.jit
+    def _consumers_pipelined(k_smem, v_smem, q_smem, do_smem, stat_smem, ready, empty, dsT_smem, dq_smem, dq_ready,
+                             dq_empty, kv_bar, NP, BP, lo, n_blk, n_mask, GROUP, start_n, SEQ_K, off_c, scale,
+                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                             STAGES: gl.constexpr, TRANSFORM: gl.constexpr, DN_KV: gl.constexpr,
+                             CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+        """``_consumers`` software-pipelined by one block (``_pp_step``): the first block
+        (always masked), then the rest, then the last block's products. Same results."""
+        sT_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                            instr_shape=[16, BLOCK_M, 16])
+        kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                            instr_shape=[16, HEAD_D, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
+                                                            instr_shape=[16, HEAD_D // (num_warps // 4), 16])
+        if TRANSFORM == 1:  # transforms.transform_consts / grad_consts
+            n = gl.load(NP).to(gl.float32)
+            b = gl.load(BP).to(gl.float32)
+            c0 = scale * b
+            c1 = n
+            g_s = n * b * scale
+        else:
+            c0 = scale * 1.4426950408889634
+            c1 = 0.0
+            g_s = scale
+        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, sT_layout))
+        dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, kv_layout)
+        dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, kv_layout)
+        dnk = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(1, sT_layout))
+        mbarrier.wait(kv_bar, 0)
+        total = GROUP * n_blk
+        if total > 0:
+            pa = gl.zeros([BLOCK_N, BLOCK_M], k_smem.dtype, a_layout)
+            dsa = gl.zeros([BLOCK_N, BLOCK_M], k_smem.dtype, a_layout)
+            dk, dv, dnk, pa, dsa = _pp_step(dk, dv, dnk, pa, dsa, 0, lo, k_smem, v_smem, q_smem, do_smem, stat_smem,
+                                            ready, empty, dsT_smem, dq_smem, dq_ready, dq_empty, cols, SEQ_K, off_c,
+                                            c0, c1, g_s, BLOCK_M, BLOCK_N, HEAD_D, STAGES, sT_layout, a_layout,
+                                            dq_layout, TRANSFORM, DN_KV, CAUSAL, True, True)
+            it = 1
+            for g in range(GROUP):
+                first = (g == 0).to(gl.int32)  # block 0 of head 0 ran above (masked or not)
+                for jm in range(first, n_mask):
+                    dk, dv, dnk, pa, dsa = _pp_step(dk, dv, dnk, pa, dsa, it, lo + jm * BLOCK_M, k_smem, v_smem,
+                                                    q_smem, do_smem, stat_smem, ready, empty, dsT_smem, dq_smem,
+                                                    dq_ready, dq_empty, cols, SEQ_K, off_c, c0, c1, g_s, BLOCK_M,
+                                                    BLOCK_N, HEAD_D, STAGES, sT_layout, a_layout, dq_layout,
+                                                    TRANSFORM, DN_KV, CAUSAL, True, False)
+                    it += 1
+                for ju in range(n_mask + first * (n_mask == 0).to(gl.int32), n_blk):
+                    dk, dv, dnk, pa, dsa = _pp_step(dk, dv, dnk, pa, dsa, it, lo + ju * BLOCK_M, k_smem, v_smem,
+                                                    q_smem, do_smem, stat_smem, ready, empty, dsT_smem, dq_smem,
+                                                    dq_ready, dq_empty, cols, SEQ_K, off_c, c0, c1, g_s, BLOCK_M,
+                                                    BLOCK_N, HEAD_D, STAGES, sT_layout, a_layout, dq_layout,
+                                                    TRANSFORM, DN_KV, CAUSAL, False, False)
+                    it += 1
+            # the last block's products
+            z0 = it >> 30
+            k2 = k_smem.index(z0).reshape([BLOCK_N, HEAD_D])
+            dk, dv, dq = _pp_issue_prev(dk, dv, pa, dsa, it, k2, q_smem, do_smem, dsT_smem, BLOCK_M, HEAD_D, STAGES,
+                                        dq_layout)
+            dq, dk, dv, pa, dsa = warpgroup_mma_wait(0, deps=(dq, dk, dv, pa, dsa))
+            _pp_retire_prev(dq, it, dq_smem, dq_ready, dq_empty, empty, g_s, BLOCK_M, HEAD_D, STAGES)
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(dq_ready.index((it - 1) % 2), count=1)
+            mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
+        dnk = gl.where(cols < SEQ_K, dnk * 0.6931471805599453, 0.0)  # grad_consts' g_n
+        return dk * g_s, dv, dnk
+
+    @gluon.jit
+    def _hopper_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, M, Delta, CS, NP, BP,
+                              DN, s_mz, s_mh, s_ms, s_nz, s_nh, HKV, GROUP, SEQ_Q, SEQ_K, scale,
+                              TRANSFORM: gl.constexpr, DN_KV: gl.constexpr, CAUSAL: gl.constexpr,
+                              STAGES: gl.constexpr, PIPELINE: gl.constexpr, num_warps: gl.constexpr):
         """One program per (key block, batch * kv head); rank-4 ``[B, H, S, D]`` descriptors
         (``dq_desc``: the fp32 accumulator). K and V load once, then the three partitions run;
-        dK and dV leave through K's and V's tiles."""
+        dK and dV leave through K's and V's tiles. SSA: ``NP``, ``BP`` hold ``n``, ``b``;
+        ``DN_KV``: ``CS`` the forward's row means ``C`` (M's layout), ``DN`` a float64
+        ``[B, HKV, key blocks]`` (strides ``s_nz``, ``s_nh``, 1) for one ``dn`` partial per
+        program (its keys summed in a fixed order)."""
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -272,7 +486,10 @@ if HAVE_GLUON:
         v_smem = gl.allocate_shared_memory(dtype, [1, 1, 1, BLOCK_N, HEAD_D], v_desc.layout)
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_D], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_D], do_desc.layout)
-        dsT_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M], ds_layout)
+        dsT_smem = gl.allocate_shared_memory(dtype, [2 if PIPELINE else 1, BLOCK_N, BLOCK_M], ds_layout)
+        NSTAT: gl.constexpr = 3 if DN_KV else 2  # M, delta (, C) rows per ring slot
+        stat_smem = gl.allocate_shared_memory(gl.float32, [STAGES * NSTAT, BLOCK_M],
+                                              gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, HEAD_D], dq_desc.layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -292,11 +509,13 @@ if HAVE_GLUON:
         tma.async_copy_global_to_shared(v_desc, [z, h_kv, start_n, 0], kv_bar, v_smem.index(0))
         m_base = z.to(gl.int64) * s_mz
 
-        dk, dv = gl.warp_specialize([
-            (_consumers, (k_smem, v_smem, q_smem, do_smem, ready, empty, dsT_smem, dq_smem, dq_ready, dq_empty, kv_bar,
-                          M, Delta, m_base, s_mh, s_ms, h0, lo, n_blk, n_mask, GROUP, start_n, SEQ_Q, SEQ_K, off_c, scale,
-                          BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, num_warps)),
-            (_producer, (q_desc, do_desc, q_smem, do_smem, ready, empty, z, h0, lo, n_blk, total, BLOCK_M, STAGES)),
+        dk, dv, dnk = gl.warp_specialize([
+            (_consumers_pipelined if PIPELINE else _consumers,
+             (k_smem, v_smem, q_smem, do_smem, stat_smem, ready, empty, dsT_smem, dq_smem, dq_ready,
+                          dq_empty, kv_bar, NP, BP, lo, n_blk, n_mask, GROUP, start_n, SEQ_K, off_c, scale,
+                          BLOCK_M, BLOCK_N, HEAD_D, STAGES, TRANSFORM, DN_KV, CAUSAL, num_warps)),
+            (_producer, (q_desc, do_desc, q_smem, do_smem, stat_smem, ready, empty, M, Delta, CS, m_base, s_mh, s_ms,
+                         z, h0, lo, n_blk, total, SEQ_Q, BLOCK_M, STAGES, DN_KV)),
             (_dq_writer, (dq_desc, dq_smem, dq_ready, dq_empty, z, h0, lo, n_blk, total, BLOCK_M)),
         ], [1, 1], [24, 24])
 
@@ -308,6 +527,8 @@ if HAVE_GLUON:
         gl.thread_barrier()
         tma.async_copy_shared_to_global(dk_desc, [z, h_kv, start_n, 0], k_smem.index(0))
         tma.async_copy_shared_to_global(dv_desc, [z, h_kv, start_n, 0], v_smem.index(0))
+        if DN_KV:  # one float64 dn partial per key block (bwd_kernels.attn_bwd_kernel_dkv's DN_KV)
+            gl.store(DN + z.to(gl.int64) * s_nz + h_kv.to(gl.int64) * s_nh + pid_n, gl.sum(dnk.to(gl.float64), axis=0))
         tma.store_wait(pendings=0)
 
 
@@ -321,16 +542,31 @@ def _descriptor(t: torch.Tensor, rows: int):
 
 
 def launch_gluon_bwd(q, k, v, do, dk, dv, dqa, M, delta, *, causal: bool, scale: float,
-                     config: GluonBwdConfig) -> None:
+                     config: GluonBwdConfig, transform_id: int = 0, n_ptr: Optional[torch.Tensor] = None,
+                     b_ptr: Optional[torch.Tensor] = None, cstat: Optional[torch.Tensor] = None,
+                     dn_part: Optional[torch.Tensor] = None) -> None:
     """dK, dV into ``dk``, ``dv``; dq added into the zeroed fp32 accumulator ``dqa`` (q's
-    shape, dense). ``delta = rowsum(o * dO)`` (``M``'s layout) precomputed."""
+    shape, dense). ``delta = rowsum(o * dO)`` (``M``'s layout) precomputed. SSA
+    (``transform_id`` 1): ``n_ptr``, ``b_ptr`` the parameters; with ``cstat`` (the forward's
+    ``C``), one float64 ``dn`` partial per key block into ``dn_part`` (``[B, Hkv,
+    gluon_key_blocks(Sk, config)]``, contiguous)."""
     bz, hq, sq, _ = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     block_n = 16 * config.num_warps
     grid = (triton.cdiv(sk, block_n), bz * hkv)
+    dn_kv = cstat is not None
+    if dn_kv and (dn_part is None or dn_part.dtype != torch.float64 or dn_part.numel() < bz * hkv * grid[0]):
+        raise ValueError(f"dn_part must be float64 with {bz * hkv * grid[0]} elements ([B, Hkv, key blocks])")
     _hopper_bwd_ws_kernel[grid](
         _descriptor(q, config.block_m), _descriptor(k, block_n), _descriptor(v, block_n),
         _descriptor(do, config.block_m), _descriptor(dk, block_n), _descriptor(dv, block_n),
-        _descriptor(dqa, config.block_m), M, delta, M.stride(0), M.stride(1), M.stride(2),
-        hkv, hq // hkv, sq, sk, float(scale),
-        CAUSAL=bool(causal), STAGES=config.stages, num_warps=config.num_warps, maxnreg=config.maxnreg)
+        _descriptor(dqa, config.block_m), M, delta, cstat if dn_kv else M, M if n_ptr is None else n_ptr,
+        M if b_ptr is None else b_ptr, dn_part if dn_kv else M, M.stride(0), M.stride(1), M.stride(2),
+        hkv * grid[0] if dn_kv else 0, grid[0] if dn_kv else 0, hkv, hq // hkv, sq, sk, float(scale),
+        TRANSFORM=int(transform_id), DN_KV=dn_kv, CAUSAL=bool(causal), STAGES=config.stages,
+        PIPELINE=bool(config.pipeline), num_warps=config.num_warps, maxnreg=config.maxnreg)
+
+
+def gluon_key_blocks(sk: int, config: GluonBwdConfig) -> int:
+    """Key blocks (programs per batch and kv head) of the Gluon backward: its ``dn`` partials."""
+    return triton.cdiv(sk, 16 * config.num_warps)

@@ -56,16 +56,18 @@ for (d, tr), cfg in sorted(H.GLUON_FWD.items()):
                 sig[a] = desc(cfg.block_m, d)
             elif a in ("k_desc", "v_desc"):
                 sig[a] = desc(cfg.block_n, d)
-            elif a in ("M", "NP", "BP"):
+            elif a in ("M", "CS", "NP", "BP"):
                 sig[a] = "*fp32"
             elif a == "scale":
                 sig[a] = "fp32"
-            elif a in ("TRANSFORM", "CAUSAL", "STAGES", "num_warps"):
+            elif a in ("TRANSFORM", "CAUSAL", "STAGES", "SAVE_C", "num_warps"):
                 sig[a] = "constexpr"
             else:
                 sig[a] = "i32"
-        consts = dict(TRANSFORM=int(tr == "ssa"), CAUSAL=causal, STAGES=cfg.stages, num_warps=cfg.num_warps)
-        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in ("M", "NP", "BP")}
+        # SSA with the row means C: the single-pass backward's forward (the heavier variant)
+        consts = dict(TRANSFORM=int(tr == "ssa"), CAUSAL=causal, STAGES=cfg.stages, SAVE_C=tr == "ssa",
+                      num_warps=cfg.num_warps)
+        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in ("M", "CS", "NP", "BP")}
         k = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=cfg.num_warps))
         ptx = k.asm["ptx"]
@@ -113,11 +115,13 @@ def sm90(monkeypatch):
 
 
 def test_gluon_config_takes_the_table_rows(sm90):
-    for d, tr in hopper.GLUON_FWD:
+    for (d, tr), cfg in hopper.GLUON_FWD.items():
         q = _big(d)
-        assert _cfg(q, transform=tr) == hopper.GLUON_FWD[(d, tr)]
+        assert _cfg(q, transform=tr, save_c=tr == "ssa") == cfg
+        assert (_cfg(q, transform=tr) == cfg) is not cfg.c_only
     assert _cfg(_big(128, torch.float16)) is not None
     assert _cfg(_big(128), transform="ssa") is not None
+    assert _cfg(_big(128), transform="ssa", save_c=True) is not None  # it writes C too
     # GQA: k, v with fewer heads and a shorter Sk, as long as the call has enough scores
     q, k = _big(128, h=8, s=2048), _big(128, h=2, s=1024)
     assert _cfg(q, k, k, q) is not None
@@ -127,12 +131,12 @@ def test_gluon_config_refuses_what_it_does_not_cover(sm90, monkeypatch):
     q = _big(128)
     assert _cfg(q, dropout=True) is None
     assert _cfg(q, varlen=True) is None
-    assert _cfg(q, save_c=True, transform="ssa") is None  # the single-pass backward's C statistic
     assert _cfg(q, explicit_config=True) is None  # an explicit Triton FwdConfig / autotuning
     assert _cfg(q, transform="ssa", fast_log2=0) is None  # the backward would recompute another log2
     assert _cfg(q, transform="ssa", fast_log2=3) is None
     assert _cfg(q, transform="softmax", fast_log2=0) is not None  # softmax has no log2
-    assert _cfg(_big(64), transform="ssa") is None  # measured no faster: the Triton kernel stays
+    assert _cfg(_big(64), transform="ssa") is None  # measured no faster without C: the Triton kernel stays
+    assert _cfg(_big(64), transform="ssa", save_c=True) is not None  # with C it is faster
     assert _cfg(_big(64), transform="softmax") is None
     assert _cfg(_big(32)) is None and _cfg(_big(256)) is None and _cfg(_big(80)) is None
     assert _cfg(_big(128, torch.float32)) is None
@@ -202,6 +206,8 @@ GPU_CASES = [
     (1, 2, 1, 17, 17, 64, True, "softmax", True),
     (1, 2, 2, 2, 3, 128, False, "softmax", False),
     (1, 2, 2, 15, 15, 128, True, "ssa", True),
+    (1, 4, 2, 1000, 1000, 64, True, "ssa", True),  # D64: the table row that writes C
+    (1, 2, 1, 17, 33, 64, False, "ssa", False),
 ]
 
 
@@ -242,19 +248,24 @@ def _check_forward(case, dtype):
     cfg = hopper.GLUON_FWD.get((D, tr), hopper.GLUON_FWD[(128, "softmax")])
     o = torch.full_like(q, float("nan"))  # poisoned: an unwritten element fails
     M = torch.full((B, Hq, Sq), float("nan"), device="cuda")
+    C = torch.full_like(M, float("nan")) if tr == "ssa" else None
     scale = D ** -0.5
     hopper.gluon_fwd(q, k, v, o, M, nb.get("n", M), nb.get("b", M), transform_id=int(tr == "ssa"), causal=causal,
-                     scale=scale, config=cfg)
+                     scale=scale, config=cfg, cstat=C)
     ref = attention_naive(q.float(), k.float(), v.float(), transform=tr, causal=causal,
                           **{key: t.float() for key, t in nb.items()})
     eag = attention_naive(q, k, v, transform=tr, causal=causal, upcast=False, **nb)
     assert not o.isnan().any()
     assert_within_2x_eager(o, eag, ref, "o")
-    o_t, M_t = flash.flash_attention_fwd(q, k, v, transform=tr, causal=causal, config=flash.FwdConfig(64, 64, 4, 2),
-                                         **nb)
+    _, M_t, C_t = flash._flash_fwd(q, k, v, nb.get("n"), nb.get("b"), None, None, None, tr, causal, scale, 0.0,
+                                   Sq, Sk, "ieee", True, flash.FwdConfig(64, 64, 4, 2), save_c=tr == "ssa")
     assert torch.equal(M.isinf(), M_t.isinf())  # the same rows without a visible key
     fin = M_t.isfinite()
     assert (M[fin] - M_t[fin]).abs().max().item() <= 1e-4 if fin.any() else True
+    if tr == "ssa":  # the row means C = E_p[smag]: the Triton kernel's to fp32 rounding, 0 on empty rows
+        assert not C.isnan().any()
+        assert (C - C_t).abs().max().item() <= 1e-4 * max(1.0, C_t.abs().max().item())
+        assert (C[~fin] == 0).all()
 
 
 @pytest.mark.gpu

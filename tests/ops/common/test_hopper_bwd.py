@@ -1,15 +1,16 @@
 """The attention backward's Gluon single pass (``ops.common.hopper_bwd``).
 
 * CPU: the warp-specialised kernel compiles for sm_90 for every table row, causal and full
-  (warpgroup MMAs, TMA copies, the bulk-tensor dq reduce, ``setmaxnreg``) -- Gluon has no
-  interpreter; ``gluon_bwd_config`` takes it only where it applies; ``single_pass_pays``
-  chooses the single pass for softmax at D128 only where the Gluon kernel can run;
-  ``attention_bwd`` routes a non-deterministic call to it and a deterministic one to the two
-  Triton kernels.
-* GPU (sm_90): dq, dk, dv within 2x the eager bf16 error of the fp32 reference, NaN-poisoned
-  outputs, on odd lengths, GQA, causal and full, N = 1 and 17, Sq != Sk both ways,
-  Megatron's ``[s, b, h, d]`` layout; the public op takes it when the backward may be
-  non-deterministic and not when deterministic.
+  (warpgroup MMAs, TMA copies, the bulk-tensor dq reduce, ``setmaxnreg``; SSA with its ``dn``
+  partials), with few spill stores -- Gluon has no interpreter; ``gluon_bwd_config`` takes the
+  table rows only where they apply; ``single_pass_pays`` chooses the single pass wherever the
+  Gluon kernel can run; ``attention_bwd`` routes a non-deterministic call to it and a
+  deterministic one to the two Triton kernels.
+* GPU (sm_90), softmax and SSA at D64 (the pipelined consumers for SSA) and D128: dq, dk, dv
+  and SSA's dn (from the forward's row means C; bit-identical run to run) within 2x the eager
+  bf16 error of the fp32 reference, NaN-poisoned outputs, on odd lengths, GQA, causal and
+  full, N = 1 and 17, Sq != Sk both ways, Megatron's ``[s, b, h, d]`` layout; the public op
+  takes it when the backward may be non-deterministic and not when deterministic.
 """
 
 import os
@@ -35,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[3]
 ON_SM90 = CUDA and not is_interpreter() and torch.cuda.get_device_capability() == (9, 0)
 
 COMPILE = r"""
-import os
+import os, subprocess, tempfile
 os.environ.pop("TRITON_INTERPRET", None)
 import triton
 from triton.backends.compiler import GPUTarget
@@ -48,6 +49,7 @@ def desc(rows, d, dt="bf16"):
     return f"tensordesc<{dt}[1,1,{rows},{d}],{lay!r}>"
 
 fn = H._hopper_bwd_ws_kernel
+cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 for (d, tr), cfg in sorted(H.GLUON_BWD.items()):
     bn = 16 * cfg.num_warps
     for causal in (True, False):
@@ -59,23 +61,39 @@ for (d, tr), cfg in sorted(H.GLUON_BWD.items()):
                 sig[a] = desc(bn, d)
             elif a == "dq_desc":
                 sig[a] = desc(cfg.block_m, d, "fp32")
-            elif a in ("M", "Delta"):
+            elif a in ("M", "Delta", "CS", "NP", "BP"):
                 sig[a] = "*fp32"
+            elif a == "DN":
+                sig[a] = "*fp64"
             elif a == "scale":
                 sig[a] = "fp32"
-            elif a in ("CAUSAL", "STAGES", "num_warps"):
+            elif a in ("TRANSFORM", "DN_KV", "CAUSAL", "STAGES", "PIPELINE", "num_warps"):
                 sig[a] = "constexpr"
             else:
                 sig[a] = "i32"
-        consts = dict(CAUSAL=causal, STAGES=cfg.stages, num_warps=cfg.num_warps)
-        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in ("M", "Delta")}
+        # SSA with its dn partials (the pinned policy's learnable n): the heavier variant
+        consts = dict(TRANSFORM=int(tr == "ssa"), DN_KV=tr == "ssa", CAUSAL=causal, STAGES=cfg.stages,
+                      PIPELINE=bool(cfg.pipeline), num_warps=cfg.num_warps)
+        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in ("M", "Delta", "CS")}
         k = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=cfg.num_warps, maxnreg=cfg.maxnreg))
         ptx = k.asm["ptx"]
         for what in ("wgmma.mma_async", "cp.async.bulk.tensor", "cp.reduce.async.bulk.tensor", "setmaxnreg"):
             assert what in ptx, (d, tr, causal, what)
+        if tr == "ssa":  # the forward's log2 (transforms.log2_fast mode 1) and the fast reciprocal
+            assert "lg2.approx.ftz.f32" in ptx and "rcp.approx.ftz.f32" in ptx, (d, causal)
         assert k.metadata.shared <= 232448, k.metadata.shared  # sm_90's shared memory per block
-        print("ok", d, tr, causal, flush=True)
+        spills = -1
+        if os.path.exists(cuobjdump):
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(k.asm["cubin"])
+                f.flush()
+                sass = subprocess.run([cuobjdump, "-sass", f.name], check=True, capture_output=True, text=True).stdout
+            spills = sass.count("STL")
+            # spill stores in the consumers' loop cost SSA at D128 a fifth of its time (93 stores:
+            # 1.55x cuDNN; 10: 1.27x, docs/results/2026-11-26-gluon-ssa): keep them few
+            assert spills <= 16, (d, tr, causal, spills)
+        print("ok", d, tr, causal, "spills", spills, flush=True)
 """
 
 
@@ -106,12 +124,16 @@ def _cfg(q, k=None, do=None, o=None, transform="softmax", **kw):
     return H.gluon_bwd_config(transform, q, k, k, q if do is None else do, q if o is None else o, **args)
 
 
-def test_gluon_bwd_config_takes_softmax_d128_only(sm90, monkeypatch):
+def test_gluon_bwd_config_takes_the_table_rows(sm90, monkeypatch):
     q = _big()
+    for d, tr in H.GLUON_BWD:
+        assert _cfg(_big(d), transform=tr) == H.GLUON_BWD[(d, tr)]
     assert _cfg(q) == H.GLUON_BWD[(128, "softmax")]
     assert _cfg(_big(128, torch.float16)) is not None
-    assert _cfg(q, transform="ssa") is None  # needs the forward's C and the dn partials
-    assert _cfg(_big(64)) is None  # measured no faster than the Triton kernels
+    assert _cfg(q, transform="ssa", fast_log2=0) is None  # the forward's z came from another log2
+    assert _cfg(q, transform="ssa", fast_log2=3) is None
+    assert _cfg(q, transform="softmax", fast_log2=0) is not None  # softmax has no log2
+    assert _cfg(_big(32)) is None and _cfg(_big(96)) is None and _cfg(_big(256)) is None
     assert _cfg(q, dropout=True) is None and _cfg(q, varlen=True) is None
     assert _cfg(_big(128, torch.float32)) is None
     assert _cfg(_big(128, s=1024)) is None  # below MIN_SCORES
@@ -125,12 +147,13 @@ def test_gluon_bwd_config_takes_softmax_d128_only(sm90, monkeypatch):
     assert _cfg(q) is None
 
 
-def test_single_pass_pays_for_softmax_d128_only_with_the_gluon_kernel():
-    assert bwd_config.single_pass_pays("softmax", 128, gluon=True)
+def test_single_pass_pays_where_the_gluon_kernel_runs():
+    for tr in ("softmax", "ssa"):
+        assert bwd_config.single_pass_pays(tr, 128, gluon=True)
     assert not bwd_config.single_pass_pays("softmax", 128)
-    assert not bwd_config.single_pass_pays("softmax", 64, gluon=True)
-    assert not bwd_config.single_pass_pays("softmax", 96, gluon=True)
-    assert not bwd_config.single_pass_pays("ssa", 128, gluon=True)
+    assert not bwd_config.single_pass_pays("ssa", 128)
+    assert not bwd_config.single_pass_pays("softmax", 64)
+    assert bwd_config.single_pass_pays("ssa", 32) and bwd_config.single_pass_pays("ssa", 64, tma=True)
 
 
 def test_deterministic_mode_keeps_the_two_kernels(monkeypatch):
@@ -192,24 +215,49 @@ def _inputs(B_, Hq, Hkv, Sq, Sk, megatron, seed, D=128):
     return mk(Sq, Hq), mk(Sk, Hkv), mk(Sk, Hkv), mk(Sq, Hq)
 
 
-def _reference(q, k, v, do, causal):
-    leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
-    g_ref = torch.autograd.grad(attention_naive(*leaves, transform="softmax", causal=causal), leaves, do.float())
-    eag = [t.detach().requires_grad_(True) for t in (q, k, v)]
-    g_eag = torch.autograd.grad(attention_naive(*eag, transform="softmax", causal=causal, upcast=False), eag, do)
-    return g_ref, g_eag
+def _nb(transform, seed, grad=False):
+    """SSA's (n, b): n drawn around the policy's 1.5, b around 0.8; {} for softmax."""
+    if transform != "ssa":
+        return {}
+    g = torch.Generator().manual_seed(seed)
+    n, b = 1.0 + torch.rand((), generator=g).item(), 0.5 + 0.6 * torch.rand((), generator=g).item()
+    return dict(n=torch.tensor([n], device="cuda", requires_grad=grad), b=torch.tensor([b], device="cuda"))
+
+
+def _reference(q, k, v, do, causal, transform="softmax", nb=None):
+    """fp32 and same-dtype eager gradients ``(dq, dk, dv[, dn])`` of the naive attention."""
+    nb = nb or {}
+    out = []
+    for upcast in (True, False):
+        leaves = [t.detach().float().requires_grad_(True) if upcast else t.detach().requires_grad_(True)
+                  for t in (q, k, v)]
+        n = nb.get("n")
+        if n is not None:
+            n = n.detach().float().requires_grad_(True)
+            leaves.append(n)
+        kw = dict(n=n, b=nb["b"].float()) if nb else {}
+        o = attention_naive(*leaves[:3], transform=transform, causal=causal, upcast=upcast, **kw)
+        out.append(torch.autograd.grad(o, leaves, do.float() if upcast else do))
+    return out[0], out[1]
 
 
 @pytest.mark.gpu
 @pytest.mark.gpu_quick
 @pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("transform", ["softmax", "ssa"])
+@pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
-def test_gluon_backward_matches_reference(case, monkeypatch):
-    from nemo_ssa.ops.attention.flash import flash_attention_fwd
+def test_gluon_backward_matches_reference(case, transform, D, monkeypatch):
+    from nemo_ssa.ops.attention import flash as fl
+    from nemo_ssa.testing import assert_scalar_grad_close, ssa_scalar_grad_terms
 
     B_, Hq, Hkv, Sq, Sk, causal, meg = case
-    q, k, v, do = _inputs(B_, Hq, Hkv, Sq, Sk, meg, seed=Sq * 7 + Hq)
-    o, M = flash_attention_fwd(q, k, v, transform="softmax", causal=causal)
+    q, k, v, do = _inputs(B_, Hq, Hkv, Sq, Sk, meg, seed=Sq * 7 + Hq + D, D=D)
+    nb = _nb(transform, Sq + Hq)
+    ssa = transform == "ssa"
+    # the forward writes C (SSA's dn partials need it), as the public op's does for a learnable n
+    o, M, C = fl._flash_fwd(q, k, v, nb.get("n"), nb.get("b"), None, None, None, transform, causal, D ** -0.5,
+                            0.0, Sq, Sk, "ieee", True, save_c=ssa)
     monkeypatch.setattr(H, "MIN_SCORES", 0)  # the small cases take the kernel too
     calls = []
     real = B.launch_gluon_bwd
@@ -218,32 +266,58 @@ def test_gluon_backward_matches_reference(case, monkeypatch):
         calls.append(kw)
         for t in a[4:6]:  # dk, dv: poisoned, so an unwritten element fails
             t.fill_(float("nan"))
+        if kw.get("dn_part") is not None:
+            kw["dn_part"].fill_(float("nan"))
         return real(*a, **kw)
 
     monkeypatch.setattr(B, "launch_gluon_bwd", spy)
-    dq, dk, dv, _, _ = B.attention_bwd(do, q, k, v, o, M, transform="softmax", causal=causal, deterministic=False)
+    dq, dk, dv, dn, _ = B.attention_bwd(do, q, k, v, o, M, transform=transform, causal=causal, need_db=False,
+                                        cstat=C, deterministic=False, **nb)
     assert calls, "the call did not take the Gluon backward"
-    g_ref, g_eag = _reference(q, k, v, do, causal)
+    assert (calls[0]["cstat"] is not None) == ssa and calls[0]["config"] == H.GLUON_BWD[(D, transform)]
+    g_ref, g_eag = _reference(q, k, v, do, causal, transform, nb)
     for name, g, e, r in zip(("dq", "dk", "dv"), (dq, dk, dv), g_eag, g_ref):
         assert not g.isnan().any(), name
         assert_within_2x_eager(g, e, r, name)
+    if ssa:
+        tn, _ = ssa_scalar_grad_terms(q.float(), k.float(), v.float(), nb["n"], nb["b"], do.float(), causal=causal)
+        assert_scalar_grad_close("dn", dn, g_ref[3], tn, torch.bfloat16, eager=g_eag[3])
+        again = B.attention_bwd(do, q, k, v, o, M, transform=transform, causal=causal, need_db=False, cstat=C,
+                                deterministic=False, **nb)[3]
+        assert torch.equal(dn, again)  # fixed-order partials: bit-identical run to run
+    else:
+        assert dn is None
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 GPU (H100/H200)")
-def test_public_op_takes_the_gluon_backward_unless_deterministic(monkeypatch):
-    from nemo_ssa.ops.attention.flash import softmax_attention_triton
+@pytest.mark.parametrize("transform", ["softmax", "ssa"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_public_op_takes_the_gluon_backward_unless_deterministic(transform, D, monkeypatch):
+    from nemo_ssa.ops.attention.flash import softmax_attention_triton, ssa_attention_triton
+    from nemo_ssa.testing import assert_scalar_grad_close, ssa_scalar_grad_terms
 
     calls = []
     real = B.launch_gluon_bwd
     monkeypatch.setattr(B, "launch_gluon_bwd", lambda *a, **kw: (calls.append(kw), real(*a, **kw))[1])
-    q, k, v, do = _inputs(1, 4, 2, 2048, 2048, True, seed=3)  # 2^24 scores: the table path
-    g_ref, g_eag = _reference(q, k, v, do, True)
+    q, k, v, do = _inputs(1, 4, 2, 2048, 2048, True, seed=3, D=D)  # 2^24 scores: the table path
+    nb = _nb(transform, 5, grad=True)  # the pinned policy: n learnable, b fixed
+    g_ref, g_eag = _reference(q, k, v, do, True, transform, nb)
     for det, want in ((None, 1), (True, 0)):
         calls.clear()
         leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-        out = softmax_attention_triton(*leaves, causal=True, deterministic=det)
+        if transform == "ssa":
+            n = nb["n"].detach().requires_grad_(True)
+            out = ssa_attention_triton(*leaves, n, nb["b"], causal=True, deterministic=det)
+            leaves.append(n)
+        else:
+            out = softmax_attention_triton(*leaves, causal=True, deterministic=det)
         grads = torch.autograd.grad(out, leaves, do)
         assert len(calls) == want, det
         for name, g, e, r in zip(("dq", "dk", "dv"), grads, g_eag, g_ref):
             assert_within_2x_eager(g, e, r, name)
+        if transform == "ssa":
+            assert calls[0]["cstat"] is not None if want else True  # the forward wrote C
+            tn, _ = ssa_scalar_grad_terms(q.float(), k.float(), v.float(), nb["n"].detach(), nb["b"], do.float(),
+                                          causal=True)
+            assert_scalar_grad_close("dn", grads[3], g_ref[3], tn, torch.bfloat16, eager=g_eag[3])
