@@ -56,8 +56,9 @@ ENV_VARS: Tuple[Tuple[str, str, str], ...] = (
      "0: the attention kernels never take the Hopper TMA path (tensor descriptors); the "
      "tables' pointer rows run instead (A/B runs, or a driver that mishandles descriptors)"),
     ("NEMO_SSA_GLUON", "1",
-     "0: the flash forward never takes its Gluon Hopper kernel (ops.attention.hopper); "
-     "the Triton kernel runs instead (A/B runs)"),
+     "0: the attention never takes its Gluon Hopper kernels (the flash forward, "
+     "ops.attention.hopper; the single-pass backward, ops.common.hopper_bwd); the Triton "
+     "kernels run instead (A/B runs)"),
     ("NEMO_SSA_MLP_TILES", "",
      "fused MLP tiles, e.g. fwd=128x256x64/3/8,bwd=128x128x64/4/4 (default: DEFAULT_TILES)"),
     ("NEMO_SSA_CE_COMPILE", "1",
@@ -120,7 +121,8 @@ def tma() -> bool:
 
 
 def gluon() -> bool:
-    """``NEMO_SSA_GLUON``: the flash forward may take its Gluon Hopper kernel (on by default)."""
+    """``NEMO_SSA_GLUON``: the attention may take its Gluon Hopper kernels, forward and
+    backward (on by default)."""
     return _flag("NEMO_SSA_GLUON", True)
 
 
