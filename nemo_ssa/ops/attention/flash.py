@@ -57,7 +57,7 @@ from nemo_ssa.ops.attention.hopper import gluon_fwd, gluon_fwd_config
 from nemo_ssa.ops.common.alloc import new_cstat, new_output, new_output_like
 from nemo_ssa.ops.common.bwd import MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES, attention_bwd
 from nemo_ssa.ops.common.bwd_config import d_bucket, use_single_pass
-from nemo_ssa.ops.common.hopper_bwd import gluon_bwd_capable
+from nemo_ssa.ops.common.hopper_bwd import GLUON_BWD, gluon_bwd_capable
 from nemo_ssa.ops.common.device import (
     dropout_keep,
     dropout_rng_layout,
@@ -528,8 +528,10 @@ def _flash_apply(q, k, v, n, b, rng, cu_q, cu_k, transform, causal, scale, dropo
     # costs a stride check): see bwd_config.single_pass_pays
     tma = (transform == "ssa" and d_bucket(d) == 64
            and bool(use_tma(1, cu_q is not None, q, k, v, scores=q.shape[0] * q.shape[1] * max_q * max_k)))
-    gluon = gluon_bwd_capable(transform, q, k, v, varlen=cu_q is not None, dropout=dropout_p > 0.0,
-                              fast_log2=log2_mode(fast) if transform == "ssa" else 1)
+    # (the table lookup first: the recipe's D32 calls are host-bound and stop there)
+    gluon = (d, transform) in GLUON_BWD and gluon_bwd_capable(
+        transform, q, k, v, varlen=cu_q is not None, dropout=dropout_p > 0.0,
+        fast_log2=log2_mode(fast) if transform == "ssa" else 1)
     det = bool(deterministic) or not use_single_pass(transform, d, tma=tma, gluon=gluon)
     save_c = (not det and transform == "ssa" and n is not None and torch.is_grad_enabled() and n.requires_grad
               and not (b is not None and b.requires_grad))
