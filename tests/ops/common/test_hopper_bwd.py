@@ -52,7 +52,8 @@ fn = H._hopper_bwd_ws_kernel
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 for (d, tr), cfg in sorted(H.GLUON_BWD.items()):
     bn = 16 * cfg.num_warps
-    for causal in (True, False):
+    # SSA: with the dn partials (a learnable n) causal and full, and without them (n fixed)
+    for causal, dn in ((True, True), (False, True)) + (((True, False),) if tr == "ssa" else ()):
         sig = {}
         for a in fn.arg_names:
             if a in ("q_desc", "do_desc"):
@@ -72,7 +73,7 @@ for (d, tr), cfg in sorted(H.GLUON_BWD.items()):
             else:
                 sig[a] = "i32"
         # SSA with its dn partials (the pinned policy's learnable n): the heavier variant
-        consts = dict(TRANSFORM=int(tr == "ssa"), DN_KV=tr == "ssa", CAUSAL=causal, STAGES=cfg.stages,
+        consts = dict(TRANSFORM=int(tr == "ssa"), DN_KV=dn and tr == "ssa", CAUSAL=causal, STAGES=cfg.stages,
                       PIPELINE=bool(cfg.pipeline), num_warps=cfg.num_warps)
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in ("M", "Delta", "CS")}
         k = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
@@ -93,7 +94,7 @@ for (d, tr), cfg in sorted(H.GLUON_BWD.items()):
             # spill stores in the consumers' loop cost SSA at D128 a fifth of its time (93 stores:
             # 1.55x cuDNN; 10: 1.27x, docs/results/2026-11-26-gluon-ssa): keep them few
             assert spills <= 16, (d, tr, causal, spills)
-        print("ok", d, tr, causal, "spills", spills, flush=True)
+        print("ok", d, tr, causal, dn, "spills", spills, flush=True)
 """
 
 
@@ -104,7 +105,7 @@ def test_gluon_backward_compiles_for_sm90():
     r = subprocess.run([sys.executable, "-c", COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    assert r.stdout.count("ok ") == 2 * len(H.GLUON_BWD)
+    assert r.stdout.count("ok ") == sum(3 if tr == "ssa" else 2 for _, tr in H.GLUON_BWD)
 
 
 def _big(d=128, dtype=torch.bfloat16, h=1, s=4096, device="cpu"):
@@ -287,6 +288,26 @@ def test_gluon_backward_matches_reference(case, transform, D, monkeypatch):
         assert torch.equal(dn, again)  # fixed-order partials: bit-identical run to run
     else:
         assert dn is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("D", [64, 128])
+def test_gluon_backward_ssa_with_fixed_n(D, monkeypatch):
+    """SSA with n fixed (no dn wanted): the kernel's variant without C and without dn partials."""
+    from nemo_ssa.ops.attention.flash import ssa_attention_triton
+
+    calls = []
+    real = B.launch_gluon_bwd
+    monkeypatch.setattr(B, "launch_gluon_bwd", lambda *a, **kw: (calls.append(kw), real(*a, **kw))[1])
+    q, k, v, do = _inputs(1, 4, 2, 2048, 2048, False, seed=11, D=D)
+    nb = _nb("ssa", 7)  # n, b without gradients
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    grads = torch.autograd.grad(ssa_attention_triton(*leaves, nb["n"], nb["b"], causal=True), leaves, do)
+    assert len(calls) == 1 and calls[0]["cstat"] is None and calls[0]["transform_id"] == 1
+    g_ref, g_eag = _reference(q, k, v, do, True, "ssa", nb)
+    for name, g, e, r in zip(("dq", "dk", "dv"), grads, g_eag, g_ref):
+        assert_within_2x_eager(g, e, r, name)
 
 
 @pytest.mark.gpu
