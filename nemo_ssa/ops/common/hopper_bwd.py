@@ -180,7 +180,7 @@ if HAVE_GLUON:
             mbarrier.arrive(dq_empty.index(b), count=1)
 
     @gluon.jit
-    def _grad_scores(sT, dpT, dnk, rows, stat_smem, s, cols, SEQ_K, kpos, c0, c1, dtype: gl.constexpr,
+    def _grad_scores(sT, dpT, dnk, rows, stat_smem, s, cols, SEQ_K, off_c, c0, c1, dtype: gl.constexpr,
                      sT_layout: gl.constexpr, a_layout: gl.constexpr, TRANSFORM: gl.constexpr,
                      DN_KV: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr):
         """``(Pᵀ, dSᵀ)`` of one block as MMA operands (registers), ``dSᵀ`` also in 16 bits for
@@ -199,7 +199,7 @@ if HAVE_GLUON:
         if MASKED:
             keep = gl.expand_dims(cols < SEQ_K, 1)
             if CAUSAL:
-                keep = keep & (gl.expand_dims(kpos, 1) <= gl.expand_dims(rows, 0))  # key ended by row
+                keep = keep & (gl.expand_dims(cols, 1) <= gl.expand_dims(rows + off_c, 0))
             z2 = gl.where(keep, z2, float("-inf"))
         pT = gl.exp2(z2 - gl.expand_dims(m_row, 0))  # masked, padding, empty rows (M = +inf) -> 0
         dzT = pT * (dpT - gl.expand_dims(d_row, 0))
@@ -217,7 +217,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _consume_step(dk, dv, dnk, it, g, start_m, k_smem, v_smem, q_smem, do_smem, stat_smem, ready, empty,
-                      dsT_smem, dq_smem, dq_ready, dq_empty, cols, SEQ_K, kpos,
+                      dsT_smem, dq_smem, dq_ready, dq_empty, cols, SEQ_K, off_c,
                       c0, c1, g_s, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                       STAGES: gl.constexpr, sT_layout: gl.constexpr, a_layout: gl.constexpr,
                       dq_layout: gl.constexpr, TRANSFORM: gl.constexpr, DN_KV: gl.constexpr,
@@ -237,7 +237,7 @@ if HAVE_GLUON:
         sT = warpgroup_mma(k2, q2.permute((1, 0)), zero, use_acc=False, is_async=True)
         dpT = warpgroup_mma(v2, do2.permute((1, 0)), zero, use_acc=False, is_async=True)
         sT, dpT = warpgroup_mma_wait(0, deps=(sT, dpT))
-        pa, dsa, ds_lp, dnk = _grad_scores(sT, dpT, dnk, rows, stat_smem, s, cols, SEQ_K, kpos, c0, c1, dtype,
+        pa, dsa, ds_lp, dnk = _grad_scores(sT, dpT, dnk, rows, stat_smem, s, cols, SEQ_K, off_c, c0, c1, dtype,
                                            sT_layout, a_layout, TRANSFORM, DN_KV, CAUSAL, MASKED)
         dv = warpgroup_mma(pa, do2, dv, is_async=True)
         dk = warpgroup_mma(dsa, q2, dk, is_async=True)
@@ -259,7 +259,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _consumers(k_smem, v_smem, q_smem, do_smem, stat_smem, ready, empty, dsT_smem, dq_smem, dq_ready, dq_empty,
-                   kv_bar, NP, BP, lo, n_blk, n_mask, GROUP, start_n, SEQ_K, KSTRIDE, KOFF, scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                   kv_bar, NP, BP, lo, n_blk, n_mask, GROUP, start_n, SEQ_K, off_c, scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                    STAGES: gl.constexpr, TRANSFORM: gl.constexpr, DN_KV: gl.constexpr, CAUSAL: gl.constexpr,
                    num_warps: gl.constexpr):
         """The default partition (two consumer warpgroups, 64 keys each): every query head of
@@ -284,7 +284,6 @@ if HAVE_GLUON:
             c1 = 0.0
             g_s = scale
         cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, sT_layout))
-        kpos = cols * KSTRIDE + KOFF  # key j is visible to rows t >= kpos (CAUSAL)
         dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, kv_layout)
         dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, kv_layout)
         dnk = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(1, sT_layout))
@@ -294,14 +293,14 @@ if HAVE_GLUON:
             for jm in range(n_mask):
                 dk, dv, dnk = _consume_step(dk, dv, dnk, it, g, lo + jm * BLOCK_M, k_smem, v_smem, q_smem, do_smem,
                                             stat_smem, ready, empty, dsT_smem, dq_smem, dq_ready, dq_empty, cols,
-                                            SEQ_K, kpos, c0, c1, g_s, BLOCK_M, BLOCK_N,
+                                            SEQ_K, off_c, c0, c1, g_s, BLOCK_M, BLOCK_N,
                                             HEAD_D, STAGES, sT_layout, a_layout, dq_layout, TRANSFORM, DN_KV,
                                             CAUSAL, True)
                 it += 1
             for ju in range(n_mask, n_blk):
                 dk, dv, dnk = _consume_step(dk, dv, dnk, it, g, lo + ju * BLOCK_M, k_smem, v_smem, q_smem, do_smem,
                                             stat_smem, ready, empty, dsT_smem, dq_smem, dq_ready, dq_empty, cols,
-                                            SEQ_K, kpos, c0, c1, g_s, BLOCK_M, BLOCK_N,
+                                            SEQ_K, off_c, c0, c1, g_s, BLOCK_M, BLOCK_N,
                                             HEAD_D, STAGES, sT_layout, a_layout, dq_layout, TRANSFORM, DN_KV,
                                             CAUSAL, False)
                 it += 1
@@ -333,7 +332,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _pp_step(dk, dv, dnk, pa_p, dsa_p, it, start_m, k_smem, v_smem, q_smem, do_smem, stat_smem, ready, empty,
-                 dsT_smem, dq_smem, dq_ready, dq_empty, cols, SEQ_K, kpos, c0, c1, g_s, BLOCK_M: gl.constexpr,
+                 dsT_smem, dq_smem, dq_ready, dq_empty, cols, SEQ_K, off_c, c0, c1, g_s, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, sT_layout: gl.constexpr,
                  a_layout: gl.constexpr, dq_layout: gl.constexpr, TRANSFORM: gl.constexpr, DN_KV: gl.constexpr,
                  CAUSAL: gl.constexpr, MASKED: gl.constexpr, FIRST: gl.constexpr):
@@ -361,7 +360,7 @@ if HAVE_GLUON:
             dk, dv, dq = _pp_issue_prev(dk, dv, pa_p, dsa_p, it, k2, q_smem, do_smem, dsT_smem, BLOCK_M, HEAD_D,
                                         STAGES, dq_layout)
             sT, dpT = warpgroup_mma_wait(3, deps=(sT, dpT))  # block it - 1's products may still run
-        pa, dsa, ds_lp, dnk = _grad_scores(sT, dpT, dnk, rows, stat_smem, s, cols, SEQ_K, kpos, c0, c1, dtype,
+        pa, dsa, ds_lp, dnk = _grad_scores(sT, dpT, dnk, rows, stat_smem, s, cols, SEQ_K, off_c, c0, c1, dtype,
                                            sT_layout, a_layout, TRANSFORM, DN_KV, CAUSAL, MASKED)
         if not FIRST:
             dq, dk, dv, pa_p, dsa_p = warpgroup_mma_wait(0, deps=(dq, dk, dv, pa_p, dsa_p))
@@ -376,7 +375,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _consumers_pipelined(k_smem, v_smem, q_smem, do_smem, stat_smem, ready, empty, dsT_smem, dq_smem, dq_ready,
-                             dq_empty, kv_bar, NP, BP, lo, n_blk, n_mask, GROUP, start_n, SEQ_K, KSTRIDE, KOFF, scale,
+                             dq_empty, kv_bar, NP, BP, lo, n_blk, n_mask, GROUP, start_n, SEQ_K, off_c, scale,
                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                              STAGES: gl.constexpr, TRANSFORM: gl.constexpr, DN_KV: gl.constexpr,
                              CAUSAL: gl.constexpr, num_warps: gl.constexpr):
@@ -400,7 +399,6 @@ if HAVE_GLUON:
             c1 = 0.0
             g_s = scale
         cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, sT_layout))
-        kpos = cols * KSTRIDE + KOFF  # key j is visible to rows t >= kpos (CAUSAL)
         dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, kv_layout)
         dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, kv_layout)
         dnk = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(1, sT_layout))
@@ -410,7 +408,7 @@ if HAVE_GLUON:
             pa = gl.zeros([BLOCK_N, BLOCK_M], k_smem.dtype, a_layout)
             dsa = gl.zeros([BLOCK_N, BLOCK_M], k_smem.dtype, a_layout)
             dk, dv, dnk, pa, dsa = _pp_step(dk, dv, dnk, pa, dsa, 0, lo, k_smem, v_smem, q_smem, do_smem, stat_smem,
-                                            ready, empty, dsT_smem, dq_smem, dq_ready, dq_empty, cols, SEQ_K, kpos,
+                                            ready, empty, dsT_smem, dq_smem, dq_ready, dq_empty, cols, SEQ_K, off_c,
                                             c0, c1, g_s, BLOCK_M, BLOCK_N, HEAD_D, STAGES, sT_layout, a_layout,
                                             dq_layout, TRANSFORM, DN_KV, CAUSAL, True, True)
             it = 1
@@ -419,14 +417,14 @@ if HAVE_GLUON:
                 for jm in range(first, n_mask):
                     dk, dv, dnk, pa, dsa = _pp_step(dk, dv, dnk, pa, dsa, it, lo + jm * BLOCK_M, k_smem, v_smem,
                                                     q_smem, do_smem, stat_smem, ready, empty, dsT_smem, dq_smem,
-                                                    dq_ready, dq_empty, cols, SEQ_K, kpos, c0, c1, g_s, BLOCK_M,
+                                                    dq_ready, dq_empty, cols, SEQ_K, off_c, c0, c1, g_s, BLOCK_M,
                                                     BLOCK_N, HEAD_D, STAGES, sT_layout, a_layout, dq_layout,
                                                     TRANSFORM, DN_KV, CAUSAL, True, False)
                     it += 1
                 for ju in range(n_mask + first * (n_mask == 0).to(gl.int32), n_blk):
                     dk, dv, dnk, pa, dsa = _pp_step(dk, dv, dnk, pa, dsa, it, lo + ju * BLOCK_M, k_smem, v_smem,
                                                     q_smem, do_smem, stat_smem, ready, empty, dsT_smem, dq_smem,
-                                                    dq_ready, dq_empty, cols, SEQ_K, kpos, c0, c1, g_s, BLOCK_M,
+                                                    dq_ready, dq_empty, cols, SEQ_K, off_c, c0, c1, g_s, BLOCK_M,
                                                     BLOCK_N, HEAD_D, STAGES, sT_layout, a_layout, dq_layout,
                                                     TRANSFORM, DN_KV, CAUSAL, False, False)
                     it += 1
@@ -446,7 +444,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _hopper_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, M, Delta, CS, NP, BP,
-                              DN, s_mz, s_mh, s_ms, s_nz, s_nh, HKV, GROUP, SEQ_Q, SEQ_K, KSTRIDE, KOFF, scale,
+                              DN, s_mz, s_mh, s_ms, s_nz, s_nh, HKV, GROUP, SEQ_Q, SEQ_K, scale,
                               TRANSFORM: gl.constexpr, DN_KV: gl.constexpr, CAUSAL: gl.constexpr,
                               STAGES: gl.constexpr, PIPELINE: gl.constexpr, num_warps: gl.constexpr):
         """One program per (key block, batch * kv head); rank-4 ``[B, H, S, D]`` descriptors
@@ -454,10 +452,7 @@ if HAVE_GLUON:
         dK and dV leave through K's and V's tiles. SSA: ``NP``, ``BP`` hold ``n``, ``b``;
         ``DN_KV``: ``CS`` the forward's row means ``C`` (M's layout), ``DN`` a float64
         ``[B, HKV, key blocks]`` (strides ``s_nz``, ``s_nh``, 1) for one ``dn`` partial per
-        program (its keys summed in a fixed order). ``CAUSAL``: key ``j`` is visible to query
-        row ``t`` iff ``j * KSTRIDE + KOFF <= t`` (dense causal, bottom-right aligned:
-        ``KSTRIDE = 1``, ``KOFF = SEQ_Q - SEQ_K``; NSA's compressed blocks: the block stride and
-        ``block_len - 1``)."""
+        program (its keys summed in a fixed order)."""
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -470,11 +465,12 @@ if HAVE_GLUON:
         h_kv = pid_zh % HKV
         h0 = h_kv * GROUP
         start_n = pid_n * BLOCK_N
+        off_c = SEQ_K - SEQ_Q
         q_end = ((SEQ_Q + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
         if CAUSAL:
-            first = gl.maximum(start_n * KSTRIDE + KOFF, 0)  # the first row that sees key start_n
+            first = gl.maximum(start_n - off_c, 0)
             lo = (first // BLOCK_M) * BLOCK_M
-            full = gl.maximum((start_n + BLOCK_N - 1) * KSTRIDE + KOFF, 0)  # ... every key of the block
+            full = gl.maximum(start_n + BLOCK_N - 1 - off_c, 0)
             mid = ((full + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
         else:
             lo = 0
@@ -516,7 +512,7 @@ if HAVE_GLUON:
         dk, dv, dnk = gl.warp_specialize([
             (_consumers_pipelined if PIPELINE else _consumers,
              (k_smem, v_smem, q_smem, do_smem, stat_smem, ready, empty, dsT_smem, dq_smem, dq_ready,
-                          dq_empty, kv_bar, NP, BP, lo, n_blk, n_mask, GROUP, start_n, SEQ_K, KSTRIDE, KOFF, scale,
+                          dq_empty, kv_bar, NP, BP, lo, n_blk, n_mask, GROUP, start_n, SEQ_K, off_c, scale,
                           BLOCK_M, BLOCK_N, HEAD_D, STAGES, TRANSFORM, DN_KV, CAUSAL, num_warps)),
             (_producer, (q_desc, do_desc, q_smem, do_smem, stat_smem, ready, empty, M, Delta, CS, m_base, s_mh, s_ms,
                          z, h0, lo, n_blk, total, SEQ_Q, BLOCK_M, STAGES, DN_KV)),
@@ -548,14 +544,12 @@ def _descriptor(t: torch.Tensor, rows: int):
 def launch_gluon_bwd(q, k, v, do, dk, dv, dqa, M, delta, *, causal: bool, scale: float,
                      config: GluonBwdConfig, transform_id: int = 0, n_ptr: Optional[torch.Tensor] = None,
                      b_ptr: Optional[torch.Tensor] = None, cstat: Optional[torch.Tensor] = None,
-                     dn_part: Optional[torch.Tensor] = None, kstride: int = 1, koff: Optional[int] = None) -> None:
+                     dn_part: Optional[torch.Tensor] = None) -> None:
     """dK, dV into ``dk``, ``dv``; dq added into the zeroed fp32 accumulator ``dqa`` (q's
     shape, dense). ``delta = rowsum(o * dO)`` (``M``'s layout) precomputed. SSA
     (``transform_id`` 1): ``n_ptr``, ``b_ptr`` the parameters; with ``cstat`` (the forward's
     ``C``), one float64 ``dn`` partial per key block into ``dn_part`` (``[B, Hkv,
-    gluon_key_blocks(Sk, config)]``, contiguous). ``causal``: key ``j`` visible to row ``t``
-    iff ``j * kstride + koff <= t``; the default is the dense bottom-right rule (``kstride = 1``,
-    ``koff = Sq - Sk``)."""
+    gluon_key_blocks(Sk, config)]``, contiguous)."""
     bz, hq, sq, _ = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     block_n = 16 * config.num_warps
@@ -568,8 +562,7 @@ def launch_gluon_bwd(q, k, v, do, dk, dv, dqa, M, delta, *, causal: bool, scale:
         _descriptor(do, config.block_m), _descriptor(dk, block_n), _descriptor(dv, block_n),
         _descriptor(dqa, config.block_m), M, delta, cstat if dn_kv else M, M if n_ptr is None else n_ptr,
         M if b_ptr is None else b_ptr, dn_part if dn_kv else M, M.stride(0), M.stride(1), M.stride(2),
-        hkv * grid[0] if dn_kv else 0, grid[0] if dn_kv else 0, hkv, hq // hkv, sq, sk, int(kstride),
-        sq - sk if koff is None else int(koff), float(scale),
+        hkv * grid[0] if dn_kv else 0, grid[0] if dn_kv else 0, hkv, hq // hkv, sq, sk, float(scale),
         TRANSFORM=int(transform_id), DN_KV=dn_kv, CAUSAL=bool(causal), STAGES=config.stages,
         PIPELINE=bool(config.pipeline), num_warps=config.num_warps, maxnreg=config.maxnreg)
 

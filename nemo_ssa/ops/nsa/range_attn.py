@@ -58,9 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nemo_ssa.ops.common.bwd_config import use_single_pass
 from nemo_ssa.ops.common.device import tma_tile
-from nemo_ssa.ops.common.hopper_bwd import gluon_bwd_config, launch_gluon_bwd
 from nemo_ssa.ops.common.launch import is_interpreter
 from nemo_ssa.ops.common.tma import descriptor, use_tma
 from nemo_ssa.ops.common.transforms import grad_consts, score_bwd_parts, score_fwd, transform_consts
@@ -632,10 +630,6 @@ def _range_bwd(q, k, v, o, lse, do, n_t, b_t, tid, scale, kstride, koff, window)
     if nk == 0:
         dnb = torch.zeros(2, device=q.device, dtype=torch.float32)
         return dq.zero_(), torch.empty_like(k), torch.empty_like(v), dnb
-    if not window and tid == 0:
-        got = _gluon_bwd(q, k, v, o, lse, do, scale, kstride, koff)
-        if got is not None:
-            return (*got, torch.zeros(2, device=q.device, dtype=torch.float64))
     delta = row_delta(o, do)  # [B, Hq, N] fp32
     bm, bn, warps, stages = _blocks(d, "bwd", "window" if window else "compressed", ssa=tid == 1)
     tma = _tma("dq", d, k, v, scores=bsz * hq * n_tok * nk)
@@ -657,31 +651,6 @@ def _range_bwd(q, k, v, o, lse, do, n_t, b_t, tid, scale, kstride, koff, window)
         dk = dk.sum(0).to(k.dtype)
         dv = dv.sum(0).to(v.dtype)
     return dq, dk, dv, dnb.sum(0, dtype=torch.float64)
-
-
-#: the compressed branch's backward through the dense attention's warp-specialised Gluon single
-#: pass (``ops.common.hopper_bwd``: K/V loaded once per GQA group, its visibility rule given
-#: as ``kstride``/``koff``) where that kernel applies and the backward may be
-#: non-deterministic (its dq is summed by atomics); ``TILE_OVERRIDE["gluon"] = False`` or
-#: ``NEMO_SSA_GLUON=0`` keeps these kernels
-GLUON_COMPRESSED = True
-
-
-def _gluon_bwd(q, k, v, o, lse, do, scale, kstride, koff):
-    """``(dq, dk, dv)`` of the compressed branch (softmax) by the Gluon single pass, or None
-    where it does not apply (``gluon_bwd_config``: sm_90, a table row for the head dim,
-    TMA-ready 16-bit tensors, enough scores; deterministic mode)."""
-    if not TILE_OVERRIDE.get("gluon", GLUON_COMPRESSED):
-        return None
-    cfg = gluon_bwd_config("softmax", q, k, v, do, o, varlen=False, dropout=False)
-    if cfg is None or not use_single_pass("softmax", q.shape[-1], gluon=True):
-        return None
-    dqa = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-    delta = row_delta(o, do, zero=dqa)  # also zeroes the fp32 dq accumulator
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
-    launch_gluon_bwd(q, k, v, do, dk, dv, dqa, lse, delta, causal=True, scale=scale, config=cfg,
-                     kstride=kstride, koff=koff)
-    return dqa.to(q.dtype), dk, dv
 
 
 def _range_bwd_dkv(q, k, v, do, lse, delta, n_t, b_t, scale, kstride, koff, window, split, common):

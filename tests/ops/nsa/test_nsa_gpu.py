@@ -246,7 +246,6 @@ def test_compressed_dkv_split_matches_unsplit_and_is_deterministic(monkeypatch):
     are bit-identical (no atomics, fixed-order reduction)."""
     from nemo_ssa.ops.nsa import range_attn as R
 
-    monkeypatch.setitem(R.TILE_OVERRIDE, "gluon", False)  # the range kernels' own backward
     N, D = 4088, 64
     nc = num_compressed_blocks(N, PAPER)
     bm, bn = R._blocks(D, "bwd")[:2]
@@ -281,7 +280,6 @@ def test_range_kernels_tma_matches_pointers(monkeypatch, branch, D):
 
     if not tma_capable(torch.device(DEV)):
         pytest.skip("needs sm_90+ for tensor descriptors")
-    monkeypatch.setitem(R.TILE_OVERRIDE, "gluon", False)  # the range kernels' own backward
     N = 4088
     nk = num_compressed_blocks(N, PAPER) if branch == "compressed" else N
     g = torch.Generator(device="cpu").manual_seed(D)
@@ -349,49 +347,3 @@ def test_selected_qmajor_tma_matches_pointers(monkeypatch, transform, D):
     assert (o_tma[0, 16:32, 2000] == 0).all()
     fin = torch.isfinite(lse_ptr)
     assert (lse_tma[fin] - lse_ptr[fin]).abs().max().item() < 1e-4
-
-
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("hq,hkv", [(HQ, HKV), (64, 4)])
-def test_compressed_backward_through_gluon(monkeypatch, hq, hkv, D):
-    """The compressed branch's backward through the dense attention's warp-specialised Gluon
-    single pass (sm_90; its visibility rule as ``kstride``/``koff``): dq, dk, dv within 2x the
-    eager bf16 error of the fp32 reference at N = 4088 (ragged blocks), GQA 3 and 16, and the
-    path taken; deterministic mode keeps the range kernels."""
-    from nemo_ssa.ops.common import tma
-    from nemo_ssa.ops.nsa import range_attn as R
-
-    if not tma.wgmma_capable(torch.device(DEV)):
-        pytest.skip("needs an sm_90 GPU (H100/H200)")
-    monkeypatch.setattr(tma, "MIN_SCORES", 0)
-    import nemo_ssa.ops.common.hopper_bwd as HB
-    monkeypatch.setattr(HB, "MIN_SCORES", 0)
-    N = 4088
-    nc = num_compressed_blocks(N, PAPER)
-    g = torch.Generator(device="cpu").manual_seed(D + hq)
-    q = torch.randn(1, hq, N, D, generator=g).to(DEV, torch.bfloat16).requires_grad_()
-    kc, vc = (torch.randn(1, hkv, nc, D, generator=g).to(DEV, torch.bfloat16).requires_grad_() for _ in range(2))
-    do = torch.randn(1, hq, N, D, generator=g).to(DEV, torch.bfloat16)
-    calls = []
-    real = R.launch_gluon_bwd
-    monkeypatch.setattr(R, "launch_gluon_bwd", lambda *a, **kw: (calls.append(kw), real(*a, **kw))[1])
-    out, _ = R.compressed_attention(q, kc, vc, PAPER.block_len, PAPER.stride)
-    grads = torch.autograd.grad(out, (q, kc, vc), do)
-    assert len(calls) == 1 and calls[0]["kstride"] == PAPER.stride and calls[0]["koff"] == PAPER.block_len - 1
-    keep = compressed_visibility(N, PAPER, DEV)
-    ref_l = [t.detach().float().requires_grad_() for t in (q, kc, vc)]
-    g_ref = torch.autograd.grad(masked_attention(*ref_l, keep)[0], ref_l, do.float())
-    eag_l = [t.detach().requires_grad_() for t in (q, kc, vc)]
-    g_eag = torch.autograd.grad(masked_attention(*eag_l, keep, upcast=False)[0], eag_l, do)
-    for name, a, e, r in zip(("dq", "dk", "dv"), grads, g_eag, g_ref):
-        assert torch.isfinite(a).all(), name
-        assert_within_2x_eager(a, e, r, name)
-    prev = torch.are_deterministic_algorithms_enabled()
-    try:
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        calls.clear()
-        out, _ = R.compressed_attention(q, kc, vc, PAPER.block_len, PAPER.stride)
-        torch.autograd.grad(out, (q, kc, vc), do)
-        assert not calls
-    finally:
-        torch.use_deterministic_algorithms(prev)
