@@ -13,6 +13,11 @@ heads and their 64-row query blocks in three *partitions* (``gl.warp_specialize`
   ``dSᵀ`` staged in shared memory (a transposed view), scaled and staged in fp32; SSA's ``dn``
   as one float64 partial per program of ``sum dz (smag - C_i)`` (``bwd_kernels``' single-pass
   split: fixed order, bit-identical run to run);
+* SSA's reciprocal ``1/t`` (``fold_rcp``): ``P/t = exp2(z - M - log2 t)`` with the ``log2 t``
+  the transform already has (``|smag|``), then ``P = (P/t) t`` and ``dS = (P/t)(dP - delta)`` --
+  two MUFU operations per score instead of three (``exp2``, ``log2``, ``rcp``) for two more
+  FP32 ones. At D64, fwd+bwd without the ``rcp`` at all (wrong math, a probe) ran 5-6 % faster,
+  the fold 4-5 % (docs/results/2026-11-26-ssa-d64-mufu, calls 2-3);
 * a writer warp adds each staged dq tile into the fp32 accumulator with one TMA bulk reduce
   (``cp.reduce.async.bulk.tensor``; Gluon 3.6 has the op in its builder but no wrapper).
 
@@ -20,7 +25,9 @@ heads and their 64-row query blocks in three *partitions* (``gl.warp_specialize`
 ahead of block ``j - 1``'s ``dV``, ``dK``, ``dQ`` and compute ``j``'s score gradients while
 those run (FA3's intra-warpgroup overlap, here in the backward); ``dSᵀ`` gets two buffers and
 the ring must hold two blocks plus the one in flight (three stages). At D128 the extra live
-registers spill.
+registers spill. ``ds_smem``: ``dK += dSᵀ Q`` reads block ``j - 1``'s ``dSᵀ`` from the shared
+buffer ``dQ`` reads anyway, instead of registers carried across the loop (which cost ~40 moves
+per block and warp in the SASS).
 
 The two one-warp partitions run at 24 registers, which ``setmaxnreg`` gives to the consumers
 (240 each at ``maxnreg=168``). Five products per block against the two-kernel backward's seven;
@@ -68,7 +75,7 @@ if HAVE_GLUON:  # Gluon ships with Triton >= 3.5; the package pins 3.6
 
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-    from nemo_ssa.ops.common.gluon_math import rcp, ssa_parts
+    from nemo_ssa.ops.common.gluon_math import abs_fast, rcp, ssa_parts
 
 __all__ = ["GluonBwdConfig", "GLUON_BWD", "HAVE_GLUON", "gluon_bwd_capable", "gluon_bwd_config", "gluon_key_blocks",
            "launch_gluon_bwd"]
@@ -80,6 +87,8 @@ class GluonBwdConfig(NamedTuple):
     stages: int  # depth of the Q/dO ring
     maxnreg: int  # registers per thread at launch (the workers hand theirs to the consumers)
     pipeline: int = 0  # 1: the consumers overlap a block's score gradients with the previous block's products
+    fold_rcp: int = 0  # SSA: 1/t folded into the exp2 (P/t = exp2(z - M - log2 t), P = (P/t) t): no MUFU rcp
+    ds_smem: int = 0  # pipelined: dK += dS^T Q reads dS^T from its shared buffer, not from registers carried a block
 
 
 #: (head dim, transform) -> tiles, measured on an H100 (docs/results/2026-11-26-gluon-ssa, call 5;
@@ -87,12 +96,15 @@ class GluonBwdConfig(NamedTuple):
 #: (Triton 1.28 / 1.16), SSA D128 1.27 / 1.20 (1.55 / 1.43), softmax D64 1.01 / 1.02 (1.08 /
 #: 1.08), SSA D64 pipelined with three stages 1.34 / 1.34 (1.41 / 1.42). Three stages do not fit in
 #: shared memory at D128 (246 KB); the pipelined consumers at D128 spill (59-83 stores) and ran
-#: slower; at D64 with two stages they wait on every load (1.57).
+#: slower; at D64 with two stages they wait on every load (1.57). SSA D64 then took the folded
+#: reciprocal and dS^T from shared memory (docs/results/2026-11-26-ssa-d64-mufu, calls 3-5):
+#: 3.22 -> 3.03-3.05 ms (B2 N8K) and 3.34 -> 3.17-3.18 (B8 N4K) fwd+bwd; at D128 the fold was
+#: within noise (+0.8 / -0.7 %), so that row keeps the reciprocal.
 GLUON_BWD: Dict[tuple, GluonBwdConfig] = {
     (128, "softmax"): GluonBwdConfig(64, 8, 2, 168),
     (128, "ssa"): GluonBwdConfig(64, 8, 2, 168),
     (64, "softmax"): GluonBwdConfig(64, 8, 2, 168),
-    (64, "ssa"): GluonBwdConfig(64, 8, 3, 168, 1),
+    (64, "ssa"): GluonBwdConfig(64, 8, 3, 168, pipeline=1, fold_rcp=1, ds_smem=1),
 }
 
 
@@ -182,7 +194,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _grad_scores(sT, dpT, dnk, rows, stat_smem, s, cols, SEQ_K, off_c, c0, c1, dtype: gl.constexpr,
                      sT_layout: gl.constexpr, a_layout: gl.constexpr, TRANSFORM: gl.constexpr,
-                     DN_KV: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr):
+                     DN_KV: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr, FOLD_RCP: gl.constexpr):
         """``(Pᵀ, dSᵀ)`` of one block as MMA operands (registers), ``dSᵀ`` also in 16 bits for
         shared memory, and ``dnk`` updated: ``Pᵀ = exp2(z - M)``, ``dZᵀ = Pᵀ (dPᵀ - delta)``,
         ``dSᵀ = dZᵀ`` (softmax) or ``dZᵀ / t`` (SSA, ``z2``, ``smag`` and ``t = 1 + b|s|`` as
@@ -201,15 +213,26 @@ if HAVE_GLUON:
             if CAUSAL:
                 keep = keep & (gl.expand_dims(cols, 1) <= gl.expand_dims(rows + off_c, 0))
             z2 = gl.where(keep, z2, float("-inf"))
-        pT = gl.exp2(z2 - gl.expand_dims(m_row, 0))  # masked, padding, empty rows (M = +inf) -> 0
-        dzT = pT * (dpT - gl.expand_dims(d_row, 0))
-        if TRANSFORM == 1:
-            dsT = dzT * rcp(t)
+        if TRANSFORM == 1 and FOLD_RCP:
+            # P/t = exp2(z2 - M - log2 t) (|smag| = log2 t): one MUFU exp2 instead of exp2 and rcp;
+            # then P = (P/t) t, dS = (P/t)(dP - delta), dZ = P (dP - delta)
+            qT = gl.exp2(z2 - gl.expand_dims(m_row, 0) - abs_fast(smag))  # masked, padding, empty rows -> 0
+            pT = qT * t
+            gT = dpT - gl.expand_dims(d_row, 0)
+            dsT = qT * gT
             if DN_KV:
                 c_row = stat_smem.index(s * NSTAT + 2).load(gl.SliceLayout(0, sT_layout))
-                dnk += gl.sum(dzT * (smag - gl.expand_dims(c_row, 0)), axis=1)
+                dnk += gl.sum((pT * gT) * (smag - gl.expand_dims(c_row, 0)), axis=1)
         else:
-            dsT = dzT
+            pT = gl.exp2(z2 - gl.expand_dims(m_row, 0))  # masked, padding, empty rows (M = +inf) -> 0
+            dzT = pT * (dpT - gl.expand_dims(d_row, 0))
+            if TRANSFORM == 1:
+                dsT = dzT * rcp(t)
+                if DN_KV:
+                    c_row = stat_smem.index(s * NSTAT + 2).load(gl.SliceLayout(0, sT_layout))
+                    dnk += gl.sum(dzT * (smag - gl.expand_dims(c_row, 0)), axis=1)
+            else:
+                dsT = dzT
         pa = gl.convert_layout(pT.to(dtype), a_layout)
         ds_lp = dsT.to(dtype)
         dsa = gl.convert_layout(ds_lp, a_layout)
@@ -221,7 +244,7 @@ if HAVE_GLUON:
                       c0, c1, g_s, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                       STAGES: gl.constexpr, sT_layout: gl.constexpr, a_layout: gl.constexpr,
                       dq_layout: gl.constexpr, TRANSFORM: gl.constexpr, DN_KV: gl.constexpr,
-                      CAUSAL: gl.constexpr, MASKED: gl.constexpr):
+                      CAUSAL: gl.constexpr, MASKED: gl.constexpr, FOLD_RCP: gl.constexpr):
         """One query block in the consumer warpgroups: the five products, ``dq`` staged for
         the writer and the Q/dO slot released. ``MASKED``: the causal band or a ragged tail."""
         dtype: gl.constexpr = k_smem.dtype
@@ -238,7 +261,7 @@ if HAVE_GLUON:
         dpT = warpgroup_mma(v2, do2.permute((1, 0)), zero, use_acc=False, is_async=True)
         sT, dpT = warpgroup_mma_wait(0, deps=(sT, dpT))
         pa, dsa, ds_lp, dnk = _grad_scores(sT, dpT, dnk, rows, stat_smem, s, cols, SEQ_K, off_c, c0, c1, dtype,
-                                           sT_layout, a_layout, TRANSFORM, DN_KV, CAUSAL, MASKED)
+                                           sT_layout, a_layout, TRANSFORM, DN_KV, CAUSAL, MASKED, FOLD_RCP)
         dv = warpgroup_mma(pa, do2, dv, is_async=True)
         dk = warpgroup_mma(dsa, q2, dk, is_async=True)
         b = it % 2
@@ -261,7 +284,7 @@ if HAVE_GLUON:
     def _consumers(k_smem, v_smem, q_smem, do_smem, stat_smem, ready, empty, dsT_smem, dq_smem, dq_ready, dq_empty,
                    kv_bar, NP, BP, lo, n_blk, n_mask, GROUP, start_n, SEQ_K, off_c, scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                    STAGES: gl.constexpr, TRANSFORM: gl.constexpr, DN_KV: gl.constexpr, CAUSAL: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   FOLD_RCP: gl.constexpr, DS_SMEM: gl.constexpr, num_warps: gl.constexpr):
         """The default partition (two consumer warpgroups, 64 keys each): every query head of
         the group, masked blocks then unmasked ones; returns ``(dK * g_s, dV, dn_k)`` with
         ``g_s`` = ``scale`` (softmax) or ``n b scale`` (SSA) and ``dn_k`` the ``dn`` of each
@@ -295,29 +318,34 @@ if HAVE_GLUON:
                                             stat_smem, ready, empty, dsT_smem, dq_smem, dq_ready, dq_empty, cols,
                                             SEQ_K, off_c, c0, c1, g_s, BLOCK_M, BLOCK_N,
                                             HEAD_D, STAGES, sT_layout, a_layout, dq_layout, TRANSFORM, DN_KV,
-                                            CAUSAL, True)
+                                            CAUSAL, True, FOLD_RCP)
                 it += 1
             for ju in range(n_mask, n_blk):
                 dk, dv, dnk = _consume_step(dk, dv, dnk, it, g, lo + ju * BLOCK_M, k_smem, v_smem, q_smem, do_smem,
                                             stat_smem, ready, empty, dsT_smem, dq_smem, dq_ready, dq_empty, cols,
                                             SEQ_K, off_c, c0, c1, g_s, BLOCK_M, BLOCK_N,
                                             HEAD_D, STAGES, sT_layout, a_layout, dq_layout, TRANSFORM, DN_KV,
-                                            CAUSAL, False)
+                                            CAUSAL, False, FOLD_RCP)
                 it += 1
         dnk = gl.where(cols < SEQ_K, dnk * 0.6931471805599453, 0.0)  # grad_consts' g_n
         return dk * g_s, dv, dnk
 
     @gluon.jit
     def _pp_issue_prev(dk, dv, pa_p, dsa_p, it, k2, q_smem, do_smem, dsT_smem, BLOCK_M: gl.constexpr,
-                       HEAD_D: gl.constexpr, STAGES: gl.constexpr, dq_layout: gl.constexpr):
+                       HEAD_D: gl.constexpr, STAGES: gl.constexpr, dq_layout: gl.constexpr,
+                       DS_SMEM: gl.constexpr):
         """The pipelined consumers' products of block ``it - 1``: ``dV += Pᵀ dO``, ``dK += dSᵀ Q``
-        (operands from registers, Q/dO still in their slot) and ``dQ = dS K`` (dSᵀ of both
-        warpgroups in its shared buffer), all asynchronous."""
+        (``Pᵀ`` from registers, ``dSᵀ`` from registers or, ``DS_SMEM``, from its shared buffer;
+        Q/dO still in their slot) and ``dQ = dS K`` (dSᵀ of both warpgroups in its shared
+        buffer), all asynchronous."""
         sp = (it - 1) % STAGES
         qp = q_smem.index(sp).reshape([BLOCK_M, HEAD_D])
         dop = do_smem.index(sp).reshape([BLOCK_M, HEAD_D])
         dv = warpgroup_mma(pa_p, dop, dv, is_async=True)
-        dk = warpgroup_mma(dsa_p, qp, dk, is_async=True)
+        if DS_SMEM:
+            dk = warpgroup_mma(dsT_smem.index((it - 1) % 2), qp, dk, is_async=True)
+        else:
+            dk = warpgroup_mma(dsa_p, qp, dk, is_async=True)
         dq = warpgroup_mma(dsT_smem.index((it - 1) % 2).permute((1, 0)), k2,
                            gl.zeros([BLOCK_M, HEAD_D], gl.float32, dq_layout), use_acc=False, is_async=True)
         return dk, dv, dq
@@ -335,7 +363,8 @@ if HAVE_GLUON:
                  dsT_smem, dq_smem, dq_ready, dq_empty, cols, SEQ_K, off_c, c0, c1, g_s, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, sT_layout: gl.constexpr,
                  a_layout: gl.constexpr, dq_layout: gl.constexpr, TRANSFORM: gl.constexpr, DN_KV: gl.constexpr,
-                 CAUSAL: gl.constexpr, MASKED: gl.constexpr, FIRST: gl.constexpr):
+                 CAUSAL: gl.constexpr, MASKED: gl.constexpr, FIRST: gl.constexpr, FOLD_RCP: gl.constexpr,
+                 DS_SMEM: gl.constexpr):
         """One block of the pipelined consumers: ``Sᵀ``, ``dPᵀ`` of block ``it`` issued ahead of
         block ``it - 1``'s three products, and the score gradients of ``it`` computed while
         those run on the tensor cores (FA3's intra-warpgroup overlap, in the backward). Then
@@ -358,14 +387,16 @@ if HAVE_GLUON:
             sT, dpT = warpgroup_mma_wait(0, deps=(sT, dpT))
         else:
             dk, dv, dq = _pp_issue_prev(dk, dv, pa_p, dsa_p, it, k2, q_smem, do_smem, dsT_smem, BLOCK_M, HEAD_D,
-                                        STAGES, dq_layout)
+                                        STAGES, dq_layout, DS_SMEM)
             sT, dpT = warpgroup_mma_wait(3, deps=(sT, dpT))  # block it - 1's products may still run
         pa, dsa, ds_lp, dnk = _grad_scores(sT, dpT, dnk, rows, stat_smem, s, cols, SEQ_K, off_c, c0, c1, dtype,
-                                           sT_layout, a_layout, TRANSFORM, DN_KV, CAUSAL, MASKED)
+                                           sT_layout, a_layout, TRANSFORM, DN_KV, CAUSAL, MASKED, FOLD_RCP)
         if not FIRST:
             dq, dk, dv, pa_p, dsa_p = warpgroup_mma_wait(0, deps=(dq, dk, dv, pa_p, dsa_p))
             _pp_retire_prev(dq, it, dq_smem, dq_ready, dq_empty, empty, g_s, BLOCK_M, HEAD_D, STAGES)
         dsT_smem.index(it % 2).store(ds_lp)
+        if DS_SMEM:
+            dsa = dsa_p  # unused: dK reads dS^T from shared memory (no registers carried, no moves)
         fence_async_shared()
         gl.thread_barrier()  # dS^T of block it from both warpgroups; block it - 1 done everywhere
         if not FIRST:
@@ -378,7 +409,8 @@ if HAVE_GLUON:
                              dq_empty, kv_bar, NP, BP, lo, n_blk, n_mask, GROUP, start_n, SEQ_K, off_c, scale,
                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                              STAGES: gl.constexpr, TRANSFORM: gl.constexpr, DN_KV: gl.constexpr,
-                             CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+                             CAUSAL: gl.constexpr, FOLD_RCP: gl.constexpr, DS_SMEM: gl.constexpr,
+                             num_warps: gl.constexpr):
         """``_consumers`` software-pipelined by one block (``_pp_step``): the first block
         (always masked), then the rest, then the last block's products. Same results."""
         sT_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -410,7 +442,7 @@ if HAVE_GLUON:
             dk, dv, dnk, pa, dsa = _pp_step(dk, dv, dnk, pa, dsa, 0, lo, k_smem, v_smem, q_smem, do_smem, stat_smem,
                                             ready, empty, dsT_smem, dq_smem, dq_ready, dq_empty, cols, SEQ_K, off_c,
                                             c0, c1, g_s, BLOCK_M, BLOCK_N, HEAD_D, STAGES, sT_layout, a_layout,
-                                            dq_layout, TRANSFORM, DN_KV, CAUSAL, True, True)
+                                            dq_layout, TRANSFORM, DN_KV, CAUSAL, True, True, FOLD_RCP, DS_SMEM)
             it = 1
             for g in range(GROUP):
                 first = (g == 0).to(gl.int32)  # block 0 of head 0 ran above (masked or not)
@@ -419,20 +451,20 @@ if HAVE_GLUON:
                                                     q_smem, do_smem, stat_smem, ready, empty, dsT_smem, dq_smem,
                                                     dq_ready, dq_empty, cols, SEQ_K, off_c, c0, c1, g_s, BLOCK_M,
                                                     BLOCK_N, HEAD_D, STAGES, sT_layout, a_layout, dq_layout,
-                                                    TRANSFORM, DN_KV, CAUSAL, True, False)
+                                                    TRANSFORM, DN_KV, CAUSAL, True, False, FOLD_RCP, DS_SMEM)
                     it += 1
                 for ju in range(n_mask + first * (n_mask == 0).to(gl.int32), n_blk):
                     dk, dv, dnk, pa, dsa = _pp_step(dk, dv, dnk, pa, dsa, it, lo + ju * BLOCK_M, k_smem, v_smem,
                                                     q_smem, do_smem, stat_smem, ready, empty, dsT_smem, dq_smem,
                                                     dq_ready, dq_empty, cols, SEQ_K, off_c, c0, c1, g_s, BLOCK_M,
                                                     BLOCK_N, HEAD_D, STAGES, sT_layout, a_layout, dq_layout,
-                                                    TRANSFORM, DN_KV, CAUSAL, False, False)
+                                                    TRANSFORM, DN_KV, CAUSAL, False, False, FOLD_RCP, DS_SMEM)
                     it += 1
             # the last block's products
             z0 = it >> 30
             k2 = k_smem.index(z0).reshape([BLOCK_N, HEAD_D])
             dk, dv, dq = _pp_issue_prev(dk, dv, pa, dsa, it, k2, q_smem, do_smem, dsT_smem, BLOCK_M, HEAD_D, STAGES,
-                                        dq_layout)
+                                        dq_layout, DS_SMEM)
             dq, dk, dv, pa, dsa = warpgroup_mma_wait(0, deps=(dq, dk, dv, pa, dsa))
             _pp_retire_prev(dq, it, dq_smem, dq_ready, dq_empty, empty, g_s, BLOCK_M, HEAD_D, STAGES)
             fence_async_shared()
@@ -446,7 +478,8 @@ if HAVE_GLUON:
     def _hopper_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, M, Delta, CS, NP, BP,
                               DN, s_mz, s_mh, s_ms, s_nz, s_nh, HKV, GROUP, SEQ_Q, SEQ_K, scale,
                               TRANSFORM: gl.constexpr, DN_KV: gl.constexpr, CAUSAL: gl.constexpr,
-                              STAGES: gl.constexpr, PIPELINE: gl.constexpr, num_warps: gl.constexpr):
+                              STAGES: gl.constexpr, PIPELINE: gl.constexpr, FOLD_RCP: gl.constexpr,
+                              DS_SMEM: gl.constexpr, num_warps: gl.constexpr):
         """One program per (key block, batch * kv head); rank-4 ``[B, H, S, D]`` descriptors
         (``dq_desc``: the fp32 accumulator). K and V load once, then the three partitions run;
         dK and dV leave through K's and V's tiles. SSA: ``NP``, ``BP`` hold ``n``, ``b``;
@@ -513,7 +546,7 @@ if HAVE_GLUON:
             (_consumers_pipelined if PIPELINE else _consumers,
              (k_smem, v_smem, q_smem, do_smem, stat_smem, ready, empty, dsT_smem, dq_smem, dq_ready,
                           dq_empty, kv_bar, NP, BP, lo, n_blk, n_mask, GROUP, start_n, SEQ_K, off_c, scale,
-                          BLOCK_M, BLOCK_N, HEAD_D, STAGES, TRANSFORM, DN_KV, CAUSAL, num_warps)),
+                          BLOCK_M, BLOCK_N, HEAD_D, STAGES, TRANSFORM, DN_KV, CAUSAL, FOLD_RCP, DS_SMEM, num_warps)),
             (_producer, (q_desc, do_desc, q_smem, do_smem, stat_smem, ready, empty, M, Delta, CS, m_base, s_mh, s_ms,
                          z, h0, lo, n_blk, total, SEQ_Q, BLOCK_M, STAGES, DN_KV)),
             (_dq_writer, (dq_desc, dq_smem, dq_ready, dq_empty, z, h0, lo, n_blk, total, BLOCK_M)),
@@ -564,7 +597,8 @@ def launch_gluon_bwd(q, k, v, do, dk, dv, dqa, M, delta, *, causal: bool, scale:
         M if b_ptr is None else b_ptr, dn_part if dn_kv else M, M.stride(0), M.stride(1), M.stride(2),
         hkv * grid[0] if dn_kv else 0, grid[0] if dn_kv else 0, hkv, hq // hkv, sq, sk, float(scale),
         TRANSFORM=int(transform_id), DN_KV=dn_kv, CAUSAL=bool(causal), STAGES=config.stages,
-        PIPELINE=bool(config.pipeline), num_warps=config.num_warps, maxnreg=config.maxnreg)
+        PIPELINE=bool(config.pipeline), FOLD_RCP=int(config.fold_rcp) if int(transform_id) == 1 else 0,
+        DS_SMEM=bool(config.ds_smem), num_warps=config.num_warps, maxnreg=config.maxnreg)
 
 
 def gluon_key_blocks(sk: int, config: GluonBwdConfig) -> int:

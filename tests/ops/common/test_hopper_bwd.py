@@ -68,13 +68,14 @@ for (d, tr), cfg in sorted(H.GLUON_BWD.items()):
                 sig[a] = "*fp64"
             elif a == "scale":
                 sig[a] = "fp32"
-            elif a in ("TRANSFORM", "DN_KV", "CAUSAL", "STAGES", "PIPELINE", "num_warps"):
+            elif a in ("TRANSFORM", "DN_KV", "CAUSAL", "STAGES", "PIPELINE", "FOLD_RCP", "DS_SMEM", "num_warps"):
                 sig[a] = "constexpr"
             else:
                 sig[a] = "i32"
         # SSA with its dn partials (the pinned policy's learnable n): the heavier variant
         consts = dict(TRANSFORM=int(tr == "ssa"), DN_KV=dn and tr == "ssa", CAUSAL=causal, STAGES=cfg.stages,
-                      PIPELINE=bool(cfg.pipeline), num_warps=cfg.num_warps)
+                      PIPELINE=bool(cfg.pipeline), FOLD_RCP=cfg.fold_rcp if tr == "ssa" else 0,
+                      DS_SMEM=bool(cfg.ds_smem), num_warps=cfg.num_warps)
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in ("M", "Delta", "CS")}
         k = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=cfg.num_warps, maxnreg=cfg.maxnreg))
@@ -82,7 +83,9 @@ for (d, tr), cfg in sorted(H.GLUON_BWD.items()):
         for what in ("wgmma.mma_async", "cp.async.bulk.tensor", "cp.reduce.async.bulk.tensor", "setmaxnreg"):
             assert what in ptx, (d, tr, causal, what)
         if tr == "ssa":  # the forward's log2 (transforms.log2_fast mode 1) and the fast reciprocal
-            assert "lg2.approx.ftz.f32" in ptx and "rcp.approx.ftz.f32" in ptx, (d, causal)
+            assert "lg2.approx.ftz.f32" in ptx, (d, causal)
+            # fold_rcp: 1/t comes out of the exp2 (P/t), so no MUFU rcp is left at all
+            assert ("rcp.approx.ftz.f32" in ptx) != bool(cfg.fold_rcp), (d, causal, cfg.fold_rcp)
         assert k.metadata.shared <= 232448, k.metadata.shared  # sm_90's shared memory per block
         spills = -1
         if os.path.exists(cuobjdump):
@@ -288,6 +291,52 @@ def test_gluon_backward_matches_reference(case, transform, D, monkeypatch):
         assert torch.equal(dn, again)  # fixed-order partials: bit-identical run to run
     else:
         assert dn is None
+
+
+# SSA variants of the kernel outside the table (measured, kept as options): the reciprocal
+# folded into the exp2 or not, dS^T for dK from registers or from shared memory, at both widths
+_SSA_VARIANTS = [(64, H.GluonBwdConfig(64, 8, 3, 168, pipeline=1)),
+                 (64, H.GluonBwdConfig(64, 8, 3, 168, pipeline=1, fold_rcp=1)),
+                 (64, H.GluonBwdConfig(64, 8, 3, 168, pipeline=1, ds_smem=1)),
+                 (64, H.GluonBwdConfig(64, 8, 2, 168, fold_rcp=1)),
+                 (128, H.GluonBwdConfig(64, 8, 2, 168, fold_rcp=1))]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("D,cfg", _SSA_VARIANTS, ids=lambda x: str(x) if isinstance(x, int) else
+                         f"pp{x.pipeline}-fold{x.fold_rcp}-ds{x.ds_smem}")
+@pytest.mark.parametrize("case", [GPU_CASES[0], GPU_CASES[3], GPU_CASES[6]], ids=_case_id)
+def test_gluon_backward_ssa_variants(case, D, cfg, monkeypatch):
+    from nemo_ssa.ops.attention import flash as fl
+    from nemo_ssa.testing import assert_scalar_grad_close, ssa_scalar_grad_terms
+
+    B_, Hq, Hkv, Sq, Sk, causal, meg = case
+    q, k, v, do = _inputs(B_, Hq, Hkv, Sq, Sk, meg, seed=Sq * 5 + D, D=D)
+    nb = _nb("ssa", Sq + D)
+    o, M, C = fl._flash_fwd(q, k, v, nb["n"], nb["b"], None, None, None, "ssa", causal, D ** -0.5, 0.0, Sq, Sk,
+                            "ieee", True, save_c=True)
+    monkeypatch.setattr(H, "MIN_SCORES", 0)
+    monkeypatch.setitem(H.GLUON_BWD, (D, "ssa"), cfg)
+    calls = []
+    real = B.launch_gluon_bwd
+
+    def spy(*a, **kw):
+        calls.append(kw)
+        for t in a[4:6]:
+            t.fill_(float("nan"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(B, "launch_gluon_bwd", spy)
+    dq, dk, dv, dn, _ = B.attention_bwd(do, q, k, v, o, M, transform="ssa", causal=causal, need_db=False, cstat=C,
+                                        deterministic=False, **nb)
+    assert calls and calls[0]["config"] == cfg
+    g_ref, g_eag = _reference(q, k, v, do, causal, "ssa", nb)
+    for name, g, e, r in zip(("dq", "dk", "dv"), (dq, dk, dv), g_eag, g_ref):
+        assert not g.isnan().any(), name
+        assert_within_2x_eager(g, e, r, name)
+    tn, _ = ssa_scalar_grad_terms(q.float(), k.float(), v.float(), nb["n"], nb["b"], do.float(), causal=causal)
+    assert_scalar_grad_close("dn", dn, g_ref[3], tn, torch.bfloat16, eager=g_eag[3])
 
 
 @pytest.mark.gpu
