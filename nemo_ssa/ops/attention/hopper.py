@@ -67,10 +67,13 @@ class GluonFwdConfig(NamedTuple):
 #: 64-key blocks with three stages beat 128-key blocks. At D64 the Gluon kernel is no faster than
 #: the Triton one except with SSA's row means C (the single-pass backward's forward): 0.953 against
 #: 0.997 ms (B2 N8K H16) and 0.968 against 1.018 (B8 N4K; docs/results/2026-11-26-gluon-ssa, call 6).
+#: There 128-key blocks with two stages (249 registers, still two programs per SM) then beat 64-key
+#: ones under the folded-reciprocal backward: fwd+bwd 3.050 -> 3.009 ms (B2) and 3.171 -> 3.147
+#: (B8), medians of three interleaved rounds (docs/results/2026-11-26-ssa-d64-mufu, call 7).
 GLUON_FWD: Dict[Tuple[int, str], GluonFwdConfig] = {
     (128, "softmax"): GluonFwdConfig(64, 64, 3, 4),
     (128, "ssa"): GluonFwdConfig(64, 64, 3, 4),
-    (64, "ssa"): GluonFwdConfig(64, 64, 3, 4, c_only=True),
+    (64, "ssa"): GluonFwdConfig(64, 128, 2, 4, c_only=True),
 }
 
 _sm90 = wgmma_capable  # (a module-level name: the CPU tests stand in for an H100 through it)
