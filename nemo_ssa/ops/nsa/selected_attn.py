@@ -30,13 +30,19 @@ N=64K D64 GQA16 on an H200: 10.1 ms against KV-major's 19.3). On sm_90+ (``QMAJO
 the blocks come through TMA tensor descriptors: the slot loop has no branch, so Triton
 pipelines the copies into shared memory, and no thread holds a tile of addresses (the
 pointer kernel spilled: 103 spill stores at D64, 1,718 at D128) -- 6.7 ms at D64 and 14.2
-against 25.9 at D128. The backward stays KV-major for every group size (it builds the
-inverted index itself).
+against 25.9 at D128. Its backward's ``dk, dv`` stay KV-major (it builds the inverted
+index itself), and its ``dq`` is query-major (``_sel_bwd_dq_qmajor_kernel``, the forward's
+schedule, ``use_qmajor_dq``): each program keeps its token's group rows of ``dq`` in
+registers over the ``top_n`` blocks and stores them once. That removes the KV-major
+kernel's dq atomics -- one fp32 row of D per (token, head, slot), 4.3G atomics at N=64K
+Hq64 D64 -- and the backward at N=64K GQA16 went from 20.7 to 16.7 ms at D64 and from 47.5
+to 33.0 at D128 (H100, 2026-11-26-nsa-qmajor-dq).
 
 Backward recomputes ``p`` from ``lse`` (FA2 style, ``delta = rowsum(dO * O)``) and adds
-``dq`` rows, and the whole ``dk, dv`` tile of block ``j``, with fp32 atomics. Atomic
-accumulation makes the fp32 sums order-nondeterministic (differences at rounding level).
-SSA's ``dn, db``: per-item fp32 partials summed on the host.
+the whole ``dk, dv`` tile of block ``j`` (and, for GQA < 16, the ``dq`` rows) with fp32
+atomics. Atomic accumulation makes the fp32 sums order-nondeterministic (differences at
+rounding level); the query-major ``dq`` is deterministic. SSA's ``dn, db``: per-item fp32
+partials summed on the host.
 
 Layouts: ``q [B, Hq, N, D]``, ``k, v [B, Hkv, N, D]`` (any strides), ``block_idx``
 ``[B, Hkv, N, top_n]`` int; output ``o`` in q's dtype, plus ``lse [B, Hq, N]``.
@@ -235,7 +241,11 @@ def _sel_bwd_kernel(
     scale, SBLK,
     TRANSFORM: tl.constexpr, PREC: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, FAST_LOG2: tl.constexpr = 0,
+    HAS_DQ: tl.constexpr = 1,
 ):
+    """KV-major backward: ``dk, dv`` of the item's block (fp32 atomics) and SSA's ``dn, db``
+    partials; with ``HAS_DQ`` also the ``dq`` rows of its queries (fp32 atomics), without it
+    ``dq`` comes from the query-major ``_sel_bwd_dq_qmajor_kernel``."""
     it = tl.program_id(0).to(tl.int64)
     cnt, b, hk, t, slot, r_ok, offs_k, k_ok = _item_tiles(ITEMS, TQ, TS, it, NS, Hkv, N, SBLK, BLOCK_Q, BLOCK_S)
     if cnt == 0:
@@ -267,8 +277,9 @@ def _sel_bwd_kernel(
         ds = dz  # dL/dqk / g_s
         if TRANSFORM == 1:
             ds = dz * rinv
-        dq = tl.dot(ds.to(k.dtype), k, input_precision=PREC) * g_s  # [BLOCK_Q, BLOCK_D]
-        tl.atomic_add(DQACC + (bh_q * N + rows)[:, None] * D + offs_d[None, :], dq, mask=row_mask, sem="relaxed")
+        if HAS_DQ:
+            dq = tl.dot(ds.to(k.dtype), k, input_precision=PREC) * g_s  # [BLOCK_Q, BLOCK_D]
+            tl.atomic_add(DQACC + (bh_q * N + rows)[:, None] * D + offs_d[None, :], dq, mask=row_mask, sem="relaxed")
         dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PREC)
         if TRANSFORM == 1:  # dn / g_n and db / g_b terms
             dn_acc += tl.where(valid, dz * smag, 0.0)
@@ -279,6 +290,85 @@ def _sel_bwd_kernel(
     if TRANSFORM == 1:
         tl.store(DNB + 2 * it, tl.sum(tl.sum(dn_acc, 1), 0) * g_n)
         tl.store(DNB + 2 * it + 1, tl.sum(tl.sum(db_acc, 1), 0) * g_b)
+
+
+@triton.jit
+def _sel_dq_step(q, do, k, v, k_ok, lse, delta, dq, c0, c1,
+                 TRANSFORM: tl.constexpr, PREC: tl.constexpr, FAST_LOG2: tl.constexpr):
+    """One selected block of the query-major ``dq``: ``dq += dS K`` (``/ g_s``)."""
+    qk = tl.dot(q, tl.trans(k), input_precision=PREC)  # [BLOCK_G, BLOCK_S]
+    z2, smag, rinv = score_bwd_parts(qk, c0, c1, TRANSFORM, FAST_LOG2)
+    p = tl.exp2(tl.where(k_ok[None, :], z2 - lse[:, None], float("-inf")))
+    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+    ds = p * (dp - delta[:, None])
+    if TRANSFORM == 1:
+        ds = ds * rinv
+    return tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
+
+
+@triton.jit
+def _sel_bwd_dq_qmajor_kernel(
+    Q, K, V, DO, IDX, LSE, DELTA, DQ, NP, BP,
+    sqb, sqh, sqn, sqd,
+    skb, skh, skn, skd,
+    svb, svh, svn, svd,
+    sdob, sdoh, sdon, sdod,
+    sib, sih, sin, sis,
+    sdqb, sdqh, sdqn, sdqd,
+    Hq, Hkv, N, D, GROUP, TOPN,
+    scale, SBLK,
+    TRANSFORM: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, FAST_LOG2: tl.constexpr = 0,
+    TMA: tl.constexpr = 0,
+):
+    """``dq`` query-major, the forward's schedule: one program per (query token, kv head)
+    holds the group's ``dq`` rows ``[BLOCK_G, D]`` in fp32 registers over the token's
+    ``TOPN`` blocks and stores them once, in ``dq``'s dtype -- no atomics, deterministic.
+    ``p`` is recomputed from the forward's ``lse`` (a row with no key has ``lse = +inf``,
+    ``p = 0``). ``TMA``: K, V through rank-4 tensor descriptors, branch-free as in
+    ``_sel_fwd_qmajor_kernel``."""
+    t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hkv).to(tl.int64)
+    hk = (pid_bh % Hkv).to(tl.int64)
+    n_ssa = tl.load(NP).to(tl.float32)
+    b_ssa = tl.load(BP).to(tl.float32)
+    c0, c1 = transform_consts(scale, n_ssa, b_ssa, TRANSFORM)
+    g_s, g_n, g_b = grad_consts(scale, n_ssa, b_ssa, TRANSFORM)
+    offs_g = tl.arange(0, BLOCK_G)
+    g_ok = offs_g < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    heads = hk * GROUP + offs_g.to(tl.int64)
+    t64 = t.to(tl.int64)
+    row_mask = g_ok[:, None] & d_ok[None, :]
+    q = tl.load(Q + b * sqb + heads[:, None] * sqh + t64 * sqn + offs_d[None, :] * sqd, mask=row_mask, other=0.0)
+    do = tl.load(DO + b * sdob + heads[:, None] * sdoh + t64 * sdon + offs_d[None, :] * sdod, mask=row_mask,
+                 other=0.0)
+    rows = (b * Hq + heads) * N + t64
+    lse = tl.load(LSE + rows, mask=g_ok, other=float("inf"))
+    delta = tl.load(DELTA + rows, mask=g_ok, other=0.0)
+    offs_s = tl.arange(0, BLOCK_S)
+    dq = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    idx_row = IDX + b * sib + hk * sih + t64 * sin
+    for slot in range(TOPN):
+        j = tl.load(idx_row + slot * sis)
+        if TMA:  # branch-free: an empty slot (j < 0) reads block 0, every key masked
+            jc = tl.maximum(j, 0)
+            k_ok = (offs_s < SBLK) & (jc * SBLK + offs_s <= t) & (j >= 0)  # rows >= N read as 0
+            k = tma_tile(K, b.to(tl.int32), hk.to(tl.int32), jc * SBLK, BLOCK_S, BLOCK_D)
+            v = tma_tile(V, b.to(tl.int32), hk.to(tl.int32), jc * SBLK, BLOCK_S, BLOCK_D)
+            dq = _sel_dq_step(q, do, k, v, k_ok, lse, delta, dq, c0, c1, TRANSFORM, PREC, FAST_LOG2)
+        elif j >= 0:
+            offs_k = j * SBLK + offs_s
+            k_ok = (offs_s < SBLK) & (offs_k < N) & (offs_k <= t)
+            keys = offs_k.to(tl.int64)
+            kv_mask = k_ok[:, None] & d_ok[None, :]
+            k = tl.load(K + b * skb + hk * skh + keys[:, None] * skn + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
+            v = tl.load(V + b * svb + hk * svh + keys[:, None] * svn + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
+            dq = _sel_dq_step(q, do, k, v, k_ok, lse, delta, dq, c0, c1, TRANSFORM, PREC, FAST_LOG2)
+    tl.store(DQ + b * sdqb + heads[:, None] * sdqh + t64 * sdqn + offs_d[None, :] * sdqd,
+             (dq * g_s).to(DQ.dtype.element_ty), mask=row_mask)
 
 
 # ---------------------------------------------------------------------------- work list
@@ -325,7 +415,9 @@ def build_worklist(block_idx: torch.Tensor, n_select_blocks: int, block_q: int) 
 # ----------------------------------------------------------------------------- launchers
 #: tuning hook: ``{"block_q": int, "num_warps": int, "num_stages": int}`` (KV-major kernels),
 #: ``"qmajor"`` (bool: force the query-major forward on or off), ``"qmajor_tma"``,
-#: ``"qmajor_warps"`` and ``"qmajor_stages"`` (its tiles) override the defaults
+#: ``"qmajor_warps"`` and ``"qmajor_stages"`` (its tiles); ``"qmajor_dq"`` (bool: the
+#: backward's dq query-major or by atomics) and ``"qmajor_dq_tma"``, ``"qmajor_dq_warps"``,
+#: ``"qmajor_dq_stages"`` override the defaults
 TILE_OVERRIDE: dict = {}
 
 
@@ -383,6 +475,18 @@ QMAJOR_MIN_GROUP = 16
 #: descriptors), D128 14.2 against 25.9; at 16K 1.55 / 2.46 and 3.33 / 6.21. Above D128
 #: (not measured) the pointer kernel stays, as before.
 QMAJOR_TILES = {64: (1, 1, 2), 128: (1, 1, 2), 256: (0, 1, 3)}
+#: the query-major backward dq's tiles, same form. N=64K GQA16 (H100,
+#: 2026-11-26-nsa-qmajor-dq, calls 1-2): D64 one warp, 3 stages 8.3 ms (2 stages 8.5, 2
+#: warps 8.7, pointers 11.6); D128 two warps, 3 stages 16.6 (2 stages 17.3, 4 warps 16.8,
+#: one warp 26.3). Above D128 not measured.
+QMAJOR_DQ_TILES = {64: (1, 1, 3), 128: (1, 2, 3), 256: (0, 2, 2)}
+#: ``(head dim bound, transform id) -> (block_q, num_warps, num_stages)`` of the KV-major
+#: backward without dq (the query-major dq's partner); head dims above the largest bound
+#: keep dq in the KV-major kernel (atomics). N=64K GQA16, dq + dK/dV (calls 1-2, against
+#: the atomic-dq kernel): softmax D64 64 rows, 4 warps, 3 stages 16.7 ms (20.7); D128 128
+#: rows, 8 warps, 2 stages 33.0 (47.5; 64 rows 34.4); SSA D64 32 rows 21.8 (22.8; 64 rows
+#: 28.0, spills); SSA D128 128 rows, 8 warps, 2 stages 49.4 (70.6; 32 rows 55.2).
+DKV_TILES = {(64, 0): (64, 4, 3), (128, 0): (128, 8, 2), (64, 1): (32, 4, 3), (128, 1): (128, 8, 2)}
 
 
 def use_qmajor(group: int) -> bool:
@@ -391,12 +495,14 @@ def use_qmajor(group: int) -> bool:
     return bool(forced) if forced is not None else group >= QMAJOR_MIN_GROUP
 
 
-def _qmajor_tiles(d: int):
-    """``(tma, num_warps, num_stages)`` of the query-major forward at head dim ``d``;
-    ``TILE_OVERRIDE`` keys ``qmajor_tma``, ``qmajor_warps``, ``qmajor_stages`` override."""
-    tma, warps, stages = next(v for bound, v in sorted(QMAJOR_TILES.items()) if d <= bound)
-    return (TILE_OVERRIDE.get("qmajor_tma", tma), TILE_OVERRIDE.get("qmajor_warps", warps),
-            TILE_OVERRIDE.get("qmajor_stages", stages))
+def _qmajor_tiles(d: int, key: str = "qmajor"):
+    """``(tma, num_warps, num_stages)`` of a query-major kernel at head dim ``d`` (``key``
+    ``"qmajor"``: the forward, ``"qmajor_dq"``: the backward's dq); ``TILE_OVERRIDE`` keys
+    ``<key>_tma``, ``<key>_warps``, ``<key>_stages`` override."""
+    table = QMAJOR_TILES if key == "qmajor" else QMAJOR_DQ_TILES
+    tma, warps, stages = next(v for bound, v in sorted(table.items()) if d <= bound)
+    return (TILE_OVERRIDE.get(f"{key}_tma", tma), TILE_OVERRIDE.get(f"{key}_warps", warps),
+            TILE_OVERRIDE.get(f"{key}_stages", stages))
 
 
 def _sel_fwd_qmajor(q, k, v, block_idx, n_t, b_t, tid, scale, sblk):
@@ -424,24 +530,101 @@ def _sel_fwd_qmajor(q, k, v, block_idx, n_t, b_t, tid, scale, sblk):
     return o, lse
 
 
-def _sel_bwd(q, k, v, o, lse, do, wl: WorkList, n_t, b_t, tid, scale, sblk, ns):
+def use_qmajor_dq(group: int, d: int) -> bool:
+    """Whether the backward's ``dq`` runs query-major (``_sel_bwd_dq_qmajor_kernel``, no
+    atomics) rather than inside the KV-major kernel (``TILE_OVERRIDE["qmajor_dq"]`` forces
+    either). The forward's group rule (the group's heads fill the rows of a tile), up to
+    the head dims measured (``DKV_TILES``)."""
+    forced = TILE_OVERRIDE.get("qmajor_dq")
+    if forced is not None:
+        return bool(forced)
+    return group >= QMAJOR_MIN_GROUP and d <= max(b for b, _ in DKV_TILES)
+
+
+def _dkv_tiles(d: int, tid: int):
+    """``(block_q, num_warps, num_stages)`` of the KV-major backward without ``dq`` (under
+    the query-major ``dq``); ``TILE_OVERRIDE`` keys ``block_q``, ``num_warps``,
+    ``num_stages`` override."""
+    bound = min((b for b, t in DKV_TILES if d <= b and t == tid), default=None)
+    bq, warps, stages = DKV_TILES[(bound, tid)] if bound is not None else (32, 4, 3)
+    if is_interpreter():
+        return TILE_OVERRIDE.get("block_q", 16), 1, TILE_OVERRIDE.get("num_stages", stages)
+    bq, warps, stages = (TILE_OVERRIDE.get("block_q", bq), TILE_OVERRIDE.get("num_warps", warps),
+                         TILE_OVERRIDE.get("num_stages", stages))
+    if d > 64 and bq <= 32 and warps == 4 and stages >= 3:
+        # Triton 3.6 compiles this tile to a wrong dK on sm_90 (2026-11-26-nsa-qmajor-dq,
+        # call 3: 3-8x eager bf16's error at D128, 32 and 16 rows; the same rows with 2
+        # stages or 8 warps, and 64+ rows, are right)
+        raise ValueError(f"selected backward without dq: {bq} rows x 4 warps x {stages} stages at head dim {d} "
+                         "is miscompiled by Triton 3.6 (wrong dK); use num_stages <= 2, 8 warps or >= 64 rows")
+    return bq, warps, stages
+
+
+def _sel_bwd_dq_qmajor(q, k, v, do, lse, delta, block_idx, n_t, b_t, tid, scale, sblk):
+    """Query-major ``dq`` (``_sel_bwd_dq_qmajor_kernel``) in q's dtype."""
     bsz, hq, n_tok, d = q.shape
     hkv = k.shape[1]
-    dq = torch.empty(bsz, hq, n_tok, d, device=q.device, dtype=torch.float32)
-    delta = row_delta(o, do, zero=dq)  # and the dq accumulator zeroed in the same pass
+    dq = torch.empty(bsz, hq, n_tok, d, device=q.device, dtype=q.dtype)
+    idx = block_idx if block_idx.dtype == torch.int32 else block_idx.to(torch.int32)
+    tma, warps, stages = _qmajor_tiles(d, "qmajor_dq")
+    if is_interpreter():
+        warps = 1
+    bs = max(16, next_pow2(sblk))
+    tma = use_tma(tma, False, k, v)
+    kk, vv = (descriptor(k, bs, block_d(d)), descriptor(v, bs, block_d(d))) if tma else (k, v)
+    _sel_bwd_dq_qmajor_kernel[(n_tok, bsz * hkv)](
+        q, kk, vv, do, idx, lse, delta, dq, n_t, b_t,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *idx.stride(), *dq.stride(),
+        hq, hkv, n_tok, d, hq // hkv, idx.shape[-1], scale, sblk,
+        TRANSFORM=tid, PREC=dot_precision(q.dtype), BLOCK_G=max(16, next_pow2(hq // hkv)),
+        BLOCK_S=bs, BLOCK_D=block_d(d), num_warps=warps, num_stages=stages,
+        FAST_LOG2=fast_log2(tid, q.device), TMA=tma,
+    )
+    return dq
+
+
+def _launch_sel_bwd(q, k, v, do, lse, delta, dq_acc, wl: WorkList, n_t, b_t, tid, scale, sblk, ns,
+                    warps, stages, has_dq):
+    """The KV-major backward kernel: fp32 ``dk, dv`` and the ``[items, 2]`` dn/db partials
+    (and dq rows added into ``dq_acc`` with ``has_dq``)."""
+    bsz, hq, n_tok, d = q.shape
+    hkv = k.shape[1]
     dk = torch.zeros(bsz, hkv, n_tok, d, device=q.device, dtype=torch.float32)
     dv = torch.zeros(bsz, hkv, n_tok, d, device=q.device, dtype=torch.float32)
     grid = (wl.items.shape[0],)
     dnb = torch.zeros(grid[0], 2, device=q.device, dtype=torch.float32)
     _sel_bwd_kernel[grid](
-        q, k, v, do, wl.items, wl.tq, wl.ts, lse, delta, dq, dk, dv, n_t, b_t, dnb,
+        q, k, v, do, wl.items, wl.tq, wl.ts, lse, delta, dq_acc, dk, dv, n_t, b_t, dnb,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(),
         hq, hkv, n_tok, ns, d, hq // hkv, scale, sblk,
         TRANSFORM=tid, PREC=dot_precision(q.dtype), BLOCK_Q=wl.block_q,
-        BLOCK_S=max(16, next_pow2(sblk)), BLOCK_D=block_d(d), num_warps=_num_warps(),
-        num_stages=TILE_OVERRIDE.get("num_stages", 3), FAST_LOG2=fast_log2(tid, q.device),
+        BLOCK_S=max(16, next_pow2(sblk)), BLOCK_D=block_d(d), num_warps=warps,
+        num_stages=stages, FAST_LOG2=fast_log2(tid, q.device), HAS_DQ=int(has_dq),
     )
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dnb.sum(0, dtype=torch.float64)
+    return dk, dv, dnb
+
+
+def _sel_bwd(q, k, v, o, lse, do, wl: WorkList, n_t, b_t, tid, scale, sblk, ns):
+    """``(dq, dk, dv, [dn, db])`` from the KV-major kernel alone (dq by fp32 atomics)."""
+    dq_acc = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+    delta = row_delta(o, do, zero=dq_acc)  # and the dq accumulator zeroed in the same pass
+    dk, dv, dnb = _launch_sel_bwd(q, k, v, do, lse, delta, dq_acc, wl, n_t, b_t, tid, scale, sblk, ns,
+                                  _num_warps(), TILE_OVERRIDE.get("num_stages", 3), True)
+    return dq_acc.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dnb.sum(0, dtype=torch.float64)
+
+
+def _sel_bwd_split(q, k, v, o, lse, do, block_idx, n_t, b_t, tid, scale, sblk, ns):
+    """``(dq, dk, dv, [dn, db])`` with ``dq`` query-major and ``dk, dv`` (and SSA's dn, db)
+    from the KV-major kernel without dq -- no dq atomics, dq deterministic. (The two are
+    independent; running the dq kernel on a second CUDA stream beside the index sort and
+    the KV-major kernel measured no faster: 2026-11-26-nsa-qmajor-dq, call 5.)"""
+    bq, warps, stages = _dkv_tiles(q.shape[-1], tid)
+    delta = row_delta(o, do)
+    dq = _sel_bwd_dq_qmajor(q, k, v, do, lse, delta, block_idx, n_t, b_t, tid, scale, sblk)
+    wl = build_worklist(block_idx, ns, bq)
+    dk, dv, dnb = _launch_sel_bwd(q, k, v, do, lse, delta, dq, wl, n_t, b_t, tid, scale, sblk, ns,
+                                  warps, stages, False)
+    return dq, dk.to(k.dtype), dv.to(v.dtype), dnb.sum(0, dtype=torch.float64)
 
 
 class _SelectedAttention(torch.autograd.Function):
@@ -470,11 +653,16 @@ class _SelectedAttention(torch.autograd.Function):
         tid, scale, sblk, ns, block_q = ctx.args
         if len(ctx.saved_tensors) == 8:  # query-major forward: the index is inverted here
             q, k, v, o, lse, n_t, b_t, block_idx = ctx.saved_tensors
-            wl = build_worklist(block_idx, ns, block_q)
+            if use_qmajor_dq(q.shape[1] // k.shape[1], q.shape[-1]):  # dq query-major, dk/dv KV-major
+                dq, dk, dv, dnb = _sel_bwd_split(q, k, v, o, lse, do.contiguous(), block_idx, n_t, b_t, tid,
+                                                 scale, sblk, ns)
+            else:
+                wl = build_worklist(block_idx, ns, block_q)
+                dq, dk, dv, dnb = _sel_bwd(q, k, v, o, lse, do.contiguous(), wl, n_t, b_t, tid, scale, sblk, ns)
         else:
             q, k, v, o, lse, n_t, b_t, items, tq, ts = ctx.saved_tensors
             wl = WorkList(items, tq, ts, block_q)
-        dq, dk, dv, dnb = _sel_bwd(q, k, v, o, lse, do.contiguous(), wl, n_t, b_t, tid, scale, sblk, ns)
+            dq, dk, dv, dnb = _sel_bwd(q, k, v, o, lse, do.contiguous(), wl, n_t, b_t, tid, scale, sblk, ns)
         dn = db = None
         if ctx.n_meta is not None:
             dn = dnb[0].reshape(ctx.n_meta[0]).to(ctx.n_meta[1])

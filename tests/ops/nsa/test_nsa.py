@@ -781,6 +781,10 @@ def test_selected_kernel(K, case, schedule, monkeypatch):
         monkeypatch.setitem(K.selected.TILE_OVERRIDE, "qmajor", schedule.startswith("query-major"))
     if schedule.startswith("query-major"):  # K/V through pointers, or descriptors (branch-free slot loop)
         monkeypatch.setitem(K.selected.TILE_OVERRIDE, "qmajor_tma", int(schedule.endswith("tma")))
+        monkeypatch.setitem(K.selected.TILE_OVERRIDE, "qmajor_dq_tma", int(schedule.endswith("tma")))
+        # the backward's dq: inside the KV-major kernel (fp32 atomics) under the pointer
+        # forward, query-major (the default at GQA >= 16) under the descriptor one
+        monkeypatch.setitem(K.selected.TILE_OVERRIDE, "qmajor_dq", schedule.endswith("tma"))
     cfg = NSAConfig(block_len=4, stride=2, select_block=8, top_n=top_n, window=8)
     g = gen(24)
     q, k, v = rnd(B, Hq, N, D, g=g), rnd(B, Hkv, N, D, g=g), rnd(B, Hkv, N, D, g=g)
@@ -814,6 +818,23 @@ def test_row_delta_matches_fp64_and_zeroes_the_accumulator(K):
     assert delta.dtype == torch.float32 and delta.shape == (2, 3, 37)
     assert (delta.double() - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
     assert (acc == 0).all()
+
+
+def test_selected_backward_tiles_refuse_the_miscompiled_one(K, monkeypatch):
+    """The KV-major backward without dq at D > 64: 32 or fewer rows x 4 warps x 3+ stages
+    gave a wrong dK on sm_90 under Triton 3.6 (2026-11-26-nsa-qmajor-dq, call 3), so the
+    tile lookup refuses it by name; the defaults and the neighbouring tiles pass."""
+    A = K.selected
+    monkeypatch.setattr(A, "is_interpreter", lambda: False)
+    assert A._dkv_tiles(128, 0) == (128, 8, 2) and A._dkv_tiles(64, 1) == (32, 4, 3)
+    for ov in (dict(block_q=32, num_warps=4, num_stages=3), dict(block_q=16, num_warps=4, num_stages=3)):
+        monkeypatch.setattr(A, "TILE_OVERRIDE", dict(ov))
+        with pytest.raises(ValueError, match="miscompiled"):
+            A._dkv_tiles(128, 1)
+        assert A._dkv_tiles(64, 1) == (ov["block_q"], 4, 3)  # D64: measured right
+    monkeypatch.setattr(A, "TILE_OVERRIDE", dict(block_q=32, num_warps=4, num_stages=2))
+    assert A._dkv_tiles(128, 0) == (32, 4, 2)
+    assert A.use_qmajor_dq(16, 128) and not A.use_qmajor_dq(3, 64) and not A.use_qmajor_dq(16, 256)
 
 
 def test_worklist_inverts_the_selection(K):
