@@ -272,6 +272,14 @@ def _topn_kernel(
 #: (64, 64, 128, 4) takes the selection from 16.6 to 8.4 ms at 64K (1.42 to 0.74 at 16K) and
 #: matches the fp64 top-n exactly at 16K, where the per-head order (64, 32, 16, 4) missed 1.1%.
 IMPORTANCE_TILES = (64, 64, 128, 4)
+#: groups of at least this many query heads per kv head take ``IMPORTANCE_TILES_WIDE``:
+#: 128 compressed blocks per chunk (the banded order's STEP 32). H100, N=64K GQA16
+#: (docs/results/2026-11-26-nsa-qmajor-dq, call 7): the selection 10.5 against 15.2 ms at
+#: D128, 6.9 against 7.3 at D64, 9.2 against 9.6 with SSA, 0.95 against 1.20 at D128 16K;
+#: the same selections in every row. GQA 3 keeps 64 (7.4 against 7.7 ms at D64, 8.3 against
+#: 8.6 at D128).
+IMPORTANCE_TILES_WIDE = (64, 128, 128, 4)
+IMPORTANCE_WIDE_MIN_GROUP = 16
 #: loop order of the importance kernel (``_importance_kernel``'s ``HEADS_INNER``)
 IMPORTANCE_HEADS_INNER = True
 #: the banded order (``_importance_band``, heads summed per chunk) where the configuration
@@ -285,7 +293,7 @@ IMPORTANCE_HEADS_INNER = True
 #: restores the tile order
 IMPORTANCE_BANDED = True
 #: tuning hook: ``{"importance": (bm, bc, bs, warps), "heads_inner": bool, "banded": bool}``
-#: overrides the three above
+#: overrides the tiles (either table), the loop order and the banded order above
 TILE_OVERRIDE: dict = {}
 
 
@@ -342,7 +350,8 @@ def importance_scores(q, k_cmp, lse_cmp, config: NSAConfig, *, transform="softma
     if is_interpreter():
         bm, bc, bs, warps = 16, 16, 16, 1
     else:
-        bm, bc, bs, warps = TILE_OVERRIDE.get("importance", IMPORTANCE_TILES)
+        wide = hq // hkv >= IMPORTANCE_WIDE_MIN_GROUP
+        bm, bc, bs, warps = TILE_OVERRIDE.get("importance", IMPORTANCE_TILES_WIDE if wide else IMPORTANCE_TILES)
     heads_inner = TILE_OVERRIDE.get("heads_inner", IMPORTANCE_HEADS_INNER)
     # the overlap product of the head-summed p (HEADS_INNER): for 16-bit inputs a hi/lo split
     # into two tf32 dots ("split", ~fp32 accurate); fp32 inputs: IEEE. Triton's tf32x3 is as

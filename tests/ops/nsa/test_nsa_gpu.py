@@ -171,12 +171,14 @@ def test_layer_bf16_within_2x_eager(B, N, D, transform):
 
 
 @BIG
+@pytest.mark.parametrize("heads", [(HQ, HKV), (32, 2)], ids=["gqa3", "gqa16"])  # GQA 16: the wide tiles
 @pytest.mark.parametrize("D", [32, pytest.param(128, marks=())])
-def test_selection_scores_and_topn_paper_sizes(D):
+def test_selection_scores_and_topn_paper_sizes(D, heads):
     from nemo_ssa.ops.nsa.range_attn import compressed_attention
     from nemo_ssa.ops.nsa.select import importance_scores, select_blocks_triton, topn_blocks
 
     N = 4088
+    HQ, HKV = heads
     g = torch.Generator(device="cpu").manual_seed(D)
     q = torch.randn(1, HQ, N, D, generator=g).to(DEV)
     kc = torch.randn(1, HKV, num_compressed_blocks(N, PAPER), D, generator=g).to(DEV)
