@@ -103,6 +103,10 @@ def write_out(path: str, rows: List[Dict], preamble: str) -> None:
             f.write(preamble + "\n\n" + fmt_table(rows) + "\n")
 
 
+MIN_WARMUP_CALLS = 3
+MIN_TIMED_CALLS = 10
+
+
 def bench(fn: Callable[[], None], warmup: int, rep: int) -> float:
     if not torch.cuda.is_available():  # --cpu-smoke: one call, wall clock
         import time
@@ -113,6 +117,19 @@ def bench(fn: Callable[[], None], warmup: int, rep: int) -> float:
         return (time.perf_counter() - t0) * 1e3
     import triton.testing
 
+    # do_bench sizes its loops from a 5-call estimate: at 64K a 130 ms call got one warm-up
+    # and ONE timed call, and the first case in a process ran up to 9% slow
+    # (docs/results/2026-11-26-nsa-qmajor-dq, calls 9-10). So at least MIN_WARMUP_CALLS
+    # warm-up and MIN_TIMED_CALLS timed calls, whatever the time budgets say.
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    est = start.elapsed_time(end)
+    warmup = max(warmup, MIN_WARMUP_CALLS * est)
+    rep = max(rep, MIN_TIMED_CALLS * est)
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
