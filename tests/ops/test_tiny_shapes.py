@@ -45,6 +45,10 @@ def _params():
                 for tr in ("ssa", "softmax"):
                     out.append(pytest.param("flash", dt, D, N, tr, True, 8, 4,
                                             id=f"flash-{dt}-D{D}-N{N}-{tr}-causal-8x4"))
+        for N in LENGTHS:  # GQA 16: the selected branch's query-major forward and dq
+            for tr in ("ssa", "softmax"):
+                out.append(pytest.param("nsa", dt, 32, N, tr, True, 16, 1,
+                                        id=f"nsa-{dt}-D32-N{N}-{tr}-causal-16x1"))
         for tr in ("ssa", "softmax"):  # MHA (GROUP == 1 is its own specialisation)
             out.append(pytest.param("flash", dt, 32, 1, tr, True, 4, 4, marks=(pytest.mark.gpu_quick,),
                                     id=f"flash-{dt}-D32-N1-{tr}-causal-4x4"))
