@@ -77,7 +77,9 @@ Compile gating (``compile="auto"`` | True | False)
 Compiled flex is used when it is safe; otherwise eager flex (which materialises the
 scores) with the reason logged once per reason at WARNING -- never silently. Known
 unsafe: CPU with autograd or LSE needed (compiled CPU flex is inference-only, no LSE);
-CUDA with head dim < 16 (flex's ``tl.dot`` minimum). ``compile="auto"`` also falls back
+CPU with an 8-lane vector ISA (AVX2, NEON) at head dim 8 or 16, where inductor's CPU
+micro-GEMM overruns its score tile and the output depends on memory past K (issue 47,
+``_cpu_microgemm_overrun``); CUDA with head dim < 16 (flex's ``tl.dot`` minimum). ``compile="auto"`` also falls back
 (logged) when the first compiled call of a kind raises. ``compile=True`` raises instead
 of falling back. Inside an outer ``torch.compile`` flex is called directly.
 
@@ -631,6 +633,8 @@ def resolve_compile(compile, device: torch.device, head_dim: int, needs_autograd
     reason = None
     if device.type == "cpu" and needs_autograd_or_lse:
         reason = "compiled FlexAttention on CPU is inference-only (no backward, no log-sum-exp)"
+    elif device.type == "cpu" and _cpu_microgemm_overrun(head_dim) is not None:
+        reason = _cpu_microgemm_overrun(head_dim)
     elif device.type == "cuda" and head_dim < 16:
         reason = f"compiled FlexAttention needs head dim >= 16 on CUDA (got {head_dim})"
     elif device.type not in ("cuda", "cpu"):
@@ -646,6 +650,46 @@ def resolve_compile(compile, device: torch.device, head_dim: int, needs_autograd
     _log_once(logging.WARNING, f"compile:{reason}",
               f"ssa_flex: running eager FlexAttention (materialises the scores) because {reason}")
     return False, reason
+
+
+# Inductor's CPU FlexAttention template computes q @ k^T with a micro-GEMM of fixed
+# register blocking (1 row x 16 keys). Its key-tail kernel takes the "transpose first"
+# branch when head_dim % L == 0, head_dim < 24 and the tail N % L == 0 (L = float lanes
+# of the vector ISA), but that branch ignores N: it reads keys N..15 past the block and
+# stores 16 scores into a row of N. For N = 8 on an 8-lane ISA (AVX2, NEON, or no
+# vector ISA) the last row's overrun lands in the kernel's running row maxima, so an
+# output depends on whatever memory follows K: off by ~1.6 or NaN (issue 47; seen on
+# torch 2.13.0 CPU, template of pytorch PR #147068). 16-lane ISAs (AVX-512) cannot meet
+# N % 16 == 0 with N < 16. The guard is keyed on what we can read before compiling --
+# the ISA's lanes and the head dim -- not on the key length, whose tail depends on the
+# block mask's block size; eager flex is exact and CPU flex is inference-only anyway.
+_MICROGEMM_BLOCK_N = 16  # GemmBlocking(1, 16, 1) in torch/_inductor/codegen/cpp_flex_attention_template.py
+_MICROGEMM_TRANSPOSE_K = 24  # "24 * BLOCK_M > K" selects the overrunning branch (BLOCK_M = 1)
+
+
+def _cpu_float_lanes() -> int:
+    """float32 lanes of the vector ISA inductor compiles CPU kernels for.
+
+    Without a usable vector ISA, ATen's generic ``Vectorized<float>`` is 32 bytes: 8 lanes.
+    """
+    try:
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        isa = pick_vec_isa()
+        return int(isa.nelements(torch.float32)) if isa else 8
+    except Exception:  # pragma: no cover - depends on the torch build
+        return 8
+
+
+def _cpu_microgemm_overrun(head_dim: int) -> Optional[str]:
+    """Why compiled CPU flex may overrun its score buffer at this head dim, else None."""
+    lanes = _cpu_float_lanes()
+    if lanes < _MICROGEMM_BLOCK_N and head_dim % lanes == 0 and head_dim < _MICROGEMM_TRANSPOSE_K:
+        return (f"compiled FlexAttention on this CPU ({lanes} float lanes) at head dim {head_dim} reads "
+                f"past K and overwrites its row maxima when a key block ends {lanes} keys into a "
+                f"{_MICROGEMM_BLOCK_N}-key tile (torch inductor's CPU micro-GEMM, issue 47 of nemo-ssa; "
+                f"docs/results/2026-11-27-flex-cpu-overrun)")
+    return None
 
 
 def _compiled_fn(kind: str):
@@ -864,8 +908,9 @@ def ssa_attention_flex(
     need_param = grad_on and (n.requires_grad or b.requires_grad)
     if q.device.type == "cpu" and need_qkv:
         raise NotImplementedError(
-            "FlexAttention has no backward on CPU, so q/k/v gradients are unavailable here; use "
-            "attention=ssa_reference on CPU, or inputs without requires_grad (n/b gradients work)")
+            "ssa_flex: q/k/v on cpu with requires_grad are not supported (FlexAttention has no CPU "
+            "backward); supported: CUDA tensors, or CPU inputs without requires_grad (n/b gradients "
+            "work). To train on CPU use attention=ssa_reference")
     has_user_mask = mask_mod is not None or keep_mask is not None
     mode = resolve_dn_mode(dn_mode, q.device, q.dtype, has_user_mask) if need_param else "none"
     needs_lse = need_param and mode in _INJECT_MODES

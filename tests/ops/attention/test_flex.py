@@ -516,6 +516,32 @@ def test_compile_gating_decisions_and_logs(caplog):
         resolve_compile("yes", cpu, 32, True)
 
 
+@pytest.mark.parametrize("lanes", [4, 8, 16])
+def test_compile_gating_avoids_the_cpu_microgemm_overrun(monkeypatch, caplog, lanes):
+    """Issue 47: compiled CPU flex overruns its score tile at head dims that are a multiple of
+    the ISA's float lanes and below 24, on ISAs narrower than its 16-key tile. Those run
+    eager (logged); other head dims, CUDA and 16-lane ISAs keep compiling. The overrun
+    itself is shown in tests/megatron/test_module_poison.py under an 8-lane ISA."""
+    monkeypatch.setattr(flex, "_cpu_float_lanes", lambda: lanes)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for d in (8, 12, 16, 20, 24, 32, 48):
+        broken = lanes < 16 and d % lanes == 0 and d < 24
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            use, reason = resolve_compile("auto", cpu, d, False)
+        assert use is not broken, (lanes, d, reason)
+        if broken:
+            assert f"{lanes} float lanes" in reason and f"head dim {d}" in reason
+            with pytest.raises(ValueError, match="compile=True is not possible here: .*reads past K"):
+                resolve_compile(True, cpu, d, False)
+        if d >= 16:  # CUDA flex is Triton-generated: no CPU micro-GEMM, never gated by this
+            assert resolve_compile("auto", cuda, d, False) == (True, None)
+    assert ("reads past K" in caplog.text) is (lanes < 16)
+
+
+def test_cpu_float_lanes_reads_inductors_isa():
+    assert flex._cpu_float_lanes() in (4, 8, 16)
+
+
 def test_public_call_logs_its_eager_fallback(caplog):
     """n learnable on CPU: compile='auto' runs eager flex and says why."""
     q, k, v = make_qkv(1, 2, 2, 8, 8, 16, torch.float32)
@@ -570,7 +596,7 @@ INVALID = [
                  "unknown dn_mode", id="dn-mode"),
     pytest.param(dict(compile="sometimes"), ValueError, "compile must be", id="compile-value"),
     pytest.param(dict(q=torch.randn(1, 4, 3, 16, requires_grad=True)), NotImplementedError,
-                 "no backward on CPU", id="cpu-qkv-grad"),
+                 "no CPU backward", id="cpu-qkv-grad"),
     pytest.param(dict(k=torch.randn(1, 3, 5, 16), v=torch.randn(1, 3, 5, 16)), ValueError,
                  "multiple of kv heads", id="gqa"),
 ]
