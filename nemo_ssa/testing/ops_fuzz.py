@@ -380,9 +380,11 @@ def _build_dense(s: Spec) -> Inputs:
     gen = torch.Generator().manual_seed(s.seed)
     rng = random.Random(s.seed)
     q, k, v = _dense_tensors(s, gen, rng)
-    if s.op == "ssa_flex" and q.device.type == "cpu" and what_is(s) != "flex_cpu_qkv_grad":
+    if s.op == "ssa_flex" and s.device == "cpu" and what_is(s) != "flex_cpu_qkv_grad":
         # FlexAttention has no CPU backward for q/k/v (refused with NotImplementedError, a
-        # bad case of its own); n, b gradients are what CPU can check
+        # bad case of its own); n, b gradients are what a CPU run can check. Keyed on the
+        # run's device, as _leaves_for_grad is: on a CUDA run, CPU tensors
+        # (device_cpu_no_kernels) keep requires_grad and must be refused (issue 47).
         q, k, v = (t.detach() if isinstance(t, torch.Tensor) else t for t in (q, k, v))
     what = s.bad.get("what")
     ssa = s.op in SSA_OPS

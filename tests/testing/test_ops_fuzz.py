@@ -138,3 +138,15 @@ def test_cli_writes_counts(tmp_path):
     rc = fuzz.main(["--cases", "12", "--device", DEVICE, "--seed", "5", "--out", str(out)])
     text = out.read_text()
     assert rc == 0 and "| **total** | 12 |" in text and "tried | correct | refused | failed" in text
+
+
+def test_flex_cpu_tensors_on_a_cuda_run_are_refused():
+    """Issue 47: on a CUDA run, ``device_cpu_no_kernels`` gave ssa_flex CPU tensors that the
+    builder had detached while the grad step still asked for their gradients: a crash
+    ("One of the differentiated Tensors does not require grad") in place of a refusal. The
+    case builds CPU tensors only, so it runs here as on the GPU."""
+    s = _one("ssa_flex", "bad", bad_kind="bad:device_cpu_no_kernels")
+    s.device = "cuda"  # the run's device; the case itself moves the tensors to the CPU
+    s.dtype = torch.float32
+    r = fuzz.run_case(s)
+    assert r.outcome == "refused" and "no CPU backward" in r.detail and "supported" in r.detail, r
