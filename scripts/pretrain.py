@@ -64,6 +64,8 @@ def _train_cfg(cfg: DictConfig, cuda: bool) -> DictConfig:
     if train.device == "gpu" and not cuda:
         raise SystemExit("train config asks for a GPU (device=gpu) but CUDA is not available; "
                          "use train=cpu_smoke (or train=auto)")
+    if train.get("global_batch_size") is None:
+        train = OmegaConf.merge(train, {"global_batch_size": _default_global_batch(train, cuda)})
     cap = cfg.attention.get("max_micro_batch_size") if "attention" in cfg else None
     if cap and train.device == "gpu" and int(train.micro_batch_size) > int(cap) \
             and int(train.global_batch_size) % int(cap) == 0:
@@ -71,6 +73,25 @@ def _train_cfg(cfg: DictConfig, cuda: bool) -> DictConfig:
         # the same global batch by gradient accumulation (same curve in expectation)
         train = OmegaConf.merge(train, {"micro_batch_size": int(cap)})
     return train
+
+
+def _data_parallel(train: DictConfig, cuda: bool) -> int:
+    """Data-parallel size of the layout: world / (tensor parallel x context parallel)."""
+    world = int(train.get("num_nodes") or 1) * int(train.get("num_gpus_per_node") or 1) if cuda \
+        else _launched_world()
+    return max(1, world // (int(train.get("tensor_parallel") or 1) * int(train.get("context_parallel") or 1)))
+
+
+def _default_global_batch(train: DictConfig, cuda: bool) -> int:
+    """``global_batch_size: null`` (train/gpu_9min): one micro batch per data-parallel rank, so
+    every GPU does the step one GPU does (weak scaling) and each layout's default is valid.
+    Said in one line when it differs from one GPU's; an explicit value is kept as set."""
+    dp = _data_parallel(train, cuda)
+    gbs = int(train.micro_batch_size) * dp
+    if dp > 1 and _rank() == 0:
+        print(f"[pretrain] global batch {gbs} = micro batch {train.micro_batch_size} x data parallel {dp} "
+              f"(train.global_batch_size was not set; set it to fix the global batch across layouts)", flush=True)
+    return gbs
 
 
 def _rank() -> int:
@@ -130,15 +151,35 @@ def _distributed_optimizer(train: DictConfig, cfg: DictConfig, run_dir: str, nam
         return bool(value)
     if not cfg.resume:
         return None
-    from nemo_ssa.megatron.checkpoints import nemo_resume_checkpoint, uses_distributed_optimizer
+    from nemo_ssa.megatron.checkpoints import uses_distributed_optimizer
 
     if cuda:
-        ckpt = nemo_resume_checkpoint(_nemo_checkpoint_dir(run_dir, name))
+        ckpt = nemo_loadable_checkpoint(_nemo_checkpoint_dir(run_dir, name))[0]
     else:
-        from nemo_ssa.train.checkpoint_io import latest_checkpoint
+        from nemo_ssa.train.checkpoint_io import resume_checkpoint
 
-        ckpt = latest_checkpoint(os.path.join(run_dir, "checkpoints"))
+        ckpt = resume_checkpoint(os.path.join(run_dir, "checkpoints"))[0]
     return uses_distributed_optimizer(ckpt) if ckpt else None
+
+
+def nemo_loadable_checkpoint(checkpoint_dir: str):
+    """(weights path of the checkpoint to resume, NeMo checkpoint dir to pass as
+    ``resume_from_path`` or None when NeMo's own pick is that one, [(skipped, why)]).
+
+    NeMo's AutoResume takes the newest ``-last`` checkpoint; when that one cannot load
+    (``checkpoint_problem``), the newest loadable checkpoint of any step is named explicitly."""
+    from nemo_ssa.megatron.checkpoints import weights_dir, checkpoint_problem, nemo_checkpoints
+
+    last = nemo_checkpoints(checkpoint_dir)
+    if not last:  # nothing NeMo would resume from: a fresh start, as without the check
+        return None, None, []
+    skipped = []
+    for d in nemo_checkpoints(checkpoint_dir, last_only=False):
+        why = checkpoint_problem(weights_dir(d))
+        if why is None:
+            return weights_dir(d), (None if d == last[0] else d), skipped
+        skipped.append((d, why))
+    return None, None, skipped
 
 
 def build_recipe(cfg: DictConfig, train: DictConfig, prefix: str, tokenizer_dir: str, run_dir: str):
@@ -224,11 +265,13 @@ def run_gpu(cfg, train, recipe, resolved, run_dir) -> None:
     recipe.trainer.callbacks = callbacks
     recipe.resume.resume_if_exists = bool(cfg.resume)
     if cfg.resume:
-        from nemo_ssa.megatron.checkpoints import nemo_resume_checkpoint
-
-        ckpt = nemo_resume_checkpoint(_nemo_checkpoint_dir(run_dir, resolved.name))
+        ckpt, explicit, skipped = nemo_loadable_checkpoint(_nemo_checkpoint_dir(run_dir, resolved.name))
+        if explicit is not None:
+            recipe.resume.resume_from_path = explicit
         if _rank() == 0:
-            print(f"[pretrain] resume: {ckpt or 'no complete checkpoint found, starting from step 0'}", flush=True)
+            for d, why in skipped:
+                print(f"[pretrain] resume: skipped {d}: {why}", flush=True)
+            print(f"[pretrain] resume: {ckpt or 'no loadable checkpoint found, starting from step 0'}", flush=True)
     strategy = recipe.trainer.strategy
     world = int(recipe.trainer.num_nodes) * int(recipe.trainer.devices)
     if _rank() == 0:
@@ -443,8 +486,23 @@ def train_and_compare(cfg: DictConfig) -> None:
           flush=True)
 
 
+def _compare_to_was_set() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+
+    return any(o.split("=", 1)[0].lstrip("+~") == "compare_to" for o in HydraConfig.get().overrides.task)
+
+
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> None:
+    if cfg.get("compare_to") and _launched_world() > 1 and not _compare_to_was_set():
+        # Under torchrun / Slurm every rank is one process of one run: the story's default
+        # baseline (compare_to: [softmax]) cannot run one after another here, so a
+        # multi-GPU line trains the attention it names, and says so.
+        if _rank() == 0:
+            print(f"[pretrain] launched as {_launched_world()} processes: training attention={cfg.attention.name} "
+                  f"alone (the default compare_to={list(cfg.compare_to)} runs with a plain `python` launch; "
+                  f"compare afterwards with scripts/compare_losses.py)", flush=True)
+        cfg.compare_to = []
     if cfg.get("compare_to"):
         train_and_compare(cfg)
     else:

@@ -22,7 +22,7 @@ import warnings
 from typing import Any, Dict, Optional
 
 __all__ = ["is_complete", "uses_distributed_optimizer", "nemo_resume_checkpoint", "describe_optimizer",
-           "read_ssa_scalars"]
+           "read_ssa_scalars", "checkpoint_problem", "nemo_checkpoints"]
 
 _UNFINISHED = "-unfinished"
 
@@ -31,6 +31,56 @@ def is_complete(path: str) -> bool:
     """A finished dist checkpoint: metadata.json written, no NeMo ``-unfinished`` marker."""
     path = path.rstrip("/")
     return os.path.isfile(os.path.join(path, "metadata.json")) and not os.path.exists(path + _UNFINISHED)
+
+
+def checkpoint_problem(path: str) -> Optional[str]:
+    """Why the complete checkpoint at ``path`` cannot load, in one line; None when it looks loadable.
+
+    Reads only metadata and file sizes (cheap, and the same answer on every rank of a
+    shared file system): megatron's ``metadata.json`` must parse; a torch_dist checkpoint's
+    ``.metadata`` must load, and every shard it indexes must exist and hold the bytes it
+    indexes (a killed copy, a full disk or a lost file leaves a short or missing ``.distcp``);
+    ``common.pt`` must load. A damaged byte inside a shard of the right length is not seen here.
+    """
+    import json
+
+    meta = os.path.join(path, "metadata.json")
+    try:
+        with open(meta) as f:
+            backend = json.load(f).get("sharded_backend", "torch_dist")
+    except (OSError, ValueError, AttributeError) as e:
+        return f"metadata.json unreadable ({type(e).__name__}: {_first_line(e)})"
+    if backend == "torch_dist":
+        from torch.distributed.checkpoint import FileSystemReader
+
+        try:
+            index = FileSystemReader(path).read_metadata()
+        except Exception as e:  # noqa: BLE001 -- any failure to read the index is the answer
+            return f".metadata unreadable ({type(e).__name__}: {_first_line(e)})"
+        need: Dict[str, int] = {}
+        for info in (index.storage_data or {}).values():
+            need[info.relative_path] = max(need.get(info.relative_path, 0), int(info.offset) + int(info.length))
+        for name in sorted(need):
+            f = os.path.join(path, name)
+            if not os.path.isfile(f):
+                return f"shard {name} is missing"
+            size = os.path.getsize(f)
+            if size < need[name]:
+                return f"shard {name} is truncated ({size} of {need[name]} bytes)"
+    common = os.path.join(path, "common.pt")
+    if os.path.exists(common):
+        import torch
+
+        try:
+            torch.load(common, map_location="cpu", weights_only=False)
+        except Exception as e:  # noqa: BLE001
+            return f"common.pt unreadable ({type(e).__name__}: {_first_line(e)})"
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:200] if text else ""
 
 
 def _find_key(obj: Any, key: str, depth: int = 0) -> bool:
@@ -71,27 +121,33 @@ def describe_optimizer(flag: Optional[bool]) -> str:
 _STEP_RE = re.compile(r"step=(\d+)")
 
 
-def nemo_resume_checkpoint(checkpoint_dir: str) -> Optional[str]:
-    """The checkpoint NeMo's AutoResume would pick in ``checkpoint_dir``: the newest complete
-    ``*-last`` directory, as the path of its dist checkpoint (NeMo 2 writes it under
-    ``<name>-last/weights/``, beside ``context/``); None if there is none."""
+def weights_dir(d: str) -> str:
+    w = os.path.join(d, "weights")
+    return w if os.path.isdir(w) else d
+
+
+def nemo_checkpoints(checkpoint_dir: str, last_only: bool = True) -> list:
+    """NeMo's complete checkpoint directories in ``checkpoint_dir``, newest step first
+    (``*-last`` ones only by default: the ones NeMo's AutoResume looks at)."""
     if not os.path.isdir(checkpoint_dir):
-        return None
-
-    def weights(d):
-        w = os.path.join(d, "weights")
-        return w if os.path.isdir(w) else d
-
-    cands = [d for d in glob.glob(os.path.join(checkpoint_dir, "*last"))
-             if os.path.isdir(d) and not os.path.exists(d.rstrip("/") + _UNFINISHED) and is_complete(weights(d))]
-    if not cands:
-        return None
+        return []
+    pattern = "*last" if last_only else "*step=*"
+    cands = [d for d in glob.glob(os.path.join(checkpoint_dir, pattern))
+             if os.path.isdir(d) and not os.path.exists(d.rstrip("/") + _UNFINISHED) and is_complete(weights_dir(d))]
 
     def key(d):
         m = _STEP_RE.search(os.path.basename(d))
         return (int(m.group(1)) if m else -1, os.path.getmtime(d))
 
-    return weights(max(cands, key=key))
+    return sorted(cands, key=key, reverse=True)
+
+
+def nemo_resume_checkpoint(checkpoint_dir: str) -> Optional[str]:
+    """The checkpoint NeMo's AutoResume would pick in ``checkpoint_dir``: the newest complete
+    ``*-last`` directory, as the path of its dist checkpoint (NeMo 2 writes it under
+    ``<name>-last/weights/``, beside ``context/``); None if there is none."""
+    cands = nemo_checkpoints(checkpoint_dir)
+    return weights_dir(cands[0]) if cands else None
 
 
 # the model's SSA scalars in a checkpoint: ``<prefix>decoder.layers.[K.]self_attention.[core_attention.](n|b)``

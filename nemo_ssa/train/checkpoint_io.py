@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from nemo_ssa.train.faults import fault_injection
 from nemo_ssa.train.process import ParallelLayout
@@ -25,14 +25,33 @@ _PARTIAL = ".partial"
 
 def latest_checkpoint(root: str) -> Optional[str]:
     """Newest complete checkpoint directory under ``root`` (None if there is none)."""
+    found = complete_checkpoints(root)
+    return found[0] if found else None
+
+
+def complete_checkpoints(root: str) -> List[str]:
+    """Every complete checkpoint directory under ``root``, newest first."""
     if not os.path.isdir(root):
-        return None
-    steps = []
-    for d in os.listdir(root):
-        if d.startswith(_CKPT_PREFIX) and d[len(_CKPT_PREFIX):].isdigit() \
-                and os.path.isfile(os.path.join(root, d, "metadata.json")):
-            steps.append(int(d[len(_CKPT_PREFIX):]))
-    return os.path.join(root, f"{_CKPT_PREFIX}{max(steps):07d}") if steps else None
+        return []
+    steps = [int(d[len(_CKPT_PREFIX):]) for d in os.listdir(root)
+             if d.startswith(_CKPT_PREFIX) and d[len(_CKPT_PREFIX):].isdigit()
+             and os.path.isfile(os.path.join(root, d, "metadata.json"))]
+    return [os.path.join(root, f"{_CKPT_PREFIX}{s:07d}") for s in sorted(steps, reverse=True)]
+
+
+def resume_checkpoint(root: str) -> Tuple[Optional[str], List[Tuple[str, str]]]:
+    """The newest complete checkpoint under ``root`` that looks loadable, and the newer ones
+    skipped with why (``nemo_ssa.megatron.checkpoints.checkpoint_problem``): a damaged
+    newest checkpoint costs the steps since the one before it, not the run."""
+    from nemo_ssa.megatron.checkpoints import checkpoint_problem
+
+    skipped: List[Tuple[str, str]] = []
+    for path in complete_checkpoints(root):
+        why = checkpoint_problem(path)
+        if why is None:
+            return path, skipped
+        skipped.append((path, why))
+    return None, skipped
 
 
 def _rng_to_obj(snap: RNGSnapshot) -> Dict[str, Any]:

@@ -43,7 +43,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from nemo_ssa.tools.metrics_log import MetricsWriter, append_heldout
-from nemo_ssa.train.checkpoint_io import latest_checkpoint, load_checkpoint, save_checkpoint
+from nemo_ssa.train.checkpoint_io import load_checkpoint, resume_checkpoint, save_checkpoint
 from nemo_ssa.train.ddp import ddp_config_for, no_decay_parameter_names, wrap_for_training
 from nemo_ssa.train.faults import fault_injection
 from nemo_ssa.train.process import (ParallelLayout, apply_layout_to_config, init_distributed, parallel_layout,
@@ -164,12 +164,18 @@ def train_on_cpu(
 
             step = 0
             if resume:
-                latest = latest_checkpoint(ckpt_root)
+                # rank 0 decides, every rank loads the same one (a collective load)
+                choice = [resume_checkpoint(ckpt_root) if dist.get_rank() == 0 else None]
+                dist.broadcast_object_list(choice, src=0)
+                latest, skipped = choice[0]
+                for path, why in skipped:
+                    say(f"resume: skipped {path}: {why}")
                 if latest is None:
-                    say("resume: no checkpoint found, starting from step 0")
+                    say("resume: no loadable checkpoint found, starting from step 0")
                 else:
                     step, note = load_checkpoint(latest, tr.ddp, tr.optimizer, tr.scheduler, layout)
-                    say(f"resume: loaded {latest} (global step {step}{note})")
+                    say(f"resume: loaded {latest} (global step {step}{note}"
+                        f"{f'; {len(skipped)} newer one(s) skipped' if skipped else ''})")
 
             # a DataLoader iterator draws its base seed from torch's generator: a fresh run
             # draws it before step 1, where the checkpoint's RNG state already includes that

@@ -130,3 +130,113 @@ def test_second_generation_resume_continues_the_curve(tiny_corpus, tmp_path):
     merged, ref = load_run("gen", [str(d)]), load_run("full", [str(tmp_path / "full")])
     assert merged.steps == ref.steps == list(range(1, 7)) and merged.loss == ref.loss and merged.n == ref.n
     assert len(merged.segments) == 3
+
+
+# ------------------------------------------------------------------ damaged checkpoints
+def _damage(ckpt, how):
+    """Damage a complete checkpoint the ways disks and copies do (issue 46)."""
+    shards = sorted(f for f in os.listdir(ckpt) if f.endswith(".distcp"))
+    if how == "truncated_shard":
+        with open(os.path.join(ckpt, shards[0]), "r+b") as f:
+            f.truncate(100)
+        return shards[0]
+    if how == "missing_shard":
+        os.remove(os.path.join(ckpt, shards[-1]))
+        return shards[-1]
+    target = {"bad_metadata_json": "metadata.json", "bad_index": ".metadata", "bad_common": "common.pt"}[how]
+    with open(os.path.join(ckpt, target), "wb") as f:
+        f.write(b"\x00garbage")
+    return target
+
+
+DAMAGES = ["truncated_shard", "missing_shard", "bad_metadata_json", "bad_index", "bad_common"]
+
+
+def test_checkpoint_problem_names_every_damage(tiny_corpus, tmp_path):
+    import shutil
+
+    from nemo_ssa.megatron.checkpoints import checkpoint_problem
+
+    d = tmp_path / "run"
+    _train(tiny_corpus, d, stop_after=2)
+    good = str(d / "checkpoints" / "step_0000002")
+    assert checkpoint_problem(good) is None
+    for how in DAMAGES:
+        bad = str(tmp_path / how)
+        shutil.copytree(good, bad)
+        what = _damage(bad, how)
+        why = checkpoint_problem(bad)
+        assert why is not None and what in why, (how, why)
+        assert "\n" not in why
+
+
+def test_resume_skips_a_damaged_newest_checkpoint_and_loses_only_its_steps(tiny_corpus, tmp_path):
+    """One rank: checkpoints at 2 and 4, the step-4 one truncated; resume=true names it,
+    loads step 2 and redoes steps 3-6 bit for bit (the uninterrupted run's curve)."""
+    from nemo_ssa.train.loop import train_on_cpu
+
+    full = _train(tiny_corpus, tmp_path / "full")
+    d = tmp_path / "damaged"
+    first = train_on_cpu(_recipe(tiny_corpus, d, 6), str(d), max_steps=6, quiet=True, ckpt_every=2, stop_after=4)
+    assert sorted(os.listdir(d / "checkpoints")) == ["step_0000002", "step_0000004"]
+    _damage(str(d / "checkpoints" / "step_0000004"), "truncated_shard")
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        again = train_on_cpu(_recipe(tiny_corpus, d, 6), str(d), max_steps=6, ckpt_every=2, resume=True)
+    log = buf.getvalue()
+    assert "resume: skipped" in log and "step_0000004" in log and "truncated" in log, log[-2000:]
+    assert "step_0000002 (global step 2" in log and "1 newer one(s) skipped" in log, log[-2000:]
+    assert first.losses == full.losses[:4] and again.losses == full.losses[2:]
+    assert again.ssa_n == full.ssa_n
+
+
+def test_resume_on_two_ranks_skips_a_damaged_checkpoint(tiny_corpus, tmp_path, how="truncated_shard"):
+    """Two gloo ranks (torchrun, the README launcher) with the distributed optimizer: the
+    damaged newest checkpoint is skipped on every rank alike and the older one resumes."""
+    d = tmp_path / "dp2"
+    base = ["--standalone", "--nproc-per-node=2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *base, *_cli(tiny_corpus, d)[1:],
+           "train.num_gpus_per_node=2", "train.distributed_optimizer=true"]
+    r = subprocess.run(cmd + ["stop_after=4"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    ckpts = d / "checkpoints"
+    assert {"step_0000002", "step_0000004"} <= set(os.listdir(ckpts))
+    before = _rows(d)
+    _damage(str(ckpts / "step_0000004"), how)
+    r = subprocess.run(cmd + ["resume=true"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    text = r.stdout + r.stderr
+    assert r.returncode == 0, text[-3000:]
+    assert "resume: skipped" in text and "step_0000004" in text and "step_0000002 (global step 2" in text, text[-3000:]
+    rows = _rows(d)
+    redo = {s: loss for s, loss, seg in rows if seg == "2"}
+    assert sorted(redo) == [3, 4, 5, 6]
+    assert [redo[s] for s in (3, 4)] == [loss for s, loss, _ in before if s in (3, 4)]
+
+
+def test_nemo_resume_names_the_newest_loadable_checkpoint(tiny_corpus, tmp_path):
+    """The GPU path: NeMo's AutoResume takes the newest ``-last`` checkpoint; when it is
+    damaged the launcher passes the newest loadable one as ``resume_from_path`` and says what
+    it skipped; an intact ``-last`` is left to NeMo (no explicit path)."""
+    import shutil
+
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import pretrain
+
+    d = tmp_path / "run"
+    _train(tiny_corpus, d, stop_after=2)
+    good = d / "checkpoints" / "step_0000002"
+    root = tmp_path / "nemo"
+    for name in ("m--step=19-consumed_samples=80.0-last", "m--step=9-consumed_samples=40.0"):
+        shutil.copytree(good, root / name / "weights")
+        (root / name / "context").mkdir()
+    last = root / "m--step=19-consumed_samples=80.0-last"
+    assert pretrain.nemo_loadable_checkpoint(str(root)) == (str(last / "weights"), None, [])
+    _damage(str(last / "weights"), "missing_shard")
+    ckpt, explicit, skipped = pretrain.nemo_loadable_checkpoint(str(root))
+    older = root / "m--step=9-consumed_samples=40.0"
+    assert (ckpt, explicit) == (str(older / "weights"), str(older))
+    assert [p for p, _ in skipped] == [str(last)] and "missing" in skipped[0][1]
+    assert pretrain.nemo_loadable_checkpoint(str(tmp_path / "none")) == (None, None, [])
