@@ -76,7 +76,8 @@ if [ "${1:-}" = "--which-lock" ]; then echo "$lock"; exit 0; fi
 
 # The hash covers the lock's content, so it also tells the locks apart (cpu and gpu locks
 # differ); the lock's name goes beside it for people.
-want="$(cat "$lock" "$root/pyproject.toml" "$root"/requirements/overlays/*.txt | sha256sum | cut -d' ' -f1)"
+want="$(cat "$lock" "$root/pyproject.toml" "$root"/requirements/overlays/*.txt "$root"/requirements/sources/*.txt \
+    | sha256sum | cut -d' ' -f1)"
 stamp="$venv/.nemo-ssa-stamp"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "[env] creating $venv from $(basename "$lock") (first run: a few minutes)" >&2
@@ -102,6 +103,27 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
             --target "$venv/overlays/$name" -r "$ov" 2>&1 | grep -v "^WARNING: Location" >&2 || true
         [ -n "$(ls -A "$venv/overlays/$name" 2>/dev/null)" ] \
             || { echo "[env] overlay $name ($ov) failed to install" >&2; exit 1; }
+    done
+    # Sources: requirements/sources/*.txt -> $venv/sources/<name>-<version>/ (the wheels'
+    # megatron/*.py, for tests that read other versions' source; never on sys.path). Wheels
+    # for Python 3.12 on x86_64, pinned by hash, whatever this machine runs: the source is the same.
+    rm -rf "$venv/sources"
+    for src in "$root"/requirements/sources/*.txt; do
+        [ -f "$src" ] || continue
+        wheels="$(mktemp -d)"
+        # one pip call per line: several versions of one package in one call do not resolve
+        grep -v '^[[:space:]]*\(#\|$\)' "$src" | while IFS= read -r req; do
+            echo "$req" > "$wheels/req.txt"
+            "$venv/bin/python" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+                --python-version 3.12 --platform manylinux_2_28_x86_64 --require-hashes -d "$wheels" \
+                -r "$wheels/req.txt" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+        done
+        "$venv/bin/python" "$root/scripts/unpack_sources.py" "$wheels" "$venv/sources" \
+            || { rm -rf "$wheels"; echo "[env] sources $src failed to download or unpack" >&2; exit 1; }
+        rm -rf "$wheels"
+        for v in $(sed -n 's/^\([A-Za-z0-9_.-]*\)==\([^ ]*\).*/\1-\2/p' "$src"); do
+            [ -d "$venv/sources/$v" ] || { echo "[env] sources: $v from $src is missing (download failed)" >&2; exit 1; }
+        done
     done
     echo "$want" > "$stamp"
     echo "$lock" > "$venv/.nemo-ssa-lock"

@@ -31,20 +31,44 @@ whose source calls ``np.product``. Nothing changes on numpy 1 or on megatron-cor
 before its trainer is built) and by the CPU training loop; it is idempotent and returns
 what it patched. tests/megatron/test_compat.py saves and resumes a two-rank checkpoint
 under numpy 2 with and without it.
+
+**megatron-core 0.17-0.19.** Each API change that reaches us is decided in one function
+below, from the fact it depends on (a signature, the shape of a spec slot), never from a
+version number; each records what it decided and why (:func:`decisions`, printed by
+``python -m nemo_ssa.megatron.compat``):
+
+- :func:`local_layer_spec`: 0.17 made ``get_gpt_layer_local_spec(*args, **kwargs)`` forward
+  to ``get_gpt_layer_local_submodules``; our keywords are checked against whichever declares them;
+- :func:`mlp_slot`: 0.18 builds the MLP slot as ``partial(MLP.as_mlp_submodule,
+  submodules=...)`` instead of ``ModuleSpec(MLP, submodules=...)`` (no ``.submodules``);
+- :func:`accepted_kwargs`: 0.18 added ``name=`` to megatron's modules; we hand it on only to
+  the megatron constructors that take it;
+- :func:`default_save_sharded_strategy`: 0.19 dropped the ``version`` argument of
+  ``get_default_save_sharded_strategy``.
+
+0.19 also loads a checkpoint's common state with ``torch.load(weights_only=True)``:
+nemo_ssa/train/checkpoint_io.py keeps that state to plain containers, numbers and tensors.
+tests/megatron/test_contracts.py checks these decisions against the 0.16-0.19 sources.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
+import logging
 import types
-from typing import List
+from typing import Any, Dict, List, Tuple
 
 import numpy
 
 __all__ = ["NUMPY2_MODULES", "apply_megatron_compat", "needs_numpy2_shim", "modules_calling_np_product",
-           "get_megatron_optimizer_compat", "legacy_optimizer_arguments", "forget_ddp_grad_hooks"]
+           "get_megatron_optimizer_compat", "legacy_optimizer_arguments", "forget_ddp_grad_hooks",
+           "decisions", "local_layer_spec", "local_spec_parameters", "mlp_slot", "accepted_kwargs",
+           "default_save_sharded_strategy", "save_strategy_args"]
+
+log = logging.getLogger(__name__)
 
 #: megatron-core modules that call ``np.product`` (0.15.x; tests check the list against the
 #: installed package's source)
@@ -201,6 +225,117 @@ def forget_ddp_grad_hooks(model) -> int:
     return cleared
 
 
+# ------------------------------------------------------------------ megatron-core 0.17-0.19 API
+_DECISIONS: Dict[str, str] = {}
+
+
+def _decided(thing: str, what: str) -> None:
+    """Record (and log once) what was decided for ``thing``."""
+    if _DECISIONS.get(thing) != what:
+        _DECISIONS[thing] = what
+        log.info("megatron-core compat: %s: %s", thing, what)
+
+
+def decisions() -> Dict[str, str]:
+    """What each adapter below decided in this process, and why."""
+    return dict(_DECISIONS)
+
+
+def local_spec_parameters(spec_builder: Any = None, submodules_builder: Any = None) -> Tuple[List[str], str]:
+    """The keywords megatron's local GPT layer spec takes, and which function declares them:
+    ``get_gpt_layer_local_spec`` itself, or (0.17+, where it is ``(*args, **kwargs)``)
+    ``get_gpt_layer_local_submodules``, which it forwards to. The builders default to the
+    installed ones; tests pass signatures parsed from other versions."""
+    if spec_builder is None:
+        import megatron.core.models.gpt.gpt_layer_specs as specs
+
+        spec_builder = inspect.signature(specs.get_gpt_layer_local_spec)
+        fn = getattr(specs, "get_gpt_layer_local_submodules", None)
+        submodules_builder = None if fn is None else inspect.signature(fn)
+    P = inspect.Parameter
+    params = list(spec_builder.parameters.values())
+    if any(p.kind == P.VAR_KEYWORD for p in params):
+        if submodules_builder is None:
+            raise RuntimeError("megatron-core's get_gpt_layer_local_spec takes **kwargs and there is no "
+                               "get_gpt_layer_local_submodules to read its keywords from; supported: "
+                               "megatron-core 0.15-0.19")
+        params, where = list(submodules_builder.parameters.values()), "get_gpt_layer_local_submodules"
+    else:
+        where = "get_gpt_layer_local_spec"
+    return [p.name for p in params if p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)], where
+
+
+def local_layer_spec(**kwargs):
+    """``get_gpt_layer_local_spec(**kwargs)`` with the keywords checked first, so an argument
+    a version renamed or removed is an error naming what that version takes, not a
+    ``TypeError`` from deep inside the builder."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    names, where = local_spec_parameters()
+    _decided("local layer spec", f"keywords checked against {where}")
+    unknown = sorted(set(kwargs) - set(names))
+    if unknown:
+        raise TypeError(f"megatron-core's local GPT layer spec takes no {unknown} ({where} takes {names})")
+    return get_gpt_layer_local_spec(**kwargs)
+
+
+def mlp_slot(slot: Any, module: type):
+    """megatron's dense MLP slot of the local layer spec, with ``module`` (an ``MLP``
+    subclass) in place of ``MLP``.
+
+    - ``ModuleSpec(module=MLP, submodules=...)`` (megatron-core <= 0.17): the same spec with
+      ``module``; TransformerLayer builds it through ``build_module``.
+    - ``functools.partial(MLP.as_mlp_submodule, submodules=...)`` (0.18+): the same partial
+      of ``module.as_mlp_submodule``; TransformerLayer calls it with ``config``,
+      ``pg_collection``, ``is_mtp_layer`` and ``name``.
+    """
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if isinstance(slot, ModuleSpec) and slot.module is MLP:
+        _decided("mlp slot", "ModuleSpec(MLP, submodules=...) -> ModuleSpec(ours, same submodules and params)")
+        return ModuleSpec(module=module, params=dict(slot.params), submodules=slot.submodules)
+    func = getattr(slot, "func", None)
+    if isinstance(slot, functools.partial) and getattr(func, "__name__", "") == "as_mlp_submodule" \
+            and getattr(func, "__self__", None) is MLP:
+        _decided("mlp slot", "partial(MLP.as_mlp_submodule, ...) -> partial(ours.as_mlp_submodule, same arguments)")
+        return functools.partial(module.as_mlp_submodule, *slot.args, **slot.keywords)
+    raise TypeError(f"MLP slot {slot!r} is not megatron's dense MLP; supported: ModuleSpec(module=MLP, ...) "
+                    "(megatron-core <= 0.17) or functools.partial(MLP.as_mlp_submodule, submodules=...) (0.18+)")
+
+
+def accepted_kwargs(target: Any, **optional) -> Dict[str, Any]:
+    """The ``optional`` keywords (None values left out) that ``target`` -- a class, a
+    ``ModuleSpec`` or a function -- declares: ``name=`` reaches megatron's modules from 0.18
+    on, and an older constructor must not be handed it."""
+    cls = getattr(target, "module", target)
+    fn = cls.__init__ if isinstance(cls, type) else cls
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+    var_kw = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return {k: v for k, v in optional.items() if v is not None and (k in params or var_kw)}
+
+
+def save_strategy_args(signature: inspect.Signature, backend: str = "torch_dist") -> Tuple[tuple, str]:
+    """The arguments for ``get_default_save_sharded_strategy`` of this signature, and why:
+    up to 0.18 it takes ``(backend, version)`` and we pass version 1 (torch_dist's only
+    one); 0.19 removed ``version``."""
+    if "version" in signature.parameters:
+        return (backend, 1), "get_default_save_sharded_strategy(backend, version=1)"
+    return (backend,), "get_default_save_sharded_strategy(backend): this megatron-core has no version argument"
+
+
+def default_save_sharded_strategy(backend: str = "torch_dist"):
+    """megatron's default save strategy for ``backend`` on every megatron-core we support."""
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+
+    args, why = save_strategy_args(inspect.signature(get_default_save_sharded_strategy), backend)
+    _decided("save strategy", why)
+    return get_default_save_sharded_strategy(*args)
+
+
 def main() -> int:
     """``python -m nemo_ssa.megatron.compat``: what this environment needs and gets (run it
     on a new image: exit 1 if megatron still calls a numpy function the installed numpy lacks)."""
@@ -215,10 +350,19 @@ def main() -> int:
 
     missing = [m for m in calls if needs_numpy2_shim()
                and not isinstance(getattr(sys.modules.get(m), "np", None), _NumpyWithProduct)]
+    names, where = local_spec_parameters()
+    print(f"local layer spec keywords: from {where}")
+    print(f"save strategy: {save_strategy_args(_save_strategy_signature())[1]}")
     if missing:
         print(f"NOT covered: {missing}")
         return 1
     return 0
+
+
+def _save_strategy_signature() -> inspect.Signature:
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+
+    return inspect.signature(get_default_save_sharded_strategy)
 
 
 if __name__ == "__main__":

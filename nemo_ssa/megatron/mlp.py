@@ -29,6 +29,7 @@ from typing import Any, Optional
 import torch
 from megatron.core.transformer.mlp import MLP
 
+from nemo_ssa.megatron.compat import accepted_kwargs
 from nemo_ssa.ops.mlp import mlp_relu2
 
 log = logging.getLogger(__name__)
@@ -110,13 +111,23 @@ class FusedReLU2MLP(MLP):
     """megatron's MLP with the squared-ReLU activation fused into its GEMMs (module docstring)."""
 
     def __init__(self, config, submodules, is_expert: bool = False, input_size: Optional[int] = None,
-                 ffn_hidden_size: Optional[int] = None, tp_group=None):
+                 ffn_hidden_size: Optional[int] = None, tp_group=None, name: Optional[str] = None,
+                 pg_collection=None, is_mtp_layer: bool = False):
+        # What TransformerLayer may hand an MLP it builds from a ModuleSpec: ``tp_group``
+        # (megatron's own MLP class), ``pg_collection`` and ``is_mtp_layer`` (MoE layers, and
+        # every ModuleSpec MLP from 0.18 on), ``name`` (0.18+). The tensor-parallel group is
+        # the collection's ``tp``; an MTP layer's dense MLP is the same module (megatron's
+        # ``MLP.as_mlp_submodule`` drops the flag too).
+        del is_mtp_layer
+        if tp_group is None and pg_collection is not None:
+            tp_group = getattr(pg_collection, "tp", None)
         reason = unsupported_reason(config, is_expert=is_expert)
         if reason is not None:
             raise ValueError(f"FusedReLU2MLP: {reason}; supported: {SUPPORTED} (use megatron's MLP, "
                              "fused_mlp=false)")
         super().__init__(config, submodules, is_expert=is_expert, input_size=input_size,
-                         ffn_hidden_size=ffn_hidden_size, tp_group=tp_group)
+                         ffn_hidden_size=ffn_hidden_size, tp_group=tp_group,
+                         **accepted_kwargs(MLP, name=name))
         if tp_group is not None and tp_group.size() > 1:
             raise ValueError(f"FusedReLU2MLP: a tensor-parallel group of size {tp_group.size()}; supported: "
                              f"{SUPPORTED}")
@@ -124,7 +135,23 @@ class FusedReLU2MLP(MLP):
             raise ValueError(f"FusedReLU2MLP: input_size={self.input_size} is not a multiple of 16; "
                              f"supported: {SUPPORTED}")
 
-    def forward(self, hidden_states, per_token_scale=None):
+    @classmethod
+    def as_mlp_submodule(cls, submodules, config, pg_collection, is_mtp_layer: bool, is_expert: bool = False,
+                         input_size: Optional[int] = None, ffn_hidden_size: Optional[int] = None,
+                         name: Optional[str] = None) -> "FusedReLU2MLP":
+        """The MLP slot's builder in megatron-core 0.18+ (``MLP.as_mlp_submodule``'s contract:
+        the layer spec holds ``partial(FusedReLU2MLP.as_mlp_submodule, submodules=...)`` and
+        TransformerLayer calls it). Defined here so it is the same on every version."""
+        return cls(config=config, submodules=submodules, is_expert=is_expert, input_size=input_size,
+                   ffn_hidden_size=ffn_hidden_size, pg_collection=pg_collection,
+                   is_mtp_layer=is_mtp_layer, name=name)
+
+    def forward(self, hidden_states, per_token_scale=None, padding_mask=None):
+        # padding_mask (megatron-core 0.16+): which tokens are padding, for MoE routing and
+        # its load-balancing statistics. A dense MLP maps every token on its own, so padded
+        # tokens change no other token's output: there is nothing to mask (megatron's MLP
+        # ignores it too).
+        del padding_mask
         if per_token_scale is not None:  # MoE routing weights: never set for a dense MLP
             return super().forward(hidden_states, per_token_scale)
         # [s, b, h] -> [s, b, h]; the two Triton kernels on CUDA bf16/fp16, torch elsewhere

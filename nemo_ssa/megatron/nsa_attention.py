@@ -55,6 +55,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from nemo_ssa.config.attentions import attention_for_module
+from nemo_ssa.megatron.compat import accepted_kwargs
 from nemo_ssa.megatron.core_attention import SSAScalars
 from nemo_ssa.ops.nsa import NSAConfig, PhiParams
 from nemo_ssa.ops.registry import get_attention_fn
@@ -114,6 +115,10 @@ def _nsa_config(nsa: Union[None, NSAConfig, Dict[str, Any]]) -> NSAConfig:
     raise ValueError(f"nsa must be an NSAConfig, a dict of its fields or None, got {type(nsa).__name__}")
 
 
+def _child(name: Optional[str], child: str) -> Optional[str]:
+    return None if name is None else f"{name}.{child}"
+
+
 def _table_row(transform: str):
     """The attention table's row this module implements with ``transform`` (nsa / nsa_ssa)."""
     return attention_for_module(f"{__name__}:NSASelfAttention", transform)
@@ -123,7 +128,9 @@ class NSASelfAttention(SSAScalars, MegatronModule):
     """NSA self attention; drop-in for megatron's ``SelfAttention`` in a layer spec.
 
     Args (beyond megatron's ``config, submodules, layer_number, attn_mask_type,
-    cp_comm_type, pg_collection``):
+    cp_comm_type, pg_collection``; ``pp_layer_offset`` (megatron-core 0.17+) only places a
+    layer's KV cache in inference, which NSA refuses, and ``name`` (0.18+) names the
+    module and its linear layers, as in megatron's ``SelfAttention``):
         nsa: :class:`NSAConfig` or a dict of its fields (block sizes, top-n, window,
             compress ``mlp|mean``, separate_kv).
         impl: ``nemo_ssa.ops.nsa.nsa_attention``'s ``impl`` (``auto``: Triton on CUDA).
@@ -145,6 +152,8 @@ class NSASelfAttention(SSAScalars, MegatronModule):
         attn_mask_type: AttnMaskType = AttnMaskType.causal,
         cp_comm_type: Optional[str] = None,
         pg_collection: Optional[ProcessGroupCollection] = None,
+        pp_layer_offset: Optional[int] = None,
+        name: Optional[str] = None,
         nsa: Union[None, NSAConfig, Dict[str, Any]] = None,
         impl: Union[str, Dict[str, str]] = "auto",
         transform: str = "softmax",
@@ -159,6 +168,8 @@ class NSASelfAttention(SSAScalars, MegatronModule):
         self.nsa = _nsa_config(nsa)
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
+        self._pp_layer_offset = pp_layer_offset
+        self.name = name
         self.impl = impl
         if transform not in ("softmax", "ssa"):
             raise ValueError(f"attention=nsa: transform must be one of ('softmax', 'ssa'), got {transform!r}")
@@ -214,6 +225,7 @@ class NSASelfAttention(SSAScalars, MegatronModule):
             config=config, init_method=config.init_method, gather_output=False,
             bias=config.add_bias_linear or config.add_qkv_bias, skip_bias_add=False,
             is_expert=False, tp_comm_buffer_name="qkv", tp_group=pg_collection.tp,
+            **accepted_kwargs(submodules.linear_qkv, name=_child(name, "linear_qkv")),
         )
         # gate MLP: one linear layer + sigmoid (in the op), per head and branch; its own
         # bias so the gates can learn a per-branch preference whatever add_bias_linear says
@@ -221,12 +233,14 @@ class NSASelfAttention(SSAScalars, MegatronModule):
             submodules.linear_gate, config.hidden_size, self.num_heads * 3,
             config=config, init_method=config.init_method, gather_output=False, bias=True,
             skip_bias_add=False, is_expert=False, tp_comm_buffer_name=None, tp_group=pg_collection.tp,
+            **accepted_kwargs(submodules.linear_gate, name=_child(name, "linear_gate")),
         )
         self.linear_proj = build_module(
             submodules.linear_proj, q_size, config.hidden_size,
             config=config, init_method=config.output_layer_init_method, bias=config.add_bias_linear,
             input_is_parallel=True, skip_bias_add=True, is_expert=False,
             tp_comm_buffer_name="proj", tp_group=pg_collection.tp,
+            **accepted_kwargs(submodules.linear_proj, name=_child(name, "linear_proj")),
         )
         if self.nsa.compress == "mlp":
             dev = torch.device("cpu") if config.use_cpu_initialization else None
@@ -390,9 +404,9 @@ def nsa_layer_spec_submodules(
     """
     import copy
 
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from nemo_ssa.megatron.compat import local_layer_spec
 
-    base = copy.deepcopy(get_gpt_layer_local_spec(normalization="LayerNorm"))
+    base = copy.deepcopy(local_layer_spec(normalization="LayerNorm"))
     sub = base.submodules
     sub.self_attention = nsa_self_attention_spec(nsa, impl=impl, transform=transform)
     if layer_norm is not None:

@@ -21,7 +21,6 @@ import copy
 import importlib
 from typing import Any, Dict, Optional
 
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -30,6 +29,7 @@ from megatron.core.transformer.transformer_block import (
 
 from nemo_ssa.config.attentions import ATTENTIONS, KERNEL_OPTION_KEYS, SSA_OPTION_KEYS
 from nemo_ssa.config.policy import resolve_attention
+from nemo_ssa.megatron.compat import local_layer_spec, mlp_slot
 from nemo_ssa.megatron.layernorm import LayerNorm1P
 from nemo_ssa.megatron.mlp import FusedReLU2MLP, use_fused_mlp
 from nemo_ssa.megatron.self_attention import FusedRopeSelfAttention
@@ -110,7 +110,7 @@ def layer_spec(
     # input), not only the core attention; nsa_ssa is the same module with the SSA transform
     layer = gpt_layer_spec(attention, attention_options, policy)
     if use_fused_mlp(config, fused_mlp):
-        layer.submodules.mlp = ModuleSpec(module=FusedReLU2MLP, submodules=layer.submodules.mlp.submodules)
+        layer.submodules.mlp = mlp_slot(layer.submodules.mlp, FusedReLU2MLP)
     num_layers = get_num_layers_to_build(config)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=LayerNorm1P)
 
@@ -128,7 +128,7 @@ def gpt_layer_spec(attention: str = "ssa", attention_options: Optional[Dict[str,
     resolved = resolve_attention(attention, attention_options, policy=policy,
                                  device="cuda" if torch.cuda.is_available() else "cpu")
     info = ATTENTIONS[resolved.name]
-    layer = copy.deepcopy(get_gpt_layer_local_spec(normalization="LayerNorm"))
+    layer = copy.deepcopy(local_layer_spec(normalization="LayerNorm"))
     layer.submodules.input_layernorm = LayerNorm1P
     layer.submodules.pre_mlp_layernorm = LayerNorm1P
     if info.family == "nsa":

@@ -56,13 +56,19 @@ def resume_checkpoint(root: str) -> Tuple[Optional[str], List[Tuple[str, str]]]:
 
 def _rng_to_obj(snap: RNGSnapshot) -> Dict[str, Any]:
     # megatron's RNG tracker (the generator dropout forks to) is part of the state: without
-    # it a resumed run with dropout draws other masks from its first step on
-    return {"python": snap.python, "numpy": snap.numpy, "torch_cpu": snap.torch_cpu,
+    # it a resumed run with dropout draws other masks from its first step on.
+    # The common state must load under torch.load(weights_only=True) (megatron-core 0.19
+    # loads it so), which refuses numpy arrays: numpy's key goes in as a list of ints.
+    kind, key, *rest = snap.numpy
+    return {"python": snap.python, "numpy": (kind, [int(k) for k in key], *rest), "torch_cpu": snap.torch_cpu,
             "megatron_tracker": snap.megatron_tracker}
 
 
 def _rng_from_obj(obj: Dict[str, Any]) -> RNGSnapshot:
-    return RNGSnapshot(python=obj["python"], numpy=obj["numpy"], torch_cpu=obj["torch_cpu"],
+    import numpy as np
+
+    kind, key, *rest = obj["numpy"]  # a list of ints, or an array in older checkpoints
+    return RNGSnapshot(python=obj["python"], numpy=(kind, np.asarray(key, dtype=np.uint32), *rest), torch_cpu=obj["torch_cpu"],
                        torch_cuda=None, megatron_tracker=obj.get("megatron_tracker"))
 
 
@@ -86,10 +92,11 @@ def _save_strategy():
     """What NeMo's ``MegatronCheckpointIO`` saves with by default (``ckpt_parallel_save=True``):
     torch_dist wrapped in megatron's fully parallel save, which spreads the writing of
     replicated shards over every rank (the multi-rank path numpy 2 broke in megatron 0.15)."""
-    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
-    return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist", 1), None, False)
+    from nemo_ssa.megatron.compat import default_save_sharded_strategy
+
+    return FullyParallelSaveStrategyWrapper(default_save_sharded_strategy("torch_dist"), None, False)
 
 
 def _load_strategy(path: str):

@@ -163,3 +163,24 @@ def test_recipe_and_config_check_refuse_true_with_tensor_parallel():
         check_run_config(cfg, cuda=True)
     cfg["model"]["fused_mlp"] = "auto"
     check_run_config(cfg, cuda=True)
+
+
+def test_padding_mask_changes_nothing_and_the_0_18_builder_builds_it(megatron_cpu):
+    """megatron-core 0.16+ passes ``padding_mask`` to the MLP (a dense MLP maps tokens one by
+    one: the output is the same); 0.18+ builds the slot through ``as_mlp_submodule`` with
+    ``config``, ``pg_collection``, ``is_mtp_layer`` and ``name`` (the keywords TransformerLayer
+    passes there, tests/megatron/test_contracts.py)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    cfg = make_config()
+    submodules = get_gpt_layer_local_spec(normalization="LayerNorm").submodules.mlp.submodules
+    with cpu_device_shims():
+        fused = FusedReLU2MLP.as_mlp_submodule(submodules=submodules, config=cfg,
+                                               pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+                                               is_mtp_layer=False, name="decoder.layers.0.mlp")
+    x = torch.randn(S, B, HIDDEN)
+    mask = torch.zeros(B, S, dtype=torch.bool)
+    mask[:, -2:] = True
+    out, bias = fused(x, padding_mask=mask)
+    assert bias is None
+    torch.testing.assert_close(out, fused(x)[0], rtol=0, atol=0)

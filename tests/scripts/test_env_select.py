@@ -191,7 +191,8 @@ def test_python_without_gpu_lock_fails_naming_the_ones_that_exist(run, tmp_path)
 def _stamped_venv(tmp_path: Path, lock: Path) -> Path:
     venv = tmp_path / "stamped"
     fake_python(venv / "bin" / "python", "3.11")
-    overlays = " ".join(f"'{p}'" for p in sorted((REPO / "requirements" / "overlays").glob("*.txt")))
+    overlays = " ".join(f"'{p}'" for sub in ("overlays", "sources")
+                        for p in sorted((REPO / "requirements" / sub).glob("*.txt")))
     digest = subprocess.run(f"cat '{lock}' '{REPO / 'pyproject.toml'}' {overlays} | sha256sum",
                             shell=True, capture_output=True, text=True, check=True).stdout.split()[0]
     (venv / ".nemo-ssa-stamp").write_text(digest + "\n")
