@@ -5,8 +5,11 @@ in requirements/ hold the exact tested sets):
 
 - **megatron-core 0.15.3 - 0.16.x**: 0.15.3 on the GPU image and in the CPU lock; 0.16.1
   (the newest for Python 3.11) in the CPU matrix (tests/test_stack_matrix.py: layer spec,
-  optimizer setup, two-rank save/resume under numpy 2). 0.17+ needs Python 3.12 and has
-  not been run.
+  optimizer setup, two-rank save/resume under numpy 2) and on GPUs through NeMo (the main
+  job and a DP2 resume, docs/results/2026-11-27-stack). 0.17+ needs Python 3.12: its slot
+  contracts are read from source in CI and 0.19.2 trained on GPUs through plain
+  megatron-core (scripts/train_megatron_core.py, which does not call this check); the NeMo
+  path has not run there, so this range stays the NeMo path's.
 - **nemo_toolkit 2.7.x**: the last line with ``nemo.collections.llm`` (recipes, MegatronStrategy).
   nemo_toolkit 3.0 removed the LLM collection; its recipes moved to Megatron-Bridge.
 - **numpy 1.26 - 2.x**: 1.26.4 in the lock, 2.4.6 in the CPU matrix, 2.5.2 on the GPU image

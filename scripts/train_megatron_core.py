@@ -2,6 +2,8 @@
 
     python scripts/train_megatron_core.py --attention ssa --steps 20                 # CPU or 1 GPU
     torchrun --nproc-per-node=2 scripts/train_megatron_core.py --attention ssa_triton --tp 2
+    python scripts/train_megatron_core.py --attention ssa --save ck --save-at 10     # stop at 10 ...
+    python scripts/train_megatron_core.py --attention ssa --load ck                  # ... resume 11-20
 
 What a megatron-core user needs from nemo-ssa is three things, and this script is their
 whole use (docs/megatron-core.md walks through it):
@@ -37,6 +39,7 @@ import torch  # noqa: E402
 
 
 def build(args, cuda: bool):
+    from megatron.core.activations import squared_relu
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.optimizer import OptimizerConfig
@@ -58,12 +61,12 @@ def build(args, cuda: bool):
         use_cpu_initialization=True, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
         persist_layer_norm=False, hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False,
-        layernorm_zero_centered_gamma=True, bf16=cuda, params_dtype=torch.bfloat16 if cuda else torch.float32,
+        layernorm_zero_centered_gamma=True, activation_func=squared_relu, bf16=cuda, params_dtype=torch.bfloat16 if cuda else torch.float32,
     )
     # the block spec (all layers + our final LayerNorm1P): megatron's own final norm would
     # refuse zero-centred gamma and sequence parallel; layer_specs.<name> (one layer) is for
     # Megatron-LM's --spec, where megatron builds the rest
-    spec = layer_spec(config, args.attention, fused_mlp=False)
+    spec = layer_spec(config, args.attention, fused_mlp=args.fused_mlp)
     model = GPTModel(config, transformer_layer_spec=spec, vocab_size=args.vocab,
                      max_sequence_length=args.seq, position_embedding_type="rope",
                      share_embeddings_and_output_weights=True)
@@ -77,6 +80,16 @@ def build(args, cuda: bool):
         [ddp], no_weight_decay_cond=no_weight_decay_cond)
     patch_megatron_optimizer(opt)
     return config, ddp, opt
+
+
+class _ConstantLR:
+    """This script's learning rate never changes: the scheduler slot of a checkpoint is empty."""
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
 
 
 def batch(args, step: int, device):
@@ -106,7 +119,13 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--cp", type=int, default=1)
+    ap.add_argument("--fused-mlp", default="false", choices=("auto", "true", "false"),
+                    help="the squared-ReLU MLP fused into its GEMMs (CUDA, TP 1); auto: where it runs")
     ap.add_argument("--out", default=None, help="write {losses, n} as JSON (global rank 0)")
+    ap.add_argument("--save", default=None, help="checkpoint directory: megatron dist_checkpointing (torch_dist) "
+                                                 "through nemo_ssa.train.checkpoint_io, at --save-at (default: the end)")
+    ap.add_argument("--save-at", type=int, default=None, help="the step after which --save writes")
+    ap.add_argument("--load", default=None, help="resume from the newest loadable checkpoint in this directory")
     args = ap.parse_args(argv)
 
     import torch.distributed as dist
@@ -128,8 +147,20 @@ def main(argv=None) -> int:
     with shims:
         config, ddp, opt = build(args, cuda)
         device = torch.device("cuda") if cuda else torch.device("cpu")
+        first = 0
+        if args.load:
+            from nemo_ssa.train.checkpoint_io import load_checkpoint, resume_checkpoint
+
+            path, skipped = resume_checkpoint(args.load)
+            for bad, why in skipped:
+                print(f"[megatron-core] skipped {bad}: {why}", flush=True)
+            if path is None:
+                raise SystemExit(f"--load {args.load}: no loadable checkpoint there")
+            first, note = load_checkpoint(path, ddp, opt, _ConstantLR())
+            if dist.get_rank() == 0:
+                print(f"[megatron-core] loaded {path} (step {first}{note})", flush=True)
         t0 = time.time()
-        for step in range(args.steps):
+        for step in range(first, args.steps):
             b = batch(args, step, device)
             ddp.zero_grad_buffer()
             opt.zero_grad()
@@ -144,13 +175,19 @@ def main(argv=None) -> int:
             losses.append(float(reduced))
             if dist.get_rank() == 0 and (step % 5 == 0 or step == args.steps - 1):
                 print(f"[megatron-core] step {step + 1}/{args.steps} loss {losses[-1]:.4f}", flush=True)
+            if args.save and step + 1 == (args.save_at or args.steps):
+                from nemo_ssa.train.checkpoint_io import save_checkpoint
+
+                path = save_checkpoint(args.save, step + 1, ddp, opt, _ConstantLR())
+                if dist.get_rank() == 0:
+                    print(f"[megatron-core] saved {path}", flush=True)
         n = {int(k): float(v) for k, v in ssa_values(ddp)["n"].items()}
     if dist.get_rank() == 0:
-        print(f"[megatron-core] {args.attention}: {args.steps} steps in {time.time() - t0:.1f} s, "
+        print(f"[megatron-core] {args.attention}: steps {first + 1}-{args.steps} in {time.time() - t0:.1f} s, "
               f"loss {losses[0]:.3f} -> {losses[-1]:.3f}" + (f", n {n}" if n else ""), flush=True)
         if args.out:
             with open(args.out, "w") as f:
-                json.dump({"losses": losses, "n": n}, f)
+                json.dump({"first_step": first + 1, "losses": losses, "n": n}, f)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return 0
