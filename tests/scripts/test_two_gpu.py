@@ -93,7 +93,8 @@ def test_speed_gate_is_weak_scaling_on_one_machine(tmp_path, fault):
     rc = two_gpu.main(["check", str(dp), str(p), "--out", str(out), "--no-plot"])
     md = (out / "two_gpu.md").read_text()
     failed = [line for line in md.splitlines() if "| FAIL |" in line]
-    assert "| speed: softmax-dp2 speed >= 1.8x one GPU | PASS | 185,000 vs 100,000 tokens/s of softmax-1gpu-b32" in md
+    assert ("| speed: softmax-dp2 speed >= 1.8x one GPU at the same per-GPU batch | PASS | 185,000 vs 100,000 "
+            "tokens/s of softmax-1gpu-b32") in md
     assert "softmax-dp2 loss vs softmax-1gpu | PASS" in md  # the loss reference comes from the dp part
     if fault is None:
         assert rc == 0 and not failed, md
@@ -143,7 +144,20 @@ def test_plan_has_every_run_of_the_issue():
     labels = {j.label for part in two_gpu.PARTS for stage in two_gpu.plan(part, "/s", cpu=False) for j in stage}
     assert labels == {"ssa-1gpu", "softmax-1gpu", "ssa-dp2", "softmax-dp2", "ssa-2node", "ssa-2node.n1",
                       "ssa-dp2to1", "ssa-tp2sp", "ssa-tp2to1", "ssa-cp2", "ssa-1gpu-b32", "softmax-1gpu-b32",
-                      "ssa-dp2-speed"}
+                      "ssa-dp2-speed",
+                      # four GPUs (issue 46)
+                      "ssa-1gpu-g128", "softmax_triton-1gpu-g128", "ssa-dp4", "ssa-dp4-kill", "ssa-dp4to2",
+                      "ssa-dp4to1", "ssa-1gpu-16k", "ssa-1gpu-32k", "softmax_triton-1gpu-16k", "ssa-tp2dp2",
+                      "softmax_triton-tp2dp2", "ssa-cp2dp2-16k", "softmax_triton-cp2dp2-16k", "ssa-cp2dp2-32k"}
+    # every gated four-GPU run has its reference in the plan, and every gate label is a planned run
+    for run, ref in {**two_gpu.REFERENCE_OF, **two_gpu.RESUMED, **two_gpu.SPEED_REF_OF}.items():
+        assert run in labels and ref in labels, (run, ref)
+    dp4 = [j for stage in two_gpu.plan("dp4", "/s", cpu=False) for j in stage]
+    kill = [j for j in dp4 if j.kill]
+    assert len(kill) == 1 and kill[0].kill == (2, two_gpu.KILL_AT) and "--nproc-per-node=4" in " ".join(kill[0].launches[0])
+    assert {j.copy_from for j in dp4 if j.copy_from} == {"ssa-dp4-kill"}
+    cp = [j for stage in two_gpu.plan("layouts4", "/s", cpu=False) for j in stage if j.label == "ssa-cp2dp2-32k"]
+    assert "train.seq_length=32768" in " ".join(cp[0].launches[0]) and "train.context_parallel=2" in " ".join(cp[0].launches[0])
     tp = [j for stage in two_gpu.plan("tp_cp", "/s", cpu=False) for j in stage if j.label == "ssa-tp2sp"]
     cmd = " ".join(tp[0].launches[0])
     assert "train.tensor_parallel=2" in cmd and "train.sequence_parallel=true" in cmd and "stop_after=100" in cmd
