@@ -124,9 +124,18 @@ def main(argv=None) -> int:
               "compare_to=[]", "seed=1234", "model.init_on_cpu=true"]
     runs, rows = {}, []
 
-    def launch(label, cmd, site, gpus):
-        log = open(os.path.join(args.out, f"{label}.log"), "w")
-        return subprocess.Popen(cmd, cwd=REPO, env=_env(site, gpus), stdout=log, stderr=subprocess.STDOUT), log
+    def run_one(label, cmd, site, gpus, row):
+        """One launch, logged to --out, killed at the budget (rc 124); its row in the table."""
+        t = time.time()
+        with open(os.path.join(args.out, f"{label}.log"), "w") as log:
+            p = subprocess.Popen(cmd, cwd=REPO, env=_env(site, gpus), stdout=log, stderr=subprocess.STDOUT)
+            try:
+                rc = p.wait(timeout=max(5, args.budget - (time.time() - t0)))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                rc = 124
+        rows.append((row, rc, time.time() - t))
+        print(f"[stack] {row}: rc {rc} in {time.time() - t:.0f} s", flush=True)
 
     # stage 1: every stack on its own GPU, its attentions one after another
     lanes = []
@@ -141,16 +150,7 @@ def main(argv=None) -> int:
 
     def run_lane(name, gpu, chain):
         for label, cmd in chain:
-            t = time.time()
-            p, log = launch(label, cmd, sites[name], gpu)
-            try:
-                rc = p.wait(timeout=max(5, args.budget - (time.time() - t0)))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                rc = 124
-            log.close()
-            rows.append((label, rc, time.time() - t))
-            print(f"[stack] {label}: rc {rc} in {time.time() - t:.0f} s", flush=True)
+            run_one(label, cmd, sites[name], gpu, label)
 
     import threading
 
@@ -168,21 +168,12 @@ def main(argv=None) -> int:
     ck = os.path.join(runs[label], "checkpoints")
     for i, extra in enumerate([(f"stop_after={half}", f"train.ckpt_every_n_steps={half}"),
                                ("resume=true", f"train.ckpt_every_n_steps={half}")]):
-        t = time.time()
         if args.entry == "nemo":
             cmd = _pretrain(f"attention={att}", f"run_dir={runs[label]}", *common, *extra, world=2)
         else:  # the first launch saves at half and stops there; the second loads and finishes
             cmd = _core(runs[label], att, half, "--save", ck, world=2) if i == 0 else \
                 _core(runs[label], att, args.steps, "--load", ck, world=2)
-        p, log = launch(f"{label}-{i}", cmd, sites[name], "0,1")
-        try:
-            rc = p.wait(timeout=max(5, args.budget - (time.time() - t0)))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            rc = 124
-        log.close()
-        rows.append((f"{label} ({'stop' if i == 0 else 'resume'})", rc, time.time() - t))
-        print(f"[stack] {label} launch {i}: rc {rc} in {time.time() - t:.0f} s", flush=True)
+        run_one(f"{label}-{i}", cmd, sites[name], "0,1", f"{label} ({'stop' if i == 0 else 'resume'})")
     if args.entry == "core":
         for d in runs.values():
             _core_metrics(d)
