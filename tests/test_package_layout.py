@@ -87,3 +87,24 @@ def test_unknown_subcommand_names_the_supported_ones():
                        text=True, timeout=120)
     assert r.returncode == 2
     assert "unknown command 'no-such-command'" in r.stderr and "compare,pretrain,slurm,study" in r.stderr
+
+
+CODE_SUFFIXES = (".py", ".sh", ".cu", ".cpp", ".c", ".diff", ".patch", ".ipynb")
+
+
+def code_in_records(root: Path):
+    """Code files under docs/results: records hold results and commands as text; what an
+    experiment ran lives in git history, cited by commit (issue 48)."""
+    return sorted(str(p.relative_to(root)) for p in (root / "docs" / "results").rglob("*")
+                  if p.is_file() and p.suffix in CODE_SUFFIXES)
+
+
+def test_records_hold_no_code():
+    assert code_in_records(ROOT) == []
+
+
+def test_the_record_check_sees_code(tmp_path):
+    (tmp_path / "docs" / "results" / "r" / "commands").mkdir(parents=True)
+    (tmp_path / "docs" / "results" / "r" / "README.md").write_text("# r")
+    (tmp_path / "docs" / "results" / "r" / "commands" / "call1.sh").write_text("echo")
+    assert code_in_records(tmp_path) == ["docs/results/r/commands/call1.sh"]

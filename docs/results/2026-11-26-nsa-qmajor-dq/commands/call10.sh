@@ -1,9 +1,0 @@
-# Issue 28 (NSA), call 10: D128 GQA16 64K layer, narrow vs wide importance tiles alternated.
-set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-R=$OUT/r10; mkdir -p $R
-git rev-parse HEAD > $R/commit.txt; git diff HEAD > $R/diff.txt
-PYTHONPATH=$PWD:$PYTHONPATH timeout 300 python3 docs/results/2026-11-26-nsa-qmajor-dq/commands/probe_ab.py > $R/probe.txt 2>&1; echo "rc=$?"
-grep -E "^\|" $R/probe.txt; grep -E "Error|error" $R/probe.txt | head -5
