@@ -10,9 +10,11 @@ docs/results/2026-11-25-two-gpu/README.md):
 * one optimizer step per GPU = one micro batch of 32 x 1024 tokens (weak scaling, global
   batch = 32 x data-parallel size), as Megatron scales;
 * ``t_step(N) = t_1 + h_dp + exposed(comm(N))``: ``t_1`` the 1-GPU step at global batch 32,
-  ``h_dp`` what data parallel adds on two GPUs of one node besides the transfer itself (the
-  measured DP2 step minus ``t_1`` minus its modelled transfer), and the gradient (and, with
-  the distributed optimizer, parameter) collectives;
+  ``h_dp`` what data parallel adds besides the transfer itself (a measured DP step minus its
+  machine's ``t_1`` minus its modelled transfer: ``--fit dp4``, four H200s of one launcher,
+  the default since 2026-11-27, or ``--fit dp2``, two H100s over two c10d launchers, which
+  carried 10x more overhead), and the gradient (and, with the distributed optimizer,
+  parameter) collectives;
 * volumes per step, P parameters, gradients reduced in fp32, bf16 parameters:
   DDP all-reduce ``2 (N-1)/N * 4P`` bytes; distributed optimizer reduce-scatter
   ``(N-1)/N * 4P`` + all-gather ``(N-1)/N * 2P``; a ring's time is volume / bus bandwidth
@@ -42,6 +44,14 @@ MEASURED = {
     "t_tp2": 65536 / 316_897,    # ssa_triton, TP2 + SP, global batch 64 (two micro batches), steps 1-100
     "t1_b64": 65536 / 379_476,   # ssa_triton, 1 GPU, global batch 64 (two micro batches)
 }
+#: measured on four H200s of one host (docs/results/2026-11-27-four-gpu), one launcher:
+#: the DP overhead at 4 ranks, from a run cut at step 116 of 200 (median from step 11)
+MEASURED_DP4 = {
+    "t1_b32": 32768 / 345_652,   # ssa_triton, 1 GPU, global batch 32, same machine
+    "t_dp4": 131072 / 1_349_296,  # ssa_triton, DP4, distributed optimizer, global batch 128
+}
+#: which measured DP step fixes the per-step DP overhead besides the transfer (--fit)
+FITS = ("dp2", "dp4")
 PARAMS = 114_169_344
 
 
@@ -70,8 +80,13 @@ def table(gpus: List[int], a) -> List[Dict]:
     def bw(n):
         return intra if n <= a.gpus_per_node else inter
 
-    # DP overhead besides the transfer, from the measured DP2 step (distributed optimizer)
-    h_dp = m["t_dp2"] - m["t1_b32"] - dp_comm(2, PARAMS, True, intra, a.hop_latency_s, a.exposed)
+    # DP overhead besides the transfer, from a measured DP step (distributed optimizer): DP2 on
+    # two H100s over two launchers (c10d), or DP4 on four H200s of one launcher
+    if a.fit == "dp4":
+        d = MEASURED_DP4
+        h_dp = d["t_dp4"] - d["t1_b32"] - dp_comm(4, PARAMS, True, intra, a.hop_latency_s, a.exposed)
+    else:
+        h_dp = m["t_dp2"] - m["t1_b32"] - dp_comm(2, PARAMS, True, intra, a.hop_latency_s, a.exposed)
     rows = []
     for n in gpus:
         row = {"gpus": n}
@@ -88,12 +103,15 @@ def table(gpus: List[int], a) -> List[Dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gpus", default="2,8,64,512")
+    ap.add_argument("--gpus", default="2,4,8,64,512")
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--nvlink-gbs", type=float, default=330.0, help="NVLink bus bandwidth, GB/s")
     ap.add_argument("--network-gbs", type=float, default=45.0, help="per-GPU network bus bandwidth, GB/s")
     ap.add_argument("--hop-latency-s", type=float, default=5e-6)
     ap.add_argument("--exposed", type=float, default=1 / 3, help="share of the gradient reduce not hidden")
+    ap.add_argument("--fit", choices=FITS, default="dp4",
+                    help="the measured DP step that fixes the DP overhead: dp4 (4 x H200, one launcher, "
+                         "2026-11-27) or dp2 (2 x H100, two launchers, 2026-11-25)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     rows = table([int(g) for g in a.gpus.split(",")], a)
@@ -101,7 +119,7 @@ def main(argv=None) -> int:
         print(json.dumps(rows, indent=1))
         return 0
     one = 32768 / MEASURED["t1_b32"]
-    print(f"1 GPU (global batch 32): {one:,.0f} tokens/s\n")
+    print(f"1 GPU (global batch 32): {one:,.0f} tokens/s; DP overhead fitted on {a.fit}\n")
     print("| GPUs | DP + distributed optimizer | DP, plain DDP | TP2+SP x DP |")
     print("|---|---|---|---|")
     for r in rows:

@@ -30,7 +30,7 @@ def test_collective_volumes():
 def test_table_falls_with_scale_and_network(capsys):
     args = sm.main(["--json"])
     rows = json.loads(capsys.readouterr().out)
-    assert args == 0 and [r["gpus"] for r in rows] == [2, 8, 64, 512]
+    assert args == 0 and [r["gpus"] for r in rows] == [2, 4, 8, 64, 512]
     per_gpu = [r["dp_distopt"] for r in rows]
     assert per_gpu == sorted(per_gpu, reverse=True)
     one = 32768 / sm.MEASURED["t1_b32"]
@@ -49,3 +49,16 @@ def test_cp_table_ratios(tmp_path):
     text = bench_cp.table([str(a), str(b)])
     assert "| ssa_triton | 16,384 | 2 | 80.0 | 204,800 | 102,400 | 0.62x | 5.00 | 8.00 (10.0 %) | 16 |" in text
     assert "| softmax | 32,768 | 2 | OOM: x |" in text
+
+
+def test_dp4_fit_reproduces_the_four_gpu_measurement(capsys):
+    """--fit dp4 (the default) takes its DP overhead from the 4 x H200 run: its 4-GPU row is
+    the measured per-GPU efficiency (3.90x over 4 GPUs); the two-launcher DP2 fit is lower."""
+    sm.main(["--json", "--gpus", "4"])
+    dp4 = json.loads(capsys.readouterr().out)[0]
+    sm.main(["--json", "--gpus", "4", "--fit", "dp2"])
+    dp2 = json.loads(capsys.readouterr().out)[0]
+    one = 32768 / sm.MEASURED["t1_b32"]
+    measured = sm.MEASURED_DP4["t1_b32"] / sm.MEASURED_DP4["t_dp4"] * 4  # the speed-up over one GPU
+    assert dp4["dp_distopt"] / one * 4 == pytest.approx(measured, rel=0.02)
+    assert dp2["dp_distopt"] < dp4["dp_distopt"]
