@@ -14,7 +14,7 @@ dataclass with fields of its own. Its ``transformer_layer_spec`` field takes a
 
 :func:`layer_spec_for_bridge` returns a ``functools.partial`` of the module-level
 :func:`bridge_layer_spec` with keyword arguments only, so a provider holding it pickles and
-Bridge's YAML config dump can name it. Which spec it builds follows the provider's own
+Bridge's YAML config dump (which has a representer for partials) can write it by name. Which spec it builds follows the provider's own
 ``transformer_impl`` (megatron's field, also ``--transformer-impl`` in Megatron-LM):
 
 - ``local``: :func:`nemo_ssa.megatron.spec.layer_spec` -- the block spec the NeMo recipe
