@@ -75,12 +75,40 @@ def core_attention_spec(attention: str, options: Optional[Dict[str, Any]] = None
     return ModuleSpec(module=CORE_ATTENTIONS[attention], params=params)
 
 
+def check_layer_config(config) -> None:
+    """The config checks every layer spec of ours applies (the local :func:`layer_spec` and
+    the Transformer Engine one, nemo_ssa/megatron/te_spec.py), before anything is built."""
+    if getattr(config, "normalization", "LayerNorm") != "LayerNorm":
+        raise NotImplementedError(
+            f"nemo_ssa layer spec: normalization={config.normalization!r} is not supported "
+            "(supported: 'LayerNorm', with or without zero-centred gamma)."
+        )
+    if getattr(config, "qk_layernorm", False):
+        raise NotImplementedError("nemo_ssa layer spec: qk_layernorm is not supported yet.")
+    if getattr(config, "num_moe_experts", None):
+        raise NotImplementedError("nemo_ssa layer spec: MoE is not supported (num_moe_experts).")
+    if getattr(config, "multi_latent_attention", False):
+        # MLA's core attention slot takes q/k and v of different head dims; ours take one
+        raise NotImplementedError("nemo_ssa layer spec: multi_latent_attention is not supported "
+                                  "(supported: SelfAttention with one head dim, kv_channels).")
+
+
+def resolve_here(attention: str, attention_options: Optional[Dict[str, Any]] = None, policy: str = "pinned"):
+    """``attention=<name>`` and its options under ``policy``, resolved for this machine (``ssa``
+    is the fused kernel with CUDA, the reference without): what every spec builder here uses."""
+    import torch
+
+    return resolve_attention(attention, attention_options, policy=policy,
+                             device="cuda" if torch.cuda.is_available() else "cpu")
+
+
 def layer_spec(
     config,
     attention: str = "softmax",
     attention_options: Optional[Dict[str, Any]] = None,
     policy: str = "pinned",
     fused_mlp: Any = "auto",
+    vp_stage: Optional[int] = None,
 ) -> TransformerBlockSubmodules:
     """Build the block spec for ``config`` with the named attention.
 
@@ -96,22 +124,16 @@ def layer_spec(
             (on with CUDA when the config is supported: squared ReLU, no bias, not gated,
             tensor parallel 1), ``true`` (ValueError naming the supported set when the
             config is not), ``false`` (megatron's MLP).
+        vp_stage: the virtual pipeline stage this block is for (None: no virtual pipeline);
+            it decides how many layers are built, as in megatron's own block spec.
     """
-    if getattr(config, "normalization", "LayerNorm") != "LayerNorm":
-        raise NotImplementedError(
-            f"nemo_ssa layer spec: normalization={config.normalization!r} is not supported "
-            "(supported: 'LayerNorm', with or without zero-centred gamma)."
-        )
-    if getattr(config, "qk_layernorm", False):
-        raise NotImplementedError("nemo_ssa layer spec: qk_layernorm is not supported yet.")
-    if getattr(config, "num_moe_experts", None):
-        raise NotImplementedError("nemo_ssa layer spec: MoE is not supported (num_moe_experts).")
+    check_layer_config(config)
     # NSA replaces the self-attention internals (gates and compression read the layer
     # input), not only the core attention; nsa_ssa is the same module with the SSA transform
     layer = gpt_layer_spec(attention, attention_options, policy)
     if use_fused_mlp(config, fused_mlp):
         layer.submodules.mlp = mlp_slot(layer.submodules.mlp, FusedReLU2MLP)
-    num_layers = get_num_layers_to_build(config)
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=LayerNorm1P)
 
 
@@ -123,10 +145,7 @@ def gpt_layer_spec(attention: str = "ssa", attention_options: Optional[Dict[str,
     final norm). LayerNorm1P follows ``config.layernorm_zero_centered_gamma``; megatron's
     MLP (no fused MLP: that choice needs the config). See :func:`layer_spec` for the block
     spec the NeMo recipe uses, and nemo_ssa/megatron/layer_specs.py for ready-made ones."""
-    import torch
-
-    resolved = resolve_attention(attention, attention_options, policy=policy,
-                                 device="cuda" if torch.cuda.is_available() else "cpu")
+    resolved = resolve_here(attention, attention_options, policy)
     info = ATTENTIONS[resolved.name]
     layer = copy.deepcopy(local_layer_spec(normalization="LayerNorm"))
     layer.submodules.input_layernorm = LayerNorm1P
