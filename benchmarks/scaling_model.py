@@ -1,5 +1,5 @@
 """Scaling on paper: expected tokens/s per GPU of the 114M recipe at 8, 64 and 512 GPUs,
-from the step times measured on one and two H100s and Megatron's communication volumes.
+from the step times measured on one, two (H100) and four (H200) GPUs and Megatron's communication volumes.
 
     python benchmarks/scaling_model.py                 # the table with the measured inputs
     python benchmarks/scaling_model.py --json          # the same as JSON
@@ -9,12 +9,13 @@ docs/results/2026-11-25-two-gpu/README.md):
 
 * one optimizer step per GPU = one micro batch of 32 x 1024 tokens (weak scaling, global
   batch = 32 x data-parallel size), as Megatron scales;
-* ``t_step(N) = t_1 + h_dp + exposed(comm(N))``: ``t_1`` the 1-GPU step at global batch 32,
-  ``h_dp`` what data parallel adds besides the transfer itself (a measured DP step minus its
-  machine's ``t_1`` minus its modelled transfer: ``--fit dp4``, four H200s of one launcher,
-  the default since 2026-11-27, or ``--fit dp2``, two H100s over two c10d launchers, which
-  carried 10x more overhead), and the gradient (and, with the distributed optimizer,
-  parameter) collectives;
+* ``t_step(N) = t_mb + t_fixed / N + h_dp + exposed(comm(N))`` with the distributed optimizer
+  (``t_fixed`` whole with plain DDP): ``t_mb`` a micro batch's forward + backward and
+  ``t_fixed`` what a step pays once (optimizer, clipping, the trainer's host work), split from
+  one machine's 1-GPU steps at one and at k micro batches; ``h_dp`` what data parallel adds
+  besides the transfer (the measured DP step minus the rest): ``--fit dp4``, four H200s of one
+  launcher, the default since 2026-11-27, or ``--fit dp2``, two H100s over two c10d launchers;
+  each fit uses its own machine's ``t_mb`` and ``t_fixed``, so its table is that machine's;
 * volumes per step, P parameters, gradients reduced in fp32, bf16 parameters:
   DDP all-reduce ``2 (N-1)/N * 4P`` bytes; distributed optimizer reduce-scatter
   ``(N-1)/N * 4P`` + all-gather ``(N-1)/N * 2P``; a ring's time is volume / bus bandwidth
@@ -44,15 +45,39 @@ MEASURED = {
     "t_tp2": 65536 / 316_897,    # ssa_triton, TP2 + SP, global batch 64 (two micro batches), steps 1-100
     "t1_b64": 65536 / 379_476,   # ssa_triton, 1 GPU, global batch 64 (two micro batches)
 }
-#: measured on four H200s of one host (docs/results/2026-11-27-four-gpu), one launcher:
-#: the DP overhead at 4 ranks, from a run cut at step 116 of 200 (median from step 11)
+#: measured on four H200s of one host, one launcher (docs/results/2026-11-27-four-gpu, the
+#: full 200-step run); the two 1-GPU references ran side by side with one more 1-GPU run
 MEASURED_DP4 = {
-    "t1_b32": 32768 / 345_652,   # ssa_triton, 1 GPU, global batch 32, same machine
-    "t_dp4": 131072 / 1_349_296,  # ssa_triton, DP4, distributed optimizer, global batch 128
+    "t1_b32": 32768 / 339_429,    # ssa_triton, 1 GPU, global batch 32
+    "t1_b128": 131072 / 439_686,  # ssa_triton, 1 GPU, global batch 128 (4 micro batches accumulated)
+    "t_dp4": 131072 / 1_499_856,  # ssa_triton, DP4, distributed optimizer, global batch 128
 }
 #: which measured DP step fixes the per-step DP overhead besides the transfer (--fit)
 FITS = ("dp2", "dp4")
 PARAMS = 114_169_344
+
+
+def machine(fit: str) -> Dict[str, float]:
+    """One machine's step split from its own 1-GPU runs at one and at k micro batches a step:
+    ``t_mb`` a micro batch's forward + backward, ``t_fixed`` what a step pays once (the optimizer,
+    gradient clipping, zeroing, the trainer's per-step host work); and the DP step measured there,
+    with its rank count."""
+    if fit == "dp4":
+        d, k, t_k, n, t_dp = MEASURED_DP4, 4, MEASURED_DP4["t1_b128"], 4, MEASURED_DP4["t_dp4"]
+    else:
+        d, k, t_k, n, t_dp = MEASURED, 2, MEASURED["t1_b64"], 2, MEASURED["t_dp2"]
+    t_mb = (t_k - d["t1_b32"]) / (k - 1)
+    return {"t1": d["t1_b32"], "t_mb": t_mb, "t_fixed": d["t1_b32"] - t_mb, "n": n, "t_dp": t_dp}
+
+
+def dp_overhead(fit: str, busbw: float, hop_latency: float, exposed: float) -> float:
+    """What a data-parallel step (distributed optimizer) adds besides its modelled transfer,
+    from the measured DP step: ``t_dp - t_mb - t_fixed / n - comm(n)``; the distributed optimizer
+    runs 1/n of the optimizer step on each rank, so ``t_fixed`` is counted as sharded (an upper
+    bound on what shards: the host's per-step work does not)."""
+    m = machine(fit)
+    return m["t_dp"] - m["t_mb"] - m["t_fixed"] / m["n"] - dp_comm(m["n"], PARAMS, True, busbw, hop_latency,
+                                                                     exposed)
 
 
 def ring_time(volume_bytes: float, hops: int, busbw: float, hop_latency: float) -> float:
@@ -73,29 +98,26 @@ def dp_comm(n: int, params: int, dist_opt: bool, busbw: float, hop_latency: floa
 
 
 def table(gpus: List[int], a) -> List[Dict]:
-    m = MEASURED
+    m = machine(a.fit)
     intra = a.nvlink_gbs * 1e9
     inter = a.network_gbs * 1e9
 
     def bw(n):
         return intra if n <= a.gpus_per_node else inter
 
-    # DP overhead besides the transfer, from a measured DP step (distributed optimizer): DP2 on
-    # two H100s over two launchers (c10d), or DP4 on four H200s of one launcher
-    if a.fit == "dp4":
-        d = MEASURED_DP4
-        h_dp = d["t_dp4"] - d["t1_b32"] - dp_comm(4, PARAMS, True, intra, a.hop_latency_s, a.exposed)
-    else:
-        h_dp = m["t_dp2"] - m["t1_b32"] - dp_comm(2, PARAMS, True, intra, a.hop_latency_s, a.exposed)
+    h_dp = dp_overhead(a.fit, intra, a.hop_latency_s, a.exposed)
     rows = []
     for n in gpus:
         row = {"gpus": n}
         for name, dist_opt in (("dp_distopt", True), ("dp_ddp", False)):
-            t = m["t1_b32"] + h_dp + dp_comm(n, PARAMS, dist_opt, bw(n), a.hop_latency_s, a.exposed)
+            t = m["t_mb"] + m["t_fixed"] / (n if dist_opt else 1) + h_dp + \
+                dp_comm(n, PARAMS, dist_opt, bw(n), a.hop_latency_s, a.exposed)
             row[name] = 32768 / t
-        # TP2 groups inside a node, DP over n/2 of them (gradients of P/2 per rank)
+        # TP2 groups inside a node, DP over n/2 of them (gradients of P/2 per rank); the TP2 step
+        # is the two-H100 one, scaled by this machine's 1-GPU step over that machine's
         dp = n // 2
-        t_tp = m["t_tp2"] / 2 + dp_comm(dp, PARAMS // 2, True, bw(n), a.hop_latency_s, a.exposed)
+        t_tp = MEASURED["t_tp2"] / 2 * m["t1"] / MEASURED["t1_b32"] + \
+            dp_comm(dp, PARAMS // 2, True, bw(n), a.hop_latency_s, a.exposed)
         row["tp2_dp"] = 32768 / t_tp / 2  # one micro batch per TP group per step, over its 2 GPUs
         rows.append(row)
     return rows
@@ -118,8 +140,15 @@ def main(argv=None) -> int:
     if a.json:
         print(json.dumps(rows, indent=1))
         return 0
-    one = 32768 / MEASURED["t1_b32"]
-    print(f"1 GPU (global batch 32): {one:,.0f} tokens/s; DP overhead fitted on {a.fit}\n")
+    m = machine(a.fit)
+    one = 32768 / m["t1"]
+    intra = a.nvlink_gbs * 1e9
+    print(f"fit {a.fit}: 1 GPU (global batch 32) {one:,.0f} tokens/s = micro batch {m['t_mb'] * 1e3:.1f} ms "
+          f"+ per-step {m['t_fixed'] * 1e3:.1f} ms")
+    for f in FITS:
+        print(f"  DP overhead besides the transfer, {f}: "
+              f"{dp_overhead(f, intra, a.hop_latency_s, a.exposed) * 1e3:+.1f} ms per step")
+    print()
     print("| GPUs | DP + distributed optimizer | DP, plain DDP | TP2+SP x DP |")
     print("|---|---|---|---|")
     for r in rows:

@@ -62,7 +62,8 @@ REFERENCE_OF = {"ssa-dp2": "ssa-1gpu", "softmax-dp2": "softmax-1gpu", "ssa-tp2sp
                 # four GPUs (issue 46): every layout at global batch 128 (CP: 2 sequences of 16K/32K)
                 "ssa-dp4": "ssa-1gpu-g128", "ssa-dp4-kill": "ssa-1gpu-g128", "ssa-tp2dp2": "ssa-1gpu-g128",
                 "softmax_triton-tp2dp2": "softmax_triton-1gpu-g128", "ssa-cp2dp2-16k": "ssa-1gpu-16k",
-                "ssa-cp2dp2-32k": "ssa-1gpu-32k", "softmax_triton-cp2dp2-16k": "softmax_triton-1gpu-16k"}
+                "ssa-cp2dp2-32k": "ssa-1gpu-32k", "softmax_triton-cp2dp2-16k": "softmax_triton-1gpu-16k",
+                "ssa-tp2-g128": "ssa-1gpu-g128", "ssa-1gpu-g128-mb16": "ssa-1gpu-g128"}
 RESUMED = {"ssa-tp2to1": "ssa-1gpu", "ssa-dp2to1": "ssa-1gpu",
            "ssa-dp4to2": "ssa-1gpu-g128", "ssa-dp4to1": "ssa-1gpu-g128"}
 KILLED = ("ssa-2node", "ssa-dp4-kill")
@@ -211,6 +212,12 @@ def plan(part: str, scratch: str, cpu: bool, extra: Sequence[str] = ()) -> List[
             [Job("softmax_triton-cp2dp2-16k", [run("softmax_triton-cp2dp2-16k", 4, st,
                                                    *cp_args(16384))], "0,1,2,3")],
             [Job("ssa-cp2dp2-32k", [run("ssa-cp2dp2-32k", 4, ssa, *cp_args(32768))], "0,1,2,3")],
+            # where TP2 x DP2's loss departs from one GPU's: TP2 alone at the same global batch
+            # (TP's bf16 partial sums without DP), beside one GPU at micro batch 16 (the same
+            # samples and math, other rounding: how far legitimate numerics alone move the curve)
+            [Job("ssa-tp2-g128", [run("ssa-tp2-g128", 2, ssa, *tp)], "0,1"),
+             Job("ssa-1gpu-g128-mb16", [run("ssa-1gpu-g128-mb16", 1, ssa, *g128,
+                                            f"train.micro_batch_size={1 if cpu else 16}")], "2")],
         ]
     raise SystemExit(f"unknown part {part!r}: one of {', '.join(PARTS)}")
 
@@ -520,9 +527,28 @@ def _unpack(paths: Sequence[str], into: str) -> Dict[str, str]:
                                           if os.path.isfile(os.path.join(path, d, "metrics.csv"))})
         m = json.load(open(meta)) if os.path.isfile(meta) else {}
         prev = _META.setdefault(part, {})
-        prev.update({k: v for k, v in m.items() if k != "jobs"})
+        prev.update({k: v for k, v in m.items() if k not in ("jobs", "beside")})
         prev["jobs"] = prev.get("jobs", []) + m.get("jobs", [])
+        prev.setdefault("beside", {}).update(_beside(m))
     return runs
+
+
+def _beside(meta: Dict) -> Dict[str, int]:
+    """{run: how many other runs shared its stage} from one archive's runs.json: a rate taken
+    beside other runs on the same host (CPU, memory bandwidth, PCIe) is a lower bound, and a
+    speed ratio against it says so."""
+    ran = {j["label"] for j in meta.get("jobs", []) if j.get("rc") is not None}
+    out: Dict[str, int] = {}
+    for stage in meta.get("plan", []):
+        live = {j["run"] for j in stage if j["label"] in ran}
+        for run_label in live:
+            out[run_label] = len(live) - 1
+    return out
+
+
+def _beside_note(part: str, label: str) -> str:
+    n = _META.get(part, {}).get("beside", {}).get(label, 0)
+    return f"; {label} ran beside {n} other run(s) on the host: its rate is a lower bound" if n else ""
 
 
 _META: Dict[str, Dict] = {}  # runs.json of each unpacked part
@@ -603,6 +629,7 @@ def check(args) -> int:
 
     os.makedirs(args.out, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="two_gpu_check_")
+    _META.clear()  # one check's archives only
     parts = _unpack(args.logs, tmp)
     rows, ok = [], True
 
@@ -661,8 +688,8 @@ def check(args) -> int:
                 r, r1 = _rate(run_dir), (_rate(own[weak]) if weak in own else None)
                 ratio = (r / r1) if (r and r1) else None
                 detail = (f"{r or float('nan'):,.0f} vs {r1 or float('nan'):,.0f} tokens/s of {weak} "
-                          f"({ratio or float('nan'):.2f}x)" if weak in own else f"no {weak} in this part "
-                          "(the reference must run on the same machine)")
+                          f"({ratio or float('nan'):.2f}x){_beside_note(part, weak)}" if weak in own
+                          else f"no {weak} in this part (the reference must run on the same machine)")
                 target = SPEEDUP_TARGET[label]
                 if args.no_speed_gate:
                     rows.append((f"{part}: {label} speed", "reported", detail))
@@ -674,7 +701,7 @@ def check(args) -> int:
                     r2 = _rate(own[same])
                     rows.append((f"{part}: {label} speed at the same global batch", "reported",
                                  f"{r or float('nan'):,.0f} vs {r2 or float('nan'):,.0f} tokens/s of {same} "
-                                 f"({(r / r2) if (r and r2) else float('nan'):.2f}x)"))
+                                 f"({(r / r2) if (r and r2) else float('nan'):.2f}x){_beside_note(part, same)}"))
                 continue
             ref = REFERENCE_OF.get(label)
             if ref is None or ref not in runs:
@@ -684,7 +711,7 @@ def check(args) -> int:
             same = "" if ref in own else " (another machine)"
             rows.append((f"{part}: {label} speed", "reported",
                          f"{r or float('nan'):,.0f} vs {r1 or float('nan'):,.0f} tokens/s of {ref}{same} "
-                         f"({ratio or float('nan'):.2f}x)"))
+                         f"({ratio or float('nan'):.2f}x){_beside_note(part, ref) if ref in own else ''}"))
     lines = ["| check | result | detail |", "|---|---|---|"] + [f"| {a} | {b} | {c} |" for a, b, c in rows]
     text = "\n".join(lines)
     with open(os.path.join(args.out, "two_gpu.md"), "w") as f:

@@ -102,6 +102,20 @@ def test_speed_gate_is_weak_scaling_on_one_machine(tmp_path, fault):
         assert rc == 1 and len(failed) == 1 and "ssa-dp2-speed speed" in failed[0], md
 
 
+@pytest.mark.parametrize("crowded", [False, True])
+def test_a_speed_reference_run_beside_others_is_called_a_lower_bound(tmp_path, crowded):
+    p = _speed_part(tmp_path, "speed")
+    stage1 = [{"label": "ssa-1gpu-b32", "run": "ssa-1gpu-b32"}]
+    if crowded:  # the 1-GPU reference shared its stage (and host) with another run
+        stage1.append({"label": "softmax-1gpu-b32", "run": "softmax-1gpu-b32"})
+    plan = [stage1, [{"label": "ssa-dp2-speed", "run": "ssa-dp2-speed"}]]
+    jobs = [{"label": j["label"], "rc": 0} for st in plan for j in st]
+    (p / "runs.json").write_text(json.dumps({"part": "speed", "plan": plan, "jobs": jobs}))
+    rc, md = _check(tmp_path, p)
+    line = next(x for x in md.splitlines() if "ssa-dp2-speed speed" in x)
+    assert ("ssa-1gpu-b32 ran beside 1 other run(s) on the host: its rate is a lower bound" in line) == crowded, line
+
+
 @pytest.mark.parametrize("fault", ["loss", "rank_n"])
 def test_dp_part_fails_on_a_planted_fault(tmp_path, fault):
     p = _part(tmp_path, fault)
@@ -148,7 +162,8 @@ def test_plan_has_every_run_of_the_issue():
                       # four GPUs (issue 46)
                       "ssa-1gpu-g128", "softmax_triton-1gpu-g128", "ssa-dp4", "ssa-dp4-kill", "ssa-dp4to2",
                       "ssa-dp4to1", "ssa-1gpu-16k", "ssa-1gpu-32k", "softmax_triton-1gpu-16k", "ssa-tp2dp2",
-                      "softmax_triton-tp2dp2", "ssa-cp2dp2-16k", "softmax_triton-cp2dp2-16k", "ssa-cp2dp2-32k"}
+                      "softmax_triton-tp2dp2", "ssa-cp2dp2-16k", "softmax_triton-cp2dp2-16k", "ssa-cp2dp2-32k",
+                      "ssa-tp2-g128", "ssa-1gpu-g128-mb16"}
     # every gated four-GPU run has its reference in the plan, and every gate label is a planned run
     for run, ref in {**two_gpu.REFERENCE_OF, **two_gpu.RESUMED, **two_gpu.SPEED_REF_OF}.items():
         assert run in labels and ref in labels, (run, ref)
