@@ -418,6 +418,7 @@ def train_one(cfg: DictConfig) -> None:
     stopped_early = bool(cfg.get("stop_after")) and int(cfg.stop_after) < int(train.max_steps)
     if not main:
         return
+    resolved.write(run_dir)  # again: now with the kernels the calls took (``kernels``)
     if not stopped_early:
         with open(os.path.join(run_dir, "complete.json"), "w") as f:
             json.dump({"identity": identity, "attention": cfg.attention.name, "seed": int(cfg.seed),

@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+import sys
 
 import pytest
 
@@ -217,13 +218,16 @@ def test_write_round_trips(tmp_path, policy_log, monkeypatch):
 
     for name, _, _ in ENV_VARS:
         monkeypatch.delenv(name, raising=False)
+    # no fused op imported in this process: no kernel decisions (tests/ops/common/test_dispatch
+    # checks the list after calls)
+    monkeypatch.delitem(sys.modules, "nemo_ssa.ops.common.dispatch", raising=False)
     r = resolve_attention("ssa", {"n": 3.0})
     path = r.write(str(tmp_path / "run" / "nested"))
     with open(path) as f:
         loaded = json.load(f)
     assert loaded == {"requested": "ssa", "name": "ssa_triton", "family": "ssa",
                       "policy": "pinned", "options": PINNED_OPTIONS, "warnings": r.warnings,
-                      "env_overrides": {}}
+                      "env_overrides": {}, "kernels": []}
     assert len(loaded["warnings"]) == 1
     assert ResolvedAttention(**loaded) == r
 

@@ -26,6 +26,7 @@ import dataclasses
 import json
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -72,6 +73,9 @@ class ResolvedAttention:
     warnings: List[str] = field(default_factory=list)
     #: the ops' debugging variables set when the record was written (``write``)
     env_overrides: Dict[str, str] = field(default_factory=dict)
+    #: which kernel each distinct fused-attention call took and why
+    #: (``nemo_ssa.ops.common.dispatch.chosen``), as of the write: empty before training
+    kernels: List[Dict[str, str]] = field(default_factory=list)
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -79,11 +83,13 @@ class ResolvedAttention:
     def write(self, run_dir: str, filename: str = "attention_policy.json") -> str:
         """The resolved attention and its options, plus ``env_overrides``: every kernel
         debugging variable (``nemo_ssa.ops.common.env.ENV_VARS``) set in this process, so a
-        run whose kernels an override changed says so in its record."""
+        run whose kernels an override changed says so in its record; and ``kernels``, the
+        paths the fused kernels took so far (written again when training ends)."""
         os.makedirs(run_dir, exist_ok=True)
         path = os.path.join(run_dir, filename)
         with open(path, "w") as f:
             self.env_overrides = active_env_overrides()
+            self.kernels = kernels_chosen()
             json.dump(self.to_dict(), f, indent=2, sort_keys=True)
         return path
 
@@ -93,6 +99,12 @@ def active_env_overrides() -> Dict[str, str]:
     from nemo_ssa.ops.common.env import ENV_VARS
 
     return {name: os.environ[name] for name, _, _ in ENV_VARS if name in os.environ}
+
+
+def kernels_chosen() -> List[Dict[str, str]]:
+    """The fused-attention kernel decisions of this process (none when no op was imported)."""
+    dispatch = sys.modules.get("nemo_ssa.ops.common.dispatch")
+    return dispatch.chosen() if dispatch is not None else []
 
 
 def known_names() -> List[str]:

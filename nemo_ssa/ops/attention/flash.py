@@ -56,8 +56,8 @@ from torch import Tensor
 from nemo_ssa.ops.attention.hopper import gluon_fwd, gluon_fwd_config
 from nemo_ssa.ops.common.alloc import new_cstat, new_output, new_output_like
 from nemo_ssa.ops.common.bwd import MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES, attention_bwd
-from nemo_ssa.ops.common.bwd_config import d_bucket, use_single_pass
-from nemo_ssa.ops.common.hopper_bwd import GLUON_BWD, gluon_bwd_capable
+from nemo_ssa.ops.common.bwd_config import d_bucket
+from nemo_ssa.ops.common.dispatch import SINGLE, Choice, backward_plan, note
 from nemo_ssa.ops.common.device import (
     dropout_keep,
     dropout_rng_layout,
@@ -359,18 +359,27 @@ def _flash_fwd(
     gcfg = gluon_fwd_config(q, k, v, o, transform="ssa" if tid == 1 else "softmax", varlen=varlen,
                             dropout=has_dropout, save_c=save_c, fast_log2=meta["FAST_LOG2"],
                             explicit_config=config is not None or autotune_enabled())
+    key = ("flash.fwd", transform, f"D{d}", q.dtype, "varlen" if varlen else "dense",
+           "causal" if causal else "full", "dropout" if has_dropout else "")
     if gcfg is not None:  # the Hopper kernel (ops.attention.hopper): same contract
+        note(key, Choice("flash.fwd", "gluon", "sm_90, and gluon_fwd_config has a row for the call"))
         gluon_fwd(q, k, v, o, M, n_ptr, b_ptr, transform_id=tid, causal=causal, scale=scale, config=gcfg,
                   cstat=cstat)
     elif config is None and autotune_enabled():
+        note(key, Choice("flash.fwd", "triton-autotune", "NEMO_SSA_AUTOTUNE=1"))
         kern = autotuned("fwd", _attn_fwd_kernel, _FWD_TUNE, ("BLOCK_M", "BLOCK_N"),
                          ["HQ", "GROUP", "SEQ_Q", "SEQ_K", "HEAD_DIM", "TRANSFORM", "CAUSAL", "VARLEN", "HAS_DROPOUT"])
         kern[lambda m: (triton.cdiv(sq, m["BLOCK_M"]), bz * hq)](*args, **meta)
     else:
         cfg = config or fwd_config(d, causal, q.dtype)
+        cfg_tma = bool(cfg.tma)
         tma = use_tma(cfg.tma, varlen, q, k, v, o, scores=None if config else bz * hq * sq * sk)
         if not tma and config is None:
             cfg = pointer_fwd_config(cfg, d)
+        note(key, Choice("flash.fwd", "triton-tma" if tma else "triton-pointers",
+                         "tiles given by the caller" if config is not None else
+                         f"table row D{d_bucket(d)}" + ("" if tma or not cfg_tma else
+                                                         ": TMA row, the call's layout or size cannot take it")))
         if tma:
             args = (descriptor(q, cfg.block_m, block_d), descriptor(k, cfg.block_n, block_d),
                     descriptor(v, cfg.block_n, block_d), descriptor(o, cfg.block_m, block_d)) + args[4:]
@@ -519,20 +528,16 @@ def _flash_apply(q, k, v, n, b, rng, cu_q, cu_k, transform, causal, scale, dropo
                  prec, fast, out=None, deterministic=None) -> Tensor:
     """One fused call: the custom op while torch.compile traces, the eager Function otherwise.
 
-    Both take the same backward: single pass where ``use_single_pass`` says so; with ``dn``
+    Both take the same backward: single pass where ``dispatch.backward_plan`` says so; with ``dn``
     wanted and ``b`` fixed (the pinned policy) the forward then also writes the row means
     ``C`` the single-pass ``dn`` needs (``b`` learnable: the two-kernel backward).
     ``deterministic=True`` always takes the two-kernel backward."""
-    d = q.shape[-1]
-    # whether the call can take the TMA path matters to the choice only for SSA at D64 (and
-    # costs a stride check): see bwd_config.single_pass_pays
-    tma = (transform == "ssa" and d_bucket(d) == 64
-           and bool(use_tma(1, cu_q is not None, q, k, v, scores=q.shape[0] * q.shape[1] * max_q * max_k)))
-    # (the table lookup first: the recipe's D32 calls are host-bound and stop there)
-    gluon = (d, transform) in GLUON_BWD and gluon_bwd_capable(
+    # a call without a backward has no backward to choose (nor to record)
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, n, b))
+    det = not grads or backward_plan(
         transform, q, k, v, varlen=cu_q is not None, dropout=dropout_p > 0.0,
-        fast_log2=log2_mode(fast) if transform == "ssa" else 1)
-    det = bool(deterministic) or not use_single_pass(transform, d, tma=tma, gluon=gluon)
+        fast_log2=log2_mode(fast) if transform == "ssa" else 1, scores=q.shape[0] * q.shape[1] * max_q * max_k,
+        causal=causal, deterministic=deterministic).path != SINGLE
     save_c = (not det and transform == "ssa" and n is not None and torch.is_grad_enabled() and n.requires_grad
               and not (b is not None and b.requires_grad))
     if torch.compiler.is_compiling() or not EAGER_FASTPATH:
@@ -645,7 +650,7 @@ def flash_attention(
         fast_math: PTX ``lg2.approx`` for the SSA log (default on CUDA).
         deterministic: True: every gradient bit-identical run to run (the two-kernel
             backward; Megatron's ``deterministic_mode`` sets it through the core
-            attention); None / False: the faster choice of ``use_single_pass`` (the
+            attention); None / False: the faster choice of ``dispatch.backward_plan`` (the
             single pass adds ``dq`` with fp32 atomics where it pays; it also follows
             ``torch.use_deterministic_algorithms`` and the ``NEMO_SSA_BWD`` override).
         out: optional preallocated ``[B, Hq, Sq, D]`` tensor (q's dtype and device) with

@@ -10,7 +10,7 @@ tile, never materialising ``[Sq, Sk]``; the kernels and their math are in
 
 Two host paths share one argument builder (``_BwdCall`` and the ``_*_args`` helpers):
 the two-kernel backward (dQ kernel, then dK/dV kernel; every gradient bit-identical run
-to run) and the single pass (``use_single_pass``: one dK/dV kernel that also adds ``dq``
+to run) and the single pass (``dispatch.backward_plan``: one dK/dV kernel that also adds ``dq``
 with fp32 atomics). On sm_90 the single pass at D64 and D128 is the warp-specialised Gluon
 kernel of ``hopper_bwd`` (``_attention_bwd_gluon``), where ``gluon_bwd_config`` allows.
 
@@ -32,12 +32,10 @@ from nemo_ssa.ops.common.bwd_config import (
     BWD_TUNE_KV,
     BwdConfig,
     bwd_config,
-    d_bucket,
     fused_delta,
     pointer_bwd_config,
     pointer_single_config,
     single_config,
-    use_single_pass,
 )
 from nemo_ssa.ops.common.bwd_kernels import (
     attn_bwd_kernel_dkv,
@@ -46,6 +44,7 @@ from nemo_ssa.ops.common.bwd_kernels import (
     attn_bwd_preprocess,
 )
 from nemo_ssa.ops.common.device import dropout_rng_layout
+from nemo_ssa.ops.common.dispatch import SINGLE, Choice, backward_plan, note
 from nemo_ssa.ops.common.hopper_bwd import gluon_bwd_config, gluon_key_blocks, launch_gluon_bwd
 from nemo_ssa.ops.common.launch import (
     autotune_enabled,
@@ -139,7 +138,8 @@ def attention_bwd(
             in an fp32 buffer with atomics (no dQ kernel; ``dq`` not bit-identical run to
             run). Used when ``b`` needs no gradient and, with ``dn``, ``cstat`` is given;
             otherwise the two-kernel path runs. ``True``: always the two-kernel path.
-            ``None``: ``not use_single_pass(transform, D)`` (env ``NEMO_SSA_BWD``).
+            ``None``: what ``dispatch.backward_plan`` decides for the call (as the flash
+            forward does; env ``NEMO_SSA_BWD``).
 
     Returns:
         ``(dq, dk, dv, dn, db)``: ``dq/dk/dv`` with the dtype and (dense) layout of
@@ -195,19 +195,28 @@ def attention_bwd(
                   FAST_LOG2=log2_mode(fast_math) if is_ssa else int(bool(fast_math))))
     tune = config is None and autotune_enabled()
     if deterministic is None:
-        # the TMA path changes the choice only for SSA at D64 (bwd_config.single_pass_pays)
-        tma = is_ssa and d_bucket(d) == 64 and bool(use_tma(1, varlen, q, k, v, do, o, scores=bz * hq * sq * sk))
-        gluon = gluon_bwd_config(transform, q, k, v, do, o, varlen=varlen, dropout=has_dropout,
-                                 fast_log2=call.meta["FAST_LOG2"]) is not None
-        deterministic = not use_single_pass(transform, d, tma=tma, gluon=gluon)
+        deterministic = backward_plan(transform, q, k, v, varlen=varlen, dropout=has_dropout,
+                                      fast_log2=call.meta["FAST_LOG2"] if is_ssa else 1,
+                                      scores=bz * hq * sq * sk, causal=causal).path != SINGLE
+    # the kernels that run (the schedule above, unless the call needs what only the two
+    # kernels give), said once per distinct call
+    key = ("attention.bwd.kernels", transform, f"D{d}", q.dtype, "varlen" if varlen else "dense",
+           "causal" if causal else "full", "dropout" if has_dropout else "")
     if not deterministic and not tune and not want_db and (not dparams or cstat is not None):
         gcfg = None if config is not None else gluon_bwd_config(transform, q, k, v, do, o, varlen=varlen,
                                                                 dropout=has_dropout,
                                                                 fast_log2=call.meta["FAST_LOG2"])
         if gcfg is not None:  # the Gluon single pass (ops.common.hopper_bwd): D64/D128 on sm_90
+            note(key, Choice("attention.bwd.kernels", "gluon-single-pass", "sm_90 and a Gluon row for the call"))
             return _attention_bwd_gluon(call, do, q, k, v, o, M, cstat if dparams else None, causal, gcfg)
+        note(key, Choice("attention.bwd.kernels", "triton-single-pass",
+                         "tiles given by the caller" if config is not None else "no Gluon row or layout for the call"))
         return _attention_bwd_single(call, do, q, k, v, o, M, cstat if dparams else None,
                                      config or single_config(d, q.dtype), table=config is None)
+    why = ("the two-kernel schedule" if deterministic else "NEMO_SSA_AUTOTUNE=1" if tune
+           else "db wanted (b learnable): the dQ kernel's row sums" if want_db
+           else "dn wanted without the forward's row statistic C")
+    note(key, Choice("attention.bwd.kernels", "triton-two-kernel", why))
     return _attention_bwd_two_kernels(call, do, q, k, v, o, M, config or bwd_config(d, causal, q.dtype),
                                       dparams=dparams, want_db=want_db, tune=tune, table=config is None)
 

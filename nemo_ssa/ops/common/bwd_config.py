@@ -4,8 +4,8 @@
   ``SINGLE_CONFIGS`` (single pass), keyed by the head-dim bucket ``d_bucket`` (the padded
   ``BLOCK_D``, which the forward's table shares), causal and dtype kind; small tiles
   under the interpreter; candidate lists for ``NEMO_SSA_AUTOTUNE=1``.
-* ``use_single_pass``: single-pass (atomic ``dq``) or two-kernel (deterministic)
-  backward, from ``NEMO_SSA_BWD`` and ``single_pass_pays``.
+* ``single_pass_pays``: where the single-pass (atomic ``dq``) backward is the faster one;
+  ``ops.common.dispatch.backward_plan`` makes the choice with it.
 * ``fused_delta``: whether the dQ kernel computes ``delta`` itself.
 The measurements behind the tables and choices are in docs/results.
 """
@@ -35,7 +35,6 @@ __all__ = [
     "pointer_single_config",
     "single_config",
     "single_pass_pays",
-    "use_single_pass",
     "fused_delta",
 ]
 
@@ -170,21 +169,6 @@ def single_pass_pays(transform: str, head_dim: int, tma: bool = False, gluon: bo
         return False
     bucket = d_bucket(int(head_dim))
     return bucket == 32 or (bucket == 64 and bool(tma))
-
-
-def use_single_pass(transform: str, head_dim: int, tma: bool = False, gluon: bool = False) -> bool:
-    """Which backward a call takes. ``NEMO_SSA_BWD`` = ``auto`` (default): the two-kernel
-    backward when ``torch.are_deterministic_algorithms_enabled()`` (e.g. Megatron's
-    ``deterministic_mode``), else the single pass where it is measured faster
-    (``single_pass_pays``); ``atomic``: the single pass always (the dK/dV kernel also adds
-    ``dq`` with fp32 atomics, FA2-style: ``dq`` is then not bit-identical run to run;
-    ``dk``, ``dv``, ``dn`` still are); ``deterministic``: the two-kernel backward always
-    (a dQ kernel recomputes ``p``; every gradient bit-identical run to run)."""
-    mode = env.bwd_mode()
-    if mode == "auto":
-        return (not torch.are_deterministic_algorithms_enabled()) and single_pass_pays(transform, head_dim, tma,
-                                                                                       gluon)
-    return mode == "atomic"
 
 
 def fused_delta(is_ssa: bool) -> bool:

@@ -32,7 +32,7 @@ per block and warp in the SASS).
 The two one-warp partitions run at 24 registers, which ``setmaxnreg`` gives to the consumers
 (240 each at ``maxnreg=168``). Five products per block against the two-kernel backward's seven;
 ``dq`` is summed by fp32 atomics in the L2, so it is not bit-identical run to run: the kernel
-runs only where the backward may be non-deterministic (``bwd_config.use_single_pass``).
+runs only where the backward may be non-deterministic (``dispatch.backward_plan``).
 
 Measured (H100, bf16, causal, fwd+bwd × SDPA cuDNN, B2 N8K / B8 N4K; docs/results/
 2026-11-26-gluon-ssa, call 6), the Gluon kernels off → on (this one and the Gluon forward): softmax D128 1.23 /

@@ -18,8 +18,9 @@ from typing import Optional, Tuple
 import torch
 
 from nemo_ssa.ops.common.bwd import attention_bwd_op  # noqa: F401 -- registers nemo_ssa::attention_bwd
-from nemo_ssa.ops.common.bwd_config import use_single_pass
+from nemo_ssa.ops.common.dispatch import SINGLE, backward_plan
 from nemo_ssa.ops.common.launch import default_input_precision, use_fast_math
+from nemo_ssa.ops.common.transforms import log2_mode
 
 __all__ = ["elsa_bwd", "fast_log2"]
 
@@ -35,12 +36,16 @@ def elsa_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, dn, db)`` through the shared backward op ``nemo_ssa::attention_bwd``;
     ``dn``/``db`` fp32 ``[1]`` (zeros for softmax). ``deterministic``: the two-kernel
-    backward (else the shared backward's own choice, ``use_single_pass``)."""
-    det = bool(deterministic) or not use_single_pass(transform, q.shape[-1])
+    backward (else ``dispatch.backward_plan``'s choice, the flash kernels' for the shape)."""
+    fast = fast_log2(q.device)
+    # the same decision as the flash kernels' for this shape (ops.common.dispatch)
+    det = backward_plan(transform, q, k, v, varlen=False, dropout=False, fast_log2=log2_mode(fast) if transform == "ssa" else 1,
+                        scores=q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2], causal=causal,
+                        deterministic=deterministic).path != SINGLE
     prec = fp32_precision if q.dtype == torch.float32 else default_input_precision(q.dtype)
     dq, dk, dv, dn, db = torch.ops.nemo_ssa.attention_bwd(
         do, q, k, v, o, lse, n, b, None, None, None, transform, causal, scale, 0.0,
-        q.shape[2], k.shape[2], prec, fast_log2(q.device), transform == "ssa", True, None, det)
+        q.shape[2], k.shape[2], prec, fast, transform == "ssa", True, None, det)
     # match the forward's fake: dense, contiguous tensors
     dq, dk, dv = (t if t.is_contiguous() else t.contiguous() for t in (dq, dk, dv))
     return dq, dk, dv, dn, db

@@ -566,7 +566,7 @@ def elsa_attention(
             fp32), ``"tf32x3"`` or ``"tf32"``.
         deterministic: True: every gradient bit-identical run to run (the shared
             backward's two-kernel path); None / False: the backward's own choice
-            (``ops.common.bwd_config.use_single_pass``).
+            (``ops.common.dispatch.backward_plan``).
 
     Returns:
         ``[B, Hq, Sq, D]`` in q's dtype; rows without a visible key are 0 (zero grads).

@@ -21,7 +21,7 @@ import math  # noqa: E402
 
 import pytest  # noqa: E402
 
-from nemo_ssa.ops.common import alloc, bwd, bwd_config, bwd_kernels  # noqa: E402
+from nemo_ssa.ops.common import alloc, bwd, bwd_config, bwd_kernels, dispatch  # noqa: E402
 from nemo_ssa.ops.common.bwd import attention_bwd  # noqa: E402
 from nemo_ssa.ops.common.launch import is_interpreter  # noqa: E402
 from nemo_ssa.ops.attention import flash as fl  # noqa: E402
@@ -32,6 +32,11 @@ F64 = torch.float64
 DEVICE = "cpu" if is_interpreter() else "cuda"
 pytestmark = pytest.mark.skipif(not (is_interpreter() or torch.cuda.is_available()),
                                 reason="Triton kernels need the interpreter or CUDA")
+
+
+def _single(transform, d, **kw):
+    return dispatch.backward_schedule(transform, d, **kw).path == dispatch.SINGLE
+
 
 
 @pytest.fixture(autouse=True)
@@ -216,15 +221,15 @@ def test_mode_selection(monkeypatch):
     # auto: the single pass where it measured faster (SSA, head dim <= 32), never when torch's
     # deterministic-algorithms switch is on (Megatron's deterministic_mode)
     monkeypatch.setenv("NEMO_SSA_BWD", "auto")
-    assert bwd_config.use_single_pass("ssa", 32) and bwd_config.use_single_pass("ssa", 16)
-    assert not bwd_config.use_single_pass("ssa", 64) and not bwd_config.use_single_pass("softmax", 32)
+    assert _single("ssa", 32) and _single("ssa", 16)
+    assert not _single("ssa", 64) and not _single("softmax", 32)
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        assert not bwd_config.use_single_pass("ssa", 32)
+        assert not _single("ssa", 32)
     finally:
         torch.use_deterministic_algorithms(False)
     monkeypatch.setenv("NEMO_SSA_BWD", "atomic")
-    assert bwd_config.use_single_pass("softmax", 128)
+    assert _single("softmax", 128)
     # b learnable: db needs the dQ kernel's row sums -> two-kernel backward even in atomic mode
     monkeypatch.setenv("NEMO_SSA_BWD", "atomic")
     bl = b.detach().clone().requires_grad_()

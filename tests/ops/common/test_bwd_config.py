@@ -4,7 +4,12 @@ import pytest
 import torch
 
 from nemo_ssa.ops.common import bwd_config as bc
+from nemo_ssa.ops.common import dispatch
 from nemo_ssa.ops.common.bwd_config import BwdConfig
+
+
+def _single(transform, d, **kw):
+    return dispatch.backward_schedule(transform, d, **kw).path == dispatch.SINGLE
 
 
 @pytest.mark.parametrize("d,bucket", [(16, 32), (24, 32), (32, 32), (33, 64), (64, 64), (80, 128), (128, 128),
@@ -66,9 +71,9 @@ def test_single_pass_pointer_fallback_row():
 
 @pytest.mark.parametrize("mode,ssa32,ssa64,softmax32", [
     ("auto", True, False, False), ("atomic", True, True, True), ("deterministic", False, False, False)])
-def test_use_single_pass_follows_nemo_ssa_bwd(monkeypatch, mode, ssa32, ssa64, softmax32):
+def test_backward_schedule_follows_nemo_ssa_bwd(monkeypatch, mode, ssa32, ssa64, softmax32):
     monkeypatch.setenv("NEMO_SSA_BWD", mode)
-    got = (bc.use_single_pass("ssa", 32), bc.use_single_pass("ssa", 64), bc.use_single_pass("softmax", 32))
+    got = (_single("ssa", 32), _single("ssa", 64), _single("softmax", 32))
     assert got == (ssa32, ssa64, softmax32)
 
 
@@ -77,10 +82,10 @@ def test_auto_takes_the_two_kernel_backward_when_torch_is_deterministic(monkeypa
     was = torch.are_deterministic_algorithms_enabled()
     try:
         torch.use_deterministic_algorithms(True)
-        assert not bc.use_single_pass("ssa", 32)
+        assert not _single("ssa", 32)
     finally:
         torch.use_deterministic_algorithms(was)
-    assert bc.use_single_pass("ssa", 32)
+    assert _single("ssa", 32)
 
 
 @pytest.mark.parametrize("forced,ssa,softmax", [(None, False, True), ("0", False, False), ("1", True, True)])

@@ -28,7 +28,7 @@ if not CUDA:
 import nemo_ssa.ops.common.bwd as B  # noqa: E402
 import nemo_ssa.ops.common.hopper_bwd as H  # noqa: E402
 from nemo_ssa.ops.attention.naive import attention_naive  # noqa: E402
-from nemo_ssa.ops.common import bwd_config  # noqa: E402
+from nemo_ssa.ops.common import bwd_config, dispatch  # noqa: E402
 from nemo_ssa.ops.common.launch import is_interpreter  # noqa: E402
 from nemo_ssa.testing import assert_within_2x_eager  # noqa: E402
 
@@ -101,6 +101,10 @@ for (d, tr), cfg in sorted(H.GLUON_BWD.items()):
 """
 
 
+def _single(transform, d, **kw):
+    return dispatch.backward_schedule(transform, d, **kw).path == dispatch.SINGLE
+
+
 @pytest.mark.slow
 def test_gluon_backward_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -162,15 +166,15 @@ def test_single_pass_pays_where_the_gluon_kernel_runs():
 
 def test_deterministic_mode_keeps_the_two_kernels(monkeypatch):
     monkeypatch.delenv("NEMO_SSA_BWD", raising=False)
-    assert bwd_config.use_single_pass("softmax", 128, gluon=True)
+    assert _single("softmax", 128, gluon=True)
     prev = torch.are_deterministic_algorithms_enabled()
     try:
         torch.use_deterministic_algorithms(True, warn_only=True)
-        assert not bwd_config.use_single_pass("softmax", 128, gluon=True)
+        assert not _single("softmax", 128, gluon=True)
     finally:
         torch.use_deterministic_algorithms(prev)
     monkeypatch.setenv("NEMO_SSA_BWD", "deterministic")
-    assert not bwd_config.use_single_pass("softmax", 128, gluon=True)
+    assert not _single("softmax", 128, gluon=True)
 
 
 @pytest.mark.skipif(CUDA and not is_interpreter(), reason="CPU routing check (the GPU cases cover the kernel)")

@@ -1,0 +1,120 @@
+"""ops/common/dispatch.py: one decision per call, whoever calls; said once; in the record.
+
+The flash custom op, ELSA's backward and a direct ``attention_bwd`` call ask the same
+function with the same facts, so one shape takes one backward (ELSA used to decide without
+the TMA and Gluon facts: on a TMA-capable SSA D64 call it took the two kernels where flash
+took the single pass -- shown here by making the TMA check say yes)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from nemo_ssa.config.policy import resolve_attention  # noqa: E402
+from nemo_ssa.ops.common import dispatch  # noqa: E402
+from nemo_ssa.ops.common.launch import is_interpreter  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not (is_interpreter() or CUDA), reason="Triton kernels need the interpreter or CUDA")
+DEV = "cuda" if CUDA and not is_interpreter() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch):
+    monkeypatch.delenv("NEMO_SSA_BWD", raising=False)
+    dispatch.reset()
+    yield
+    dispatch.reset()
+
+
+def _qkv(d, s=8, dtype=torch.float32):
+    g = torch.Generator().manual_seed(d)
+    return [torch.randn(1, 2, s, d, generator=g, dtype=dtype).to(DEV) for _ in range(3)]
+
+
+def _paths(op):
+    return [c["path"] for c in dispatch.chosen() if c["op"] == op]
+
+
+@pytest.mark.parametrize("tma", [False, True])
+def test_flash_and_elsa_take_the_same_backward_for_one_shape(monkeypatch, tma):
+    """SSA at D64: the single pass only where the call can take TMA (measured faster there)."""
+    monkeypatch.setattr(dispatch, "use_tma", lambda *a, **k: tma)
+    from nemo_ssa.ops.elsa.backward import elsa_bwd
+
+    q, k, v = _qkv(64)
+    n, b = torch.tensor([1.5], device=DEV), torch.tensor([0.8], device=DEV)
+    flash = dispatch.backward_plan("ssa", q, k, v, varlen=False, dropout=False, fast_log2=1, scores=64,
+                                   causal=True)
+    dispatch.reset()
+    o = torch.zeros_like(q)
+    lse = torch.zeros(1, 2, 8, device=DEV)
+    elsa_bwd(torch.ones_like(q), q, k, v, o, lse, n, b, "ssa", True, 0.125, "ieee", False)
+    assert _paths("attention.bwd") == [flash.path]
+    assert flash.path == (dispatch.SINGLE if tma else dispatch.TWO_KERNEL)
+
+
+def test_a_choice_is_said_once_per_call_and_again_when_it_changes(monkeypatch, caplog):
+    from nemo_ssa.ops.attention.flash import ssa_attention_triton
+
+    q, k, v = (t.requires_grad_() for t in _qkv(32))
+    n = torch.tensor([1.5], device=DEV, requires_grad=True)
+    b = torch.tensor([0.8], device=DEV)
+    with caplog.at_level(logging.INFO, logger="nemo_ssa.kernels"):
+        for _ in range(3):
+            ssa_attention_triton(q, k, v, n, b, causal=True).sum().backward()
+        monkeypatch.setenv("NEMO_SSA_BWD", "deterministic")
+        ssa_attention_triton(q, k, v, n, b, causal=True).sum().backward()
+    bwd = [c for c in dispatch.chosen() if c["op"] == "attention.bwd"]
+    assert [c["path"] for c in bwd] == [dispatch.SINGLE, dispatch.TWO_KERNEL], bwd
+    assert bwd[0]["reason"] == "measured faster for ssa D32" and bwd[1]["reason"] == "NEMO_SSA_BWD=deterministic"
+    assert "ssa D32 float32 dense causal" in bwd[0]["call"]
+    fwd = [c for c in dispatch.chosen() if c["op"] == "flash.fwd"]
+    assert len(fwd) == 1 and fwd[0]["path"].startswith("triton-"), fwd
+    ran = [(c["path"], c["reason"]) for c in dispatch.chosen() if c["op"] == "attention.bwd.kernels"]
+    assert ran == [("triton-single-pass", "no Gluon row or layout for the call"),
+                   ("triton-two-kernel", "the two-kernel schedule")], ran
+    said = [r.getMessage() for r in caplog.records if r.name == "nemo_ssa.kernels"]
+    assert len(said) == 5, said  # forward once; each schedule and its kernels once
+
+
+def test_a_learnable_b_says_why_the_single_pass_did_not_run():
+    from nemo_ssa.ops.attention.flash import ssa_attention_triton
+
+    q, k, v = (t.requires_grad_() for t in _qkv(32))
+    n = torch.tensor([1.5], device=DEV, requires_grad=True)
+    b = torch.tensor([0.8], device=DEV, requires_grad=True)
+    ssa_attention_triton(q, k, v, n, b, causal=True).sum().backward()
+    ran = [(c["path"], c["reason"]) for c in dispatch.chosen() if c["op"] == "attention.bwd.kernels"]
+    assert ran == [("triton-two-kernel", "db wanted (b learnable): the dQ kernel's row sums")], ran
+
+
+def test_the_caller_asking_for_determinism_wins():
+    c = dispatch.backward_schedule("ssa", 32, deterministic=True)
+    assert c.path == dispatch.TWO_KERNEL and "caller" in c.reason
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        assert dispatch.backward_schedule("ssa", 32).reason == "torch deterministic algorithms are on"
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
+def test_the_policy_record_lists_the_kernels_that_ran(tmp_path):
+    from nemo_ssa.ops.attention.flash import softmax_attention_triton
+
+    resolved = resolve_attention("softmax_triton", device="cpu")
+    resolved.write(str(tmp_path))
+    assert json.load(open(tmp_path / "attention_policy.json"))["kernels"] == []
+    q, k, v = _qkv(32)
+    softmax_attention_triton(q, k, v, causal=False)
+    resolved.write(str(tmp_path))
+    kernels = json.load(open(tmp_path / "attention_policy.json"))["kernels"]
+    assert [(c["op"], c["call"]) for c in kernels] == [("flash.fwd", "softmax D32 float32 dense full")], kernels
