@@ -28,7 +28,6 @@ timing: ``NEMO_SSA_CE_PATH=loss`` keeps megatron's output layer and fuses the lo
 from __future__ import annotations
 
 import logging
-import os
 import types
 from typing import Any, List, Optional
 
@@ -41,9 +40,10 @@ SUPPORTED = "auto, true, false"
 
 def chunk_size() -> int:
     """Tokens per chunk of the fused path (``NEMO_SSA_CE_CHUNK``, default the op's)."""
+    from nemo_ssa.ops.common import env
     from nemo_ssa.ops.cross_entropy.chunked import DEFAULT_CHUNK
 
-    return int(os.environ.get("NEMO_SSA_CE_CHUNK", DEFAULT_CHUNK))
+    return env.ce_chunk() or DEFAULT_CHUNK
 
 
 def _fused_loss(self, labels, logits):
@@ -56,9 +56,11 @@ def _stock_reason(self, labels, kwargs) -> Optional[str]:
     """Why this call keeps megatron's ``_postprocess`` (None: the fused path runs)."""
     from megatron.core.config_logger import has_config_logger_enabled
 
+    from nemo_ssa.ops.common import env
+
     if labels is None:
         return "no labels"
-    if os.environ.get("NEMO_SSA_CE_PATH", "chunked") == "loss":
+    if env.ce_path() == "loss":
         return "NEMO_SSA_CE_PATH=loss (megatron's output layer, the compiled loss alone)"
     if not self.post_process:
         return "not the last pipeline stage"

@@ -28,6 +28,8 @@ __all__ = [
     "poly_log2",
     "mlp_tiles",
     "ce_compile",
+    "ce_path",
+    "ce_chunk",
 ]
 
 BWD_MODES = ("auto", "atomic", "deterministic")
@@ -63,6 +65,12 @@ ENV_VARS: Tuple[Tuple[str, str, str], ...] = (
      "fused MLP tiles, e.g. fwd=128x256x64/3/8,bwd=128x128x64/4/4 (default: DEFAULT_TILES)"),
     ("NEMO_SSA_CE_COMPILE", "1",
      "0: the chunked/fused cross entropy runs eagerly instead of under torch.compile on CUDA"),
+    ("NEMO_SSA_CE_PATH", "chunked",
+     "loss: the GPT model keeps megatron's output layer and fuses only the loss (A/B timing "
+     "of the fused output layer + cross entropy, nemo_ssa.megatron.output_layer)"),
+    ("NEMO_SSA_CE_CHUNK", "",
+     "tokens per chunk of the fused output layer + cross entropy (default: the op's "
+     "DEFAULT_CHUNK)"),
 )
 
 
@@ -134,3 +142,24 @@ def mlp_tiles() -> str:
 def ce_compile() -> bool:
     """``NEMO_SSA_CE_COMPILE``: torch.compile the cross entropy on CUDA (on by default)."""
     return _flag("NEMO_SSA_CE_COMPILE", True)
+
+
+CE_PATHS = ("chunked", "loss")
+
+
+def ce_path() -> str:
+    """``NEMO_SSA_CE_PATH``: one of ``CE_PATHS`` (unset or empty: ``chunked``)."""
+    path = _get("NEMO_SSA_CE_PATH") or "chunked"
+    if path not in CE_PATHS:
+        raise ValueError(f"NEMO_SSA_CE_PATH={path!r}: supported: {', '.join(CE_PATHS)}")
+    return path
+
+
+def ce_chunk() -> Optional[int]:
+    """``NEMO_SSA_CE_CHUNK``: a positive token count, or None (unset or empty: the op's default)."""
+    raw = _get("NEMO_SSA_CE_CHUNK").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"NEMO_SSA_CE_CHUNK={raw!r}: supported: a positive number of tokens")
+    return int(raw)

@@ -20,6 +20,8 @@ CASES = {
     "NEMO_SSA_GLUON": (env.gluon, [(None, True), ("", False), ("0", False), ("1", True)]),
     "NEMO_SSA_MLP_TILES": (env.mlp_tiles, [(None, ""), ("  fwd=1x2x3/4/5 ", "fwd=1x2x3/4/5")]),
     "NEMO_SSA_CE_COMPILE": (env.ce_compile, [(None, True), ("", False), ("0", False), ("1", True)]),
+    "NEMO_SSA_CE_PATH": (env.ce_path, [(None, "chunked"), ("", "chunked"), ("loss", "loss")]),
+    "NEMO_SSA_CE_CHUNK": (env.ce_chunk, [(None, None), ("", None), (" 4096 ", 4096)]),
 }
 
 
@@ -66,3 +68,35 @@ def test_no_other_module_in_ops_reads_the_environment():
                 if re.search(r"os\.environ(\.get|\[)|os\.getenv", open(path).read()):
                     readers.append(os.path.relpath(path, ops))
     assert readers == []
+
+
+@pytest.mark.parametrize("name,raw,supported", [("NEMO_SSA_CE_PATH", "fused", "chunked, loss"),
+                                                 ("NEMO_SSA_CE_CHUNK", "0", "a positive number"),
+                                                 ("NEMO_SSA_CE_CHUNK", "1k", "a positive number")])
+def test_a_bad_value_names_what_is_supported(monkeypatch, name, raw, supported):
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(ValueError, match=supported):
+        CASES[name][0]()
+
+
+#: the package's NEMO_SSA_* variables read outside the table, and why they are not in it:
+#: none changes what a kernel computes or which kernel runs
+OUTSIDE_THE_TABLE = {
+    "NEMO_SSA_FAULT": "train/faults.py: fault injection for the resume tests (kills or holds a rank)",
+    "NEMO_SSA_DATA_DIR": "data/corpus.py: where the local corpus is cached",
+    "NEMO_SSA_ALLOW_UNTESTED_STACK": "versions.py: lets an untested stack start (printed at start)",
+    "NEMO_SSA_MEGATRON_SOURCES": "megatron/contracts.py: where the megatron-core sources are unpacked",
+    "NEMO_SSA_FUZZ_TRACEBACK": "testing/ops_fuzz.py: print a failing fuzz case's traceback",
+}
+
+
+def test_every_variable_the_package_reads_is_in_the_table_or_named_here():
+    root = os.path.normpath(os.path.join(os.path.dirname(env.__file__), os.pardir, os.pardir))
+    table = {n for n, _, _ in env.ENV_VARS}
+    read = set()
+    for d, _, files in os.walk(root):
+        for f in files:
+            if f.endswith(".py") and os.path.join(d, f) != env.__file__:
+                read |= set(re.findall(r"NEMO_SSA_[A-Z0-9_]+", open(os.path.join(d, f)).read()))
+    stray = sorted(read - table - set(OUTSIDE_THE_TABLE))
+    assert stray == [], f"NEMO_SSA_* variables neither in ops.common.env.ENV_VARS nor named here: {stray}"
