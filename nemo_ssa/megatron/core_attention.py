@@ -550,7 +550,7 @@ class SoftmaxTritonCoreAttention(SoftmaxCoreAttention):
 
 
 class SSAFlexCoreAttention(SSACoreAttention):
-    """``attention=ssa_flex`` (experimental): SSA through FlexAttention (nemo_ssa/ops/attention/flex.py).
+    """``attention=ssa_flex``: SSA through FlexAttention (nemo_ssa/ops/attention/flex.py).
 
     Every mask type (masks become a mask_mod); n and b stay tensors; dn/db come from a
     separate deterministic pass. No dropout (FlexAttention has none).

@@ -115,6 +115,21 @@ def test_modules_take_name_and_op_from_their_row(name):
     assert cls.supports_fused_rope_layout == ("fused_rope_layout" in info.kernel_options)
 
 
+@pytest.mark.parametrize("name", sorted(ATTENTIONS))
+def test_no_docstring_states_a_status_other_than_the_rows(name):
+    """The status lives in the table; a class or op docstring that names one agrees with it
+    (``ssa_flex`` was "experimental" in two docstrings and "stable" in the table)."""
+    import importlib
+    import re
+
+    info = ATTENTIONS[name]
+    module, cls = info.module_path
+    docs = [getattr(importlib.import_module(module), cls).__doc__ or ""]
+    docs.append(getattr(registry.get_attention_fn(*info.op_key), "__doc__", "") or "")
+    stated = {w for d in docs for w in re.findall(r"\b(experimental|stable)\b", d.split("\n\n")[0])}
+    assert stated <= {info.status}, (name, info.status, stated)
+
+
 def test_core_attentions_are_every_non_nsa_row():
     from nemo_ssa.megatron.spec import CORE_ATTENTIONS
 

@@ -870,7 +870,7 @@ def ssa_attention_flex(
     compile="auto",
     dn_mode: str = "auto",
 ) -> torch.Tensor:
-    """SSA attention through FlexAttention (experimental; semantics of ``ssa_attention_naive``).
+    """SSA attention through FlexAttention (the semantics of ``ssa_attention_naive``).
 
     Args:
         q: ``[B, Hq, Sq, D]``.
