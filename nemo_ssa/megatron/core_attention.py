@@ -89,18 +89,33 @@ def _tp_size(pg_collection) -> int:
     return 1
 
 
+class _Row:
+    """A class attribute read from the class's row of the attention table: the row whose
+    ``module`` names the class (``ATTENTIONS[...].module``), else ``default``."""
+
+    def __init__(self, get, default):
+        self.get, self.default = get, default
+
+    def __get__(self, obj, cls):
+        row = _ROWS.get(f"{cls.__module__}:{cls.__qualname__}")
+        return self.default if row is None else self.get(row)
+
+
+_ROWS = {info.module: info for info in ATTENTIONS.values() if info.family != "nsa"}
+
+
 class _TransformedSoftmaxAttention(MegatronModule):
     """Shared contract handling; subclasses choose the op (transform x implementation)."""
 
-    # attention_name, op_key, varlen_op_key, supported_head_dims and
-    # supports_fused_rope_layout come from the class's row of the attention table
-    # (nemo_ssa/config/attentions.py; _bind_attention_table below)
+    # what the attention table declares (nemo_ssa/config/attentions.py) is read from the
+    # class's row when asked (``_Row``), not copied onto the classes: the table stays the one
+    # declaration. The base class and classes without a row read the defaults.
     #: name used in configs (``attention=<name>``)
-    attention_name: str = ""
+    attention_name: str = _Row(lambda r: r.name, "")
     #: (variant, impl) key into nemo_ssa.ops.registry
-    op_key: tuple = ()
+    op_key: tuple = _Row(lambda r: tuple(r.op_key), ())
     #: registry key of a packed (THD, cu_seqlens) variant, if the implementation has one
-    varlen_op_key: tuple = ()
+    varlen_op_key: tuple = _Row(lambda r: tuple(r.varlen_op_key), ())
     #: mask types the op can apply (None = every type in _SUPPORTED_MASK_TYPES)
     supported_mask_types: Optional[tuple] = None
     supports_tensor_parallel: bool = True
@@ -109,13 +124,13 @@ class _TransformedSoftmaxAttention(MegatronModule):
     supports_context_parallel: bool = True
     supports_dropout: bool = True
     #: (min, max) head dim the op supports; None = any
-    supported_head_dims: Optional[tuple] = None
+    supported_head_dims: Optional[tuple] = _Row(lambda r: r.head_dims, None)
     #: RoPE + layout fused into one Triton pass (nemo_ssa/ops/rope), driven by
     #: ``FusedRopeSelfAttention`` (nemo_ssa/megatron/self_attention.py); the fused GPU kernels
-    supports_fused_rope_layout: bool = False
+    supports_fused_rope_layout: bool = _Row(lambda r: "fused_rope_layout" in r.kernel_options, False)
     #: takes ``deterministic=`` (its table row offers the option); unset, from megatron's
     #: ``deterministic_mode``
-    supports_deterministic: bool = False
+    supports_deterministic: bool = _Row(lambda r: "deterministic" in r.kernel_options, False)
     #: ``fused_rope_layout=None`` turns it on only where a CUDA device exists (softmax: on CPU
     #: the CPU loop keeps megatron's RoPE, so its golden curves stay bit-for-bit)
     fused_rope_layout_needs_cuda: bool = False
@@ -573,21 +588,3 @@ class ElsaSSACoreAttention(SSACoreAttention):
     supports_dropout = False
 
 
-def _bind_attention_table() -> None:
-    """Give each core attention its row of the attention table: its name, the ops registry
-    keys it calls, the head dims its kernel compiles for and whether it takes the fused
-    RoPE + layout pass (its ``fused_rope_layout`` option) -- declared there once."""
-    for info in ATTENTIONS.values():
-        module, cls_name = info.module_path
-        if module != __name__:
-            continue
-        cls = globals()[cls_name]
-        cls.attention_name = info.name
-        cls.op_key = tuple(info.op_key)
-        cls.varlen_op_key = tuple(info.varlen_op_key)
-        cls.supported_head_dims = info.head_dims
-        cls.supports_fused_rope_layout = "fused_rope_layout" in info.kernel_options
-        cls.supports_deterministic = "deterministic" in info.kernel_options
-
-
-_bind_attention_table()

@@ -33,6 +33,9 @@ def _pinned():
 
 
 ALL = _pinned()
+# real module globals, derived from ALL: Megatron-LM's --spec reads them with
+# ``vars(module)[name]`` (megatron.core.transformer.spec_utils.import_module), which a
+# module ``__getattr__`` would not serve
 globals().update(ALL)
 
 __all__ = ["ALL", *ALL]

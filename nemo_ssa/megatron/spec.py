@@ -28,7 +28,7 @@ from megatron.core.transformer.transformer_block import (
 )
 
 from nemo_ssa.config.attentions import ATTENTIONS, KERNEL_OPTION_KEYS, SSA_OPTION_KEYS
-from nemo_ssa.config.policy import resolve_attention
+from nemo_ssa.config.policy import PINNED, resolve_attention
 from nemo_ssa.megatron.compat import local_layer_spec, mlp_slot
 from nemo_ssa.megatron.layernorm import LayerNorm1P
 from nemo_ssa.megatron.mlp import FusedReLU2MLP, use_fused_mlp
@@ -66,11 +66,13 @@ def core_attention_spec(attention: str, options: Optional[Dict[str, Any]] = None
     if kernel:
         params["kernel_options"] = kernel
     if ATTENTIONS[attention].transform == "ssa":
+        # unset options take the pinned policy's values (the policy resolves them first;
+        # a direct call without options gets the same)
         params.update(
-            n_init=options.get("n", 1.5),
-            b_init=options.get("b", 0.8),
-            learnable_n=options.get("learnable_n", True),
-            learnable_b=options.get("learnable_b", False),
+            n_init=options.get("n", PINNED.n),
+            b_init=options.get("b", PINNED.b),
+            learnable_n=options.get("learnable_n", PINNED.learnable_n),
+            learnable_b=options.get("learnable_b", PINNED.learnable_b),
         )
     return ModuleSpec(module=CORE_ATTENTIONS[attention], params=params)
 
