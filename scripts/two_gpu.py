@@ -63,7 +63,8 @@ REFERENCE_OF = {"ssa-dp2": "ssa-1gpu", "softmax-dp2": "softmax-1gpu", "ssa-tp2sp
                 "ssa-dp4": "ssa-1gpu-g128", "ssa-dp4-kill": "ssa-1gpu-g128", "ssa-tp2dp2": "ssa-1gpu-g128",
                 "softmax_triton-tp2dp2": "softmax_triton-1gpu-g128", "ssa-cp2dp2-16k": "ssa-1gpu-16k",
                 "ssa-cp2dp2-32k": "ssa-1gpu-32k", "softmax_triton-cp2dp2-16k": "softmax_triton-1gpu-16k",
-                "ssa-tp2-g128": "ssa-1gpu-g128", "ssa-1gpu-g128-mb16": "ssa-1gpu-g128"}
+                "ssa-tp2-g128": "ssa-1gpu-g128", "ssa-1gpu-g128-mb16": "ssa-1gpu-g128",
+                "ssa-1gpu-g128-unfused": "ssa-1gpu-g128"}
 RESUMED = {"ssa-tp2to1": "ssa-1gpu", "ssa-dp2to1": "ssa-1gpu",
            "ssa-dp4to2": "ssa-1gpu-g128", "ssa-dp4to1": "ssa-1gpu-g128"}
 KILLED = ("ssa-2node", "ssa-dp4-kill")
@@ -213,11 +214,15 @@ def plan(part: str, scratch: str, cpu: bool, extra: Sequence[str] = ()) -> List[
                                                    *cp_args(16384))], "0,1,2,3")],
             [Job("ssa-cp2dp2-32k", [run("ssa-cp2dp2-32k", 4, ssa, *cp_args(32768))], "0,1,2,3")],
             # where TP2 x DP2's loss departs from one GPU's: TP2 alone at the same global batch
-            # (TP's bf16 partial sums without DP), beside one GPU at micro batch 16 (the same
-            # samples and math, other rounding: how far legitimate numerics alone move the curve)
+            # (TP without DP); one GPU on the path TP takes (megatron's MLP and output layer +
+            # loss: the fused MLP and cross entropy refuse TP/SP), so TP is compared with TP's
+            # own implementation; one GPU at micro batch 16 (the same samples and math, other
+            # rounding: how far legitimate numerics alone move the curve)
             [Job("ssa-tp2-g128", [run("ssa-tp2-g128", 2, ssa, *tp)], "0,1"),
              Job("ssa-1gpu-g128-mb16", [run("ssa-1gpu-g128-mb16", 1, ssa, *g128,
-                                            f"train.micro_batch_size={1 if cpu else 16}")], "2")],
+                                            f"train.micro_batch_size={1 if cpu else 16}")], "2"),
+             Job("ssa-1gpu-g128-unfused", [run("ssa-1gpu-g128-unfused", 1, ssa, *g128, "model.fused_mlp=false",
+                                               "model.fused_cross_entropy=false")], "3")],
         ]
     raise SystemExit(f"unknown part {part!r}: one of {', '.join(PARTS)}")
 

@@ -163,7 +163,7 @@ def test_plan_has_every_run_of_the_issue():
                       "ssa-1gpu-g128", "softmax_triton-1gpu-g128", "ssa-dp4", "ssa-dp4-kill", "ssa-dp4to2",
                       "ssa-dp4to1", "ssa-1gpu-16k", "ssa-1gpu-32k", "softmax_triton-1gpu-16k", "ssa-tp2dp2",
                       "softmax_triton-tp2dp2", "ssa-cp2dp2-16k", "softmax_triton-cp2dp2-16k", "ssa-cp2dp2-32k",
-                      "ssa-tp2-g128", "ssa-1gpu-g128-mb16"}
+                      "ssa-tp2-g128", "ssa-1gpu-g128-mb16", "ssa-1gpu-g128-unfused"}
     # every gated four-GPU run has its reference in the plan, and every gate label is a planned run
     for run, ref in {**two_gpu.REFERENCE_OF, **two_gpu.RESUMED, **two_gpu.SPEED_REF_OF}.items():
         assert run in labels and ref in labels, (run, ref)
