@@ -7,7 +7,7 @@ with the flash kernels: it recomputes ``p = 2^(z2 - M)`` tile by tile (no attent
 matrix, no online-softmax recurrence) and returns ``dq, dk, dv, dn, db``. ELSA adds
 nothing of its own here: it calls the shared custom op ``nemo_ssa::attention_bwd`` (one
 opaque node for ``torch.compile``, the same node the flash forward's backward uses) and
-keeps forward and backward on the same ``lg2.approx`` choice (``fast_log2``): ``p`` is
+keeps forward and backward on the same ``lg2.approx`` choice (``launch.use_fast_math``): ``p`` is
 recomputed from ``z2``, so both passes must round ``z2`` identically.
 """
 
@@ -22,12 +22,7 @@ from nemo_ssa.ops.common.dispatch import SINGLE, backward_plan
 from nemo_ssa.ops.common.launch import default_input_precision, use_fast_math
 from nemo_ssa.ops.common.transforms import log2_mode
 
-__all__ = ["elsa_bwd", "fast_log2"]
-
-
-def fast_log2(device) -> bool:
-    """``lg2.approx`` in the SSA transform: the shared backward's default for ``device``."""
-    return bool(use_fast_math(torch.device(device)))
+__all__ = ["elsa_bwd"]
 
 
 def elsa_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -37,7 +32,7 @@ def elsa_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """``(dq, dk, dv, dn, db)`` through the shared backward op ``nemo_ssa::attention_bwd``;
     ``dn``/``db`` fp32 ``[1]`` (zeros for softmax). ``deterministic``: the two-kernel
     backward (else ``dispatch.backward_plan``'s choice, the flash kernels' for the shape)."""
-    fast = fast_log2(q.device)
+    fast = use_fast_math(q.device)
     # the same decision as the flash kernels' for this shape (ops.common.dispatch)
     det = backward_plan(transform, q, k, v, varlen=False, dropout=False, fast_log2=log2_mode(fast) if transform == "ssa" else 1,
                         scores=q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2], causal=causal,

@@ -50,9 +50,10 @@ import triton
 import triton.language as tl
 
 from nemo_ssa.ops.common.launch import is_interpreter as kernels_interpreted
+from nemo_ssa.ops.common.launch import use_fast_math
 from nemo_ssa.ops.common.transforms import score_fwd_hoisted, transform_consts, transform_id
 from nemo_ssa.ops.common.validate import Capabilities, check_deterministic, validate_attention_args
-from nemo_ssa.ops.elsa.backward import elsa_bwd, fast_log2
+from nemo_ssa.ops.elsa.backward import elsa_bwd
 from nemo_ssa.ops.elsa.routing import ElsaPlan, block_d, make_plan, merge_tiles
 
 __all__ = [
@@ -394,7 +395,7 @@ def elsa_forward(
     np_ = n if n is not None else lse  # never read for softmax (constexpr branch)
     bp_ = b if b is not None else lse
     precision = _precision(q.dtype, fp32_precision)
-    fast = fast_log2(q.device) if fast_log2_override is None else bool(fast_log2_override)
+    fast = use_fast_math(q.device) if fast_log2_override is None else bool(fast_log2_override)
 
     specs = _launch_specs(q, k, v, np_, bp_, o, lse, ms, ls, accs, plan, transform=transform,
                           causal=causal, scale=scale, finalize=finalize, precision=precision, fast=fast)
