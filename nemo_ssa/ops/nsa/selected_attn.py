@@ -58,6 +58,7 @@ import triton
 import triton.language as tl
 
 from nemo_ssa.ops.common.device import tma_tile
+from nemo_ssa.ops.common.dispatch import Choice, note
 from nemo_ssa.ops.common.launch import is_interpreter, next_pow2
 from nemo_ssa.ops.common.tma import descriptor, use_tma
 from nemo_ssa.ops.common.transforms import grad_consts, score_bwd_parts, score_fwd, transform_consts
@@ -495,6 +496,12 @@ def use_qmajor(group: int) -> bool:
     return bool(forced) if forced is not None else group >= QMAJOR_MIN_GROUP
 
 
+def _qmajor_reason(group: int) -> str:
+    if TILE_OVERRIDE.get("qmajor") is not None:
+        return "TILE_OVERRIDE['qmajor']"
+    return f"GQA group {group} {'>=' if group >= QMAJOR_MIN_GROUP else '<'} {QMAJOR_MIN_GROUP}"
+
+
 def _qmajor_tiles(d: int, key: str = "qmajor"):
     """``(tma, num_warps, num_stages)`` of a query-major kernel at head dim ``d`` (``key``
     ``"qmajor"``: the forward, ``"qmajor_dq"``: the backward's dq); ``TILE_OVERRIDE`` keys
@@ -633,7 +640,10 @@ class _SelectedAttention(torch.autograd.Function):
         n_tok = q.shape[2]
         ns = -(-n_tok // sblk)
         tid, n_t, b_t = ssa_scalars(transform, n, b, q.device)
-        qmajor = use_qmajor(q.shape[1] // k.shape[1])
+        group = q.shape[1] // k.shape[1]
+        qmajor = use_qmajor(group)
+        note(("nsa.selected.fwd", transform, f"D{q.shape[-1]}", q.dtype, f"group {group}"),
+             Choice("nsa.selected.fwd", "query-major" if qmajor else "kv-major", _qmajor_reason(group)))
         if qmajor:
             # the backward (KV-major) builds its inverted index itself, only when it runs
             o, lse = _sel_fwd_qmajor(q, k, v, block_idx, n_t, b_t, tid, scale, sblk)
@@ -653,7 +663,14 @@ class _SelectedAttention(torch.autograd.Function):
         tid, scale, sblk, ns, block_q = ctx.args
         if len(ctx.saved_tensors) == 8:  # query-major forward: the index is inverted here
             q, k, v, o, lse, n_t, b_t, block_idx = ctx.saved_tensors
-            if use_qmajor_dq(q.shape[1] // k.shape[1], q.shape[-1]):  # dq query-major, dk/dv KV-major
+            split = use_qmajor_dq(q.shape[1] // k.shape[1], q.shape[-1])
+            note(("nsa.selected.bwd", "ssa" if tid == 1 else "softmax", f"D{q.shape[-1]}", q.dtype,
+                  f"group {q.shape[1] // k.shape[1]}"),
+                 Choice("nsa.selected.bwd", "dq query-major + dk/dv kv-major" if split else "kv-major, dq by atomics",
+                        "TILE_OVERRIDE['qmajor_dq']" if TILE_OVERRIDE.get("qmajor_dq") is not None else
+                        f"group >= {QMAJOR_MIN_GROUP} up to the measured head dims" if split else
+                        f"group < {QMAJOR_MIN_GROUP} or head dim beyond the measured tiles"))
+            if split:  # dq query-major, dk/dv KV-major
                 dq, dk, dv, dnb = _sel_bwd_split(q, k, v, o, lse, do.contiguous(), block_idx, n_t, b_t, tid,
                                                  scale, sblk, ns)
             else:

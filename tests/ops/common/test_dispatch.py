@@ -118,3 +118,25 @@ def test_the_policy_record_lists_the_kernels_that_ran(tmp_path):
     resolved.write(str(tmp_path))
     kernels = json.load(open(tmp_path / "attention_policy.json"))["kernels"]
     assert [(c["op"], c["call"]) for c in kernels] == [("flash.fwd", "softmax D32 float32 dense full")], kernels
+
+
+@pytest.mark.parametrize("forced", [None, True])
+def test_nsa_selected_branch_says_which_schedule_it_took(monkeypatch, forced):
+    from nemo_ssa.ops.nsa import selected_attn as sel
+    from nemo_ssa.ops.nsa.naive import NSAConfig, num_select_blocks, select_blocks
+
+    if forced is not None:
+        monkeypatch.setitem(sel.TILE_OVERRIDE, "qmajor", forced)
+    cfg = NSAConfig(block_len=4, stride=2, select_block=8, top_n=3, window=8)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 24, 16, generator=g).to(DEV).requires_grad_()
+    k, v = (torch.randn(1, 2, 24, 16, generator=g).to(DEV).requires_grad_() for _ in range(2))
+    idx = select_blocks(torch.rand(1, 2, 24, num_select_blocks(24, cfg), generator=g).to(DEV), cfg)
+    sel.selected_attention(q, k, v, idx.int(), cfg.select_block).sum().backward()
+    (fwd,) = [c for c in dispatch.chosen() if c["op"] == "nsa.selected.fwd"]
+    if forced:
+        assert (fwd["path"], fwd["reason"]) == ("query-major", "TILE_OVERRIDE['qmajor']"), fwd
+        (bwd,) = [c for c in dispatch.chosen() if c["op"] == "nsa.selected.bwd"]
+        assert bwd["path"] == "kv-major, dq by atomics" and "group 2" in bwd["call"], bwd
+    else:
+        assert (fwd["path"], fwd["reason"]) == ("kv-major", f"GQA group 2 < {sel.QMAJOR_MIN_GROUP}"), fwd
