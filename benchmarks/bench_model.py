@@ -3,6 +3,7 @@
     python benchmarks/bench_model.py                                   # fwd+bwd, 3 attentions, mb 8 and the largest that fits
     python benchmarks/bench_model.py --mode step --attentions softmax  # + megatron DDP and optimizer (NeMo's inner step)
     python benchmarks/bench_model.py --profile $OUT/model_prof.txt     # + kernel-time breakdown of one mb-8 step
+    python benchmarks/bench_model.py --mode both --by-module $OUT/where.md  # + the step by module and kernel family
 
 Modes (every attention in one process, same weights and batch):
 
@@ -34,6 +35,8 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:] = [REPO] + [p for p in sys.path if os.path.abspath(p or ".") != REPO]
+
+from nemo_ssa.tools.step_profile import optimizer_range  # noqa: E402 -- this checkout's package
 
 VOCAB = 50304
 PROBE_MBS = (8, 16, 24, 32, 48, 64, 96, 128)
@@ -141,7 +144,8 @@ def make_step(model, data):
         out = ddp(tokens, pos, None, labels=labels)
         loss_fn(out, mask).backward()
         ddp.finish_grad_sync()
-        opt.step()
+        with optimizer_range():  # step_profile reads this range as the optimizer row
+            opt.step()
     return step
 
 
@@ -203,6 +207,29 @@ def kernel_breakdown(step, path: str) -> str:
     cpu_table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
     with open(path, "a") as f:
         f.write(text + "\n\n" + table + "\n\n" + cpu_table + "\n\n")
+    return text
+
+
+def where_the_step_goes(model, step, path: str, label: str, steps: int = 3) -> str:
+    """The step by module (forward and backward) and by kernel family, GPU time of ``steps``
+    profiled steps after two warm-up steps (nemo_ssa.tools.step_profile), appended to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from nemo_ssa.tools import step_profile as sp
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    with sp.module_ranges(model):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+    events = prof.events()
+    text = (f"## {label}\n\n" + sp.table(sp.by_module(events, device=True), "module", steps) + "\n\n"
+            + sp.table(sp.by_family(events, device=True), "kernel family", steps) + "\n\n")
+    with open(path, "a") as f:
+        f.write(text)
     return text
 
 
@@ -278,6 +305,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-mb", type=int, default=8, help="micro batch of the --profile / --gaps runs")
     ap.add_argument("--gaps", default=None, help="append where the GPU idles inside a step (trace of 2 steps at "
                                                  "--profile-mb) to this file")
+    ap.add_argument("--by-module", default=None, help="append the step by module and by kernel family "
+                                                      "(GPU time, --profile-mb) to this markdown file")
     ap.add_argument("--out", default=None, help="markdown table path")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -326,6 +355,11 @@ def main(argv=None) -> int:
             if args.gaps:
                 step = make(model, batch(args.profile_mb, args.seq))
                 print(gpu_gaps(step, args.gaps, f"{attention} {mode} mb {args.profile_mb}"), flush=True)
+                del step
+            if args.by_module:
+                step = make(model, batch(args.profile_mb, args.seq))
+                print(where_the_step_goes(model, step, args.by_module,
+                                          f"{attention} {mode} mb {args.profile_mb} ({name})"), flush=True)
                 del step
             if args.profile:
                 step = make(model, batch(args.profile_mb, args.seq))

@@ -216,8 +216,10 @@ class ProfilerCallback(Callback):
     """torch.profiler over ``num_steps`` training steps from global step ``start``.
 
     Writes ``<run_dir>/profile/``: ``trace.json.gz`` (chrome://tracing / Perfetto; CPU ops,
-    CUDA kernels and, with ``with_stack``, Python frames) and ``summary.txt`` (ops by self
-    CPU time and by CUDA time). ``python -m nemo_ssa.tools.profile_summary <trace>`` turns a trace
+    CUDA kernels and, with ``with_stack``, Python frames), ``summary.txt`` (ops by self
+    CPU time and by CUDA time) and ``where.md`` (the steps' device time by module, forward and
+    backward, and by kernel family: nemo_ssa.tools.step_profile; time outside every module --
+    the optimizer, the loss reduction -- is the ``other`` row). ``python -m nemo_ssa.tools.profile_summary <trace>`` turns a trace
     into per-step wall time, GPU-busy time and the host functions that leave the GPU idle.
     Enable from the launcher with ``profile.start=40`` (``profile.steps``, ``profile.with_stack``).
     """
@@ -228,15 +230,22 @@ class ProfilerCallback(Callback):
         self.out = os.path.join(run_dir, "profile")
         self.start, self.num_steps, self.with_stack = int(start), int(num_steps), bool(with_stack)
         self._prof = None
+        self._ranges = None
+        self._profiled = 0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self._prof is None and trainer.global_step == self.start:
             from torch.profiler import ProfilerActivity, profile
 
+            from nemo_ssa.tools.step_profile import module_ranges
+
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self._ranges = module_ranges(pl_module)
+            self._ranges.__enter__()
             self._prof = profile(activities=acts, with_stack=self.with_stack, record_shapes=False)
             self._prof.__enter__()
         if self._prof is not None:
+            self._profiled += 1
             self._step_ctx = torch.profiler.record_function(f"ProfilerStep#{trainer.global_step}")
             self._step_ctx.__enter__()
 
@@ -249,10 +258,22 @@ class ProfilerCallback(Callback):
                 torch.cuda.synchronize()
             prof, self._prof = self._prof, None
             prof.__exit__(None, None, None)
+            self._ranges.__exit__(None, None, None)
             os.makedirs(self.out, exist_ok=True)
+            self._write_where(prof.events())
             prof.export_chrome_trace(os.path.join(self.out, "trace.json.gz"))
             with open(os.path.join(self.out, "summary.txt"), "w") as f:
                 f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40) + "\n\n")
                 if torch.cuda.is_available():
                     f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40) + "\n")
             print(f"[profile] steps {self.start}..{self.start + self.num_steps - 1}: {self.out}", flush=True)
+
+    def _write_where(self, events) -> None:
+        from nemo_ssa.tools import step_profile as sp
+
+        device = torch.cuda.is_available()
+        what = "device" if device else "CPU"
+        with open(os.path.join(self.out, "where.md"), "w") as f:
+            f.write(f"# Where the step goes: {what} time per step over {self._profiled} profiled steps\n\n"
+                    + sp.table(sp.by_module(events, device=device), "module", self._profiled) + "\n\n"
+                    + sp.table(sp.by_family(events, device=device), "kernel family", self._profiled) + "\n")

@@ -1,0 +1,182 @@
+"""Where a training step's time goes, by module and by kernel family, from one torch.profiler run.
+
+    with module_ranges(model):                      # names the modules' forward in the trace
+        with torch.profiler.profile(...) as prof:
+            step()
+    print(table(by_module(prof.events(), device=True)))
+
+Forward ops are attributed to the innermost module (``module_ranges``: forward hooks open a
+``nemo_ssa.module::<name>`` range around each selected module; layer indices become ``*`` so
+the 12 layers add up). Backward ops run on autograd's thread, outside those ranges: each
+``autograd::engine::evaluate_function`` carries the sequence number of the forward op that
+recorded it, and takes that op's module, marked ``bwd``. The optimizer step is whatever runs
+inside a ``nemo_ssa.optimizer`` range (``optimizer_range``). Time is each op's self time on
+the device (the kernels it launched) or, without a GPU, on the CPU.
+
+Kernel families (``family``) group kernels by what they do (GEMM, attention, copy/transpose,
+norm, loss, elementwise, reduction, optimizer) from their names, the same rules the model
+benchmark (benchmarks/bench_model.py) prints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections import defaultdict
+from typing import Callable, Dict, Iterable, Iterator, Optional, Tuple
+
+import torch
+
+__all__ = ["MODULE_RANGE", "DEFAULT_MODULES", "module_ranges", "optimizer_range", "by_module", "family",
+           "by_family", "table"]
+
+MODULE_RANGE = "nemo_ssa.module::"
+OPTIMIZER_RANGE = "nemo_ssa.optimizer"
+#: the last name component of the modules a GPT layer's time is read by (megatron's names)
+DEFAULT_MODULES = ("embedding", "input_layernorm", "self_attention", "linear_qkv", "core_attention",
+                   "linear_proj", "pre_mlp_layernorm", "mlp", "linear_fc1", "linear_fc2", "final_layernorm",
+                   "output_layer")
+
+
+def _label(name: str) -> str:
+    # drop wrapper prefixes (DDP's and Float16Module's ``module.``) and fold layer indices
+    parts = [p for p in name.split(".") if p != "module"]
+    return ".".join("*" if p.isdigit() else p for p in parts)
+
+
+@contextlib.contextmanager
+def module_ranges(model: torch.nn.Module, names: Iterable[str] = DEFAULT_MODULES) -> Iterator[None]:
+    """Open a profiler range around the forward of every submodule whose last name component
+    is in ``names``; removed on exit."""
+    keep = set(names)
+    handles, open_ranges = [], {}
+
+    def pre(label):
+        def hook(mod, args):
+            rf = torch.autograd.profiler.record_function(MODULE_RANGE + label)
+            rf.__enter__()
+            open_ranges.setdefault(id(mod), []).append(rf)
+        return hook
+
+    def post(mod, args, out):
+        stack = open_ranges.get(id(mod))
+        if stack:
+            stack.pop().__exit__(None, None, None)
+
+    for name, mod in model.named_modules():
+        if name and name.split(".")[-1] in keep:
+            handles.append(mod.register_forward_pre_hook(pre(_label(name))))
+            handles.append(mod.register_forward_hook(post))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def optimizer_range():
+    """The range ``by_module`` reads as the optimizer step."""
+    return torch.autograd.profiler.record_function(OPTIMIZER_RANGE)
+
+
+_EVAL = "autograd::engine::evaluate_function: "
+
+
+def _owner(ev, fwd_module: Dict[Tuple[int, int], str], memo: Dict[int, str]) -> str:
+    """The module (``<name> fwd`` / ``<name> bwd``), ``optimizer`` or ``other`` an op belongs to."""
+    chain, e, found = [], ev, "other"
+    while e is not None:
+        if id(e) in memo:
+            found = memo[id(e)]
+            break
+        chain.append(e)
+        if e.name.startswith(MODULE_RANGE):
+            found = e.name[len(MODULE_RANGE):] + " fwd"
+            break
+        if e.name == OPTIMIZER_RANGE:
+            found = "optimizer"
+            break
+        if e.name.startswith(_EVAL):
+            mod = fwd_module.get((e.fwd_thread, e.sequence_nr))
+            found = (mod + " bwd") if mod else "backward, no module"
+            break
+        e = e.cpu_parent
+    for c in chain:
+        memo[id(c)] = found
+    return found
+
+
+def _self_time(ev, device: bool) -> float:
+    if device:
+        return float(getattr(ev, "self_device_time_total", 0.0) or 0.0)
+    return float(ev.self_cpu_time_total)
+
+
+def by_module(events, device: bool) -> Dict[str, float]:
+    """``{owner: microseconds}`` of self time over ``events`` (``prof.events()``)."""
+    fwd_module: Dict[Tuple[int, int], str] = {}
+    memo: Dict[int, str] = {}
+    for ev in events:  # forward ops inside a module range: their sequence numbers
+        if ev.sequence_nr is not None and ev.sequence_nr >= 0 and not ev.name.startswith(_EVAL):
+            owner = _owner(ev, {}, memo)
+            if owner.endswith(" fwd"):
+                fwd_module.setdefault((ev.thread, ev.sequence_nr), owner[: -len(" fwd")])
+    memo.clear()
+    out: Dict[str, float] = defaultdict(float)
+    for ev in events:
+        t = _self_time(ev, device)
+        if t > 0:
+            out[_owner(ev, fwd_module, memo)] += t
+    return dict(out)
+
+
+_FAMILIES = (
+    ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "aten::mm", "aten::addmm", "aten::bmm")),
+    ("attention", ("attn", "flash", "fmha", "cudnn", "sdpa", "scaled_dot_product")),
+    ("norm", ("layer_norm", "layernorm", "rms_norm")),
+    ("loss", ("cross_entropy", "nll", "log_softmax", "softmax")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("copy/transpose/cast", ("copy", "transpose", "permute", "contiguous", "cat", "memcpy", "memset", "to_copy",
+                             "clone")),
+    ("reduction", ("reduce", "sum", "max", "norm")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "mul", "add", "relu", "gelu")),
+)
+
+
+def family(kernel_name: str) -> str:
+    """The family of a kernel (or, on CPU, an aten op) from its name: first rule that matches."""
+    name = kernel_name.lower()
+    for fam, keys in _FAMILIES:
+        if any(k in name for k in keys):
+            return fam
+    return "other"
+
+
+def by_family(events, device: bool, name_of: Optional[Callable] = None) -> Dict[str, float]:
+    """``{family: microseconds}`` of self time, by the kernels' names (device) or the ops'."""
+    out: Dict[str, float] = defaultdict(float)
+    for ev in events:
+        if device:
+            for k in getattr(ev, "kernels", ()) or ():
+                out[family(k.name)] += float(k.duration)
+        else:
+            t = float(ev.self_cpu_time_total)
+            if t > 0 and not ev.name.startswith((MODULE_RANGE, OPTIMIZER_RANGE, _EVAL)):
+                out[family((name_of or (lambda e: e.name))(ev))] += t
+    return dict(out)
+
+
+def table(times: Dict[str, float], title: str, steps: int = 1) -> str:
+    """Markdown table of ``times`` per step, largest first, with shares of the total."""
+    total = sum(times.values()) or 1.0
+    rows = [f"| {title} | us per step | share |", "|---|---|---|"]
+    for k, t in sorted(times.items(), key=lambda kv: -kv[1]):
+        rows.append(f"| {k} | {t / steps:,.0f} | {100 * t / total:.1f} % |")
+    rows.append(f"| total | {total / steps:,.0f} | |")
+    return "\n".join(rows)
+
+
+def split_label(owner: str) -> Tuple[str, str]:
+    """``("layers.*.mlp", "bwd")`` from ``"layers.*.mlp bwd"``."""
+    m = re.match(r"^(.*) (fwd|bwd)$", owner)
+    return (m.group(1), m.group(2)) if m else (owner, "")

@@ -1,0 +1,107 @@
+"""nemo_ssa/tools/step_profile.py on CPU: every op's time lands on one owner (nothing lost or
+counted twice), a module's backward is found through the forward op's sequence number, layer
+indices fold, and the optimizer step is its own row."""
+
+from __future__ import annotations
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from nemo_ssa.tools import step_profile as sp
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.input_layernorm = torch.nn.LayerNorm(h)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(h, 4 * h), torch.nn.ReLU(), torch.nn.Linear(4 * h, h))
+
+    def forward(self, x):
+        return x + self.mlp(self.input_layernorm(x))
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, h=32, vocab=50):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(vocab, h)
+        self.decoder = torch.nn.Module()
+        self.decoder.layers = torch.nn.ModuleList([_Layer(h), _Layer(h)])
+        self.output_layer = torch.nn.Linear(h, vocab)
+
+    def forward(self, tokens):
+        x = self.embedding(tokens)
+        for layer in self.decoder.layers:
+            x = layer(x)
+        return self.output_layer(x)
+
+
+def _profiled_step():
+    torch.manual_seed(0)
+    model = _Model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, 50, (4, 16))
+    with sp.module_ranges(model):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+            loss.backward()
+            with sp.optimizer_range():
+                opt.step()
+    return model, prof.events()
+
+
+def test_every_op_has_one_owner_and_backward_finds_its_module():
+    model, events = _profiled_step()
+    owners = sp.by_module(events, device=False)
+    total = sum(float(e.self_cpu_time_total) for e in events)
+    assert abs(sum(owners.values()) - total) <= 1e-6 * total + 1e-3
+    for name in ("embedding", "decoder.layers.*.input_layernorm", "decoder.layers.*.mlp", "output_layer"):
+        assert owners.get(f"{name} fwd", 0) > 0, (name, owners)
+    for name in ("decoder.layers.*.mlp", "output_layer", "decoder.layers.*.input_layernorm"):
+        assert owners.get(f"{name} bwd", 0) > 0, (name, owners)
+    assert owners.get("optimizer", 0) > 0
+    assert not any(".0." in k or ".1." in k for k in owners), owners  # the two layers fold into one row
+    # the hooks are gone after the block
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+
+
+def test_without_ranges_nothing_is_attributed_to_a_module():
+    torch.manual_seed(0)
+    model = _Model()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        model(torch.randint(0, 50, (2, 8))).sum().backward()
+    owners = sp.by_module(prof.events(), device=False)
+    assert set(owners) <= {"other", "backward, no module"}, owners
+
+
+def test_families_and_table():
+    assert sp.family("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
+    assert sp.family("_attn_fwd_kernel") == "attention"
+    assert sp.family("triton_poi_fused__to_copy_transpose_0") == "copy/transpose/cast"
+    assert sp.family("vectorized_layer_norm_kernel") == "norm"
+    assert sp.family("multi_tensor_apply_kernel") == "optimizer"
+    assert sp.family("something_else") == "other"
+    _, events = _profiled_step()
+    fams = sp.by_family(events, device=False)
+    assert fams.get("gemm", 0) > 0 and fams.get("optimizer", 0) > 0, fams
+    text = sp.table({"a fwd": 30.0, "b bwd": 10.0}, "module", steps=2)
+    assert "| a fwd | 15 | 75.0 % |" in text and "| total | 20 | |" in text
+
+
+def test_the_nemo_profiler_callback_writes_the_step_by_module(tmp_path):
+    from types import SimpleNamespace
+
+    from nemo_ssa.nemo.callbacks import ProfilerCallback
+
+    torch.manual_seed(0)
+    model = _Model()
+    cb = ProfilerCallback(str(tmp_path), start=1, num_steps=2, with_stack=False)
+    trainer = SimpleNamespace(global_step=1)
+    for _ in range(3):
+        cb.on_train_batch_start(trainer, model, None, 0)
+        model(torch.randint(0, 50, (2, 8))).sum().backward()
+        trainer.global_step += 1
+        cb.on_train_batch_end(trainer, model, None, None, 0)
+    where = (tmp_path / "profile" / "where.md").read_text()
+    assert "over 2 profiled steps" in where and "| decoder.layers.*.mlp bwd |" in where, where
+    assert "| kernel family |" in where
+    assert all(not m._forward_pre_hooks for m in model.modules())  # the ranges are removed
