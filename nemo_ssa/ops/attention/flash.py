@@ -75,12 +75,12 @@ from nemo_ssa.ops.common.device import (
 from nemo_ssa.ops.common.launch import (
     autotune_enabled,
     autotuned,
+    block_d as tile_d,
     cdiv,
     default_input_precision,
     for_lengths,
     is_interpreter,
     launch,
-    next_pow2,
     param_ptrs,
     stat_strides,
     use_fast_math,
@@ -346,7 +346,7 @@ def _flash_fwd(
     cu_k = cu_seqlens_k if varlen else M
     # unused without dropout (constexpr branch): zeros keep them out of the launch key
     rz, rh, rs = dropout_rng_layout(hq, sq, sk, varlen, total_q) if has_dropout else (0, 0, 0)
-    block_d = max(16, next_pow2(d))
+    block_d = tile_d(d)
     save_c = bool(save_c) and tid == 1
     cstat = new_cstat(M) if save_c else None
     args = (q, k, v, o, M, cstat if save_c else M, n_ptr, b_ptr, rng, cu_q, cu_k,

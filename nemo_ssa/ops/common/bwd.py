@@ -49,24 +49,24 @@ from nemo_ssa.ops.common.hopper_bwd import gluon_bwd_config, gluon_key_blocks, l
 from nemo_ssa.ops.common.launch import (
     autotune_enabled,
     autotuned,
+    block_d as tile_d,
     cdiv,
     default_input_precision,
     for_lengths,
     is_interpreter,
     launch,
-    next_pow2,
     param_ptrs,
     stat_strides,
     use_fast_math,
     zhsd_strides,
 )
 from nemo_ssa.ops.common.tma import descriptor, use_tma
+from nemo_ssa.ops.common.validate import KERNEL_DTYPES, MAX_HEAD_DIM, MIN_HEAD_DIM  # noqa: F401 (re-exported)
 from nemo_ssa.ops.common.transforms import TRANSFORM_SSA, log2_mode, transform_id
 
 __all__ = ["attention_bwd", "attention_bwd_op", "SUPPORTED_DTYPES", "MIN_HEAD_DIM", "MAX_HEAD_DIM"]
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+SUPPORTED_DTYPES = KERNEL_DTYPES  # the names the flash module imports
 
 
 def attention_bwd(
@@ -185,7 +185,7 @@ def attention_bwd(
     # unused without dropout (constexpr branch): zeros keep them out of the launch key
     rz, rh, rs = dropout_rng_layout(hq, sq, sk, varlen, total_q) if has_dropout else (0, 0, 0)
     n_ptr, b_ptr = param_ptrs(n, b, M) if is_ssa else (M, M)
-    block_d = max(16, next_pow2(d))
+    block_d = tile_d(d)
     call = _BwdCall(
         varlen=varlen, is_ssa=is_ssa, bz=bz, hq=hq, hkv=hkv, sq=sq, sk=sk, d=d, block_d=block_d,
         scale=float(scale), dropout_p=float(dropout_p), rng=rng, rng_strides=(rz, rh, rs), n_ptr=n_ptr, b_ptr=b_ptr,

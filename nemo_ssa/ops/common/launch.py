@@ -257,6 +257,12 @@ def next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
+
+def block_d(d: int) -> int:
+    """The head-dim tile of the attention kernels: a power of two, at least 16 (``tl.dot``'s
+    minimum); a head dim below it is masked inside the kernels."""
+    return max(16, next_pow2(int(d)))
+
 def autotune_enabled() -> bool:
     """``NEMO_SSA_AUTOTUNE=1`` switches the GPU kernels to ``triton.autotune`` over the
     candidate lists (the static tables are then ignored); never under the interpreter."""

@@ -55,12 +55,17 @@ __all__ = [
     "Capabilities",
     "TRANSFORMS",
     "KERNEL_DTYPES",
+    "MIN_HEAD_DIM",
+    "MAX_HEAD_DIM",
     "validate_attention_args",
     "check_ssa_param",
 ]
 
 TRANSFORMS = ("ssa", "softmax")
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: head dims every attention kernel family compiles for (flash, ELSA, NSA; the tile pads to
+#: a power of two, ``launch.block_d``)
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 GRID_LIMIT = 65535  # CUDA's limit on a launch grid's second dimension
 

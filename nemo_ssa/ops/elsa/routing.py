@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nemo_ssa.ops.common.launch import is_interpreter
+from nemo_ssa.ops.common.launch import block_d, is_interpreter  # noqa: F401 (block_d: re-exported)
 
 __all__ = [
     "FWD_TILES",
@@ -78,11 +78,6 @@ def sm_count(device) -> int:
     if device.type == "cuda" and not is_interpreter():
         return _sm_count_cuda(device.index if device.index is not None else torch.cuda.current_device())
     return int(ROUTING["default_sms"])
-
-
-def block_d(d: int) -> int:
-    """Padded head dim: next power of two, at least 16 (masked inside the kernels)."""
-    return max(16, 1 << (int(d) - 1).bit_length())
 
 
 def _dtype_class(dtype: torch.dtype) -> str:

@@ -52,7 +52,14 @@ import triton.language as tl
 from nemo_ssa.ops.common.launch import is_interpreter as kernels_interpreted
 from nemo_ssa.ops.common.launch import use_fast_math
 from nemo_ssa.ops.common.transforms import score_fwd_hoisted, transform_consts, transform_id
-from nemo_ssa.ops.common.validate import Capabilities, check_deterministic, validate_attention_args
+from nemo_ssa.ops.common.validate import (
+    KERNEL_DTYPES,
+    MAX_HEAD_DIM,
+    MIN_HEAD_DIM,
+    Capabilities,
+    check_deterministic,
+    validate_attention_args,
+)
 from nemo_ssa.ops.elsa.backward import elsa_bwd
 from nemo_ssa.ops.elsa.routing import ElsaPlan, block_d, make_plan, merge_tiles
 
@@ -68,8 +75,7 @@ __all__ = [
 ]
 
 FP32_PRECISIONS = ("ieee", "tf32", "tf32x3")
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+SUPPORTED_DTYPES = KERNEL_DTYPES
 
 
 # ======================================================================================

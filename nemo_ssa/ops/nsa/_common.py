@@ -4,16 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from nemo_ssa.ops.common.launch import is_interpreter, next_pow2, use_fast_math
+from nemo_ssa.ops.common.launch import block_d, is_interpreter, use_fast_math  # noqa: F401 (block_d: re-exported)
+from nemo_ssa.ops.common.validate import KERNEL_DTYPES, MAX_HEAD_DIM, MIN_HEAD_DIM
 from nemo_ssa.ops.common.transforms import log2_mode, transform_id
 
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
-
-
-def block_d(d: int) -> int:
-    """Head-dim tile: a power of two >= 16 (non-power-of-two D is masked inside)."""
-    return max(16, next_pow2(d))
 
 
 def dot_precision(dtype: torch.dtype) -> str:
