@@ -171,3 +171,66 @@ def test_parallel_runs_overlap_and_all_finish(tmp_path, capsys):
     assert "6/6 done" in capsys.readouterr().out
     with pytest.raises(ValueError, match="parallel"):
         study.train_all(out, ["softmax", "ssa"], [1], [], launch=launch, parallel=0)
+
+
+def _lr_launcher(best, calls, envs=None):
+    """Trains nothing: writes a run whose held-out loss is lowest at the attention's ``best``
+    rate (a quadratic in log2 of the rate), per seed."""
+    def launch(cmd, env=None):
+        calls.append(cmd)
+        if envs is not None:
+            envs.append((env or {}).get("CUDA_VISIBLE_DEVICES"))
+        args = dict(a.split("=", 1) for a in cmd[2:] if "=" in a)
+        lr, seed = float(args["train.lr"]), int(args["seed"])
+        assert float(args["train.min_lr"]) == pytest.approx(lr / 10)
+        _write_run(args["run_dir"], seed, 0.0)
+        _write_heldout(args["run_dir"], seed, 0.2 * math.log2(lr / best[args["attention"]]) ** 2)
+        return 0
+    return launch
+
+
+def test_lr_sweep_picks_each_attentions_rate_and_says_how_to_go_on(tmp_path):
+    out, calls, envs = str(tmp_path), [], []
+    lrs, seeds = [3e-4, 6e-4, 1.2e-3, 2.4e-3], [1, 2]
+    best = {"softmax": 6e-4, "ssa": 1.2e-3}
+    codes = study.train_all(out, ["softmax", "ssa"], seeds, ["train.max_steps=1000"], lrs=lrs, gpus=["0", "1"],
+                            launch=_lr_launcher(best, calls, envs))
+    assert len(codes) == 16 and not any(codes.values()) and "ssa-lr0.0012-s2" in codes
+    assert sorted(set(envs)) == ["0", "1"]  # spread over both GPUs
+    text, chosen = study.lr_sweep(out, ["softmax", "ssa"], seeds, lrs, ["train.max_steps=1000"])
+    assert chosen == best
+    assert "| ssa | 0.0012 | 2 |" in text and "held-out" in text
+    assert "--lr softmax=0.0006,ssa=0.0012 -- train.max_steps=3000" in text
+    assert os.path.isfile(os.path.join(out, "lr_sweep.md"))
+
+
+def test_each_attention_at_its_own_rate_is_summarised_from_its_runs(tmp_path):
+    out, calls = str(tmp_path), []
+    lr_of = study.parse_lr_of("softmax=6e-4,ssa=1.2e-3", ["softmax", "ssa"])
+    study.train_all(out, ["softmax", "ssa"], [1, 2, 3], [], lr_of=lr_of, launch=_lr_launcher(lr_of, calls))
+    assert {c[3] for c in calls} == {"seed=1", "seed=2", "seed=3"}
+    assert all(("train.lr=0.0006" in c) == ("attention=softmax" in c) for c in calls)
+    text = study.summarize(out, ["softmax", "ssa"], [1, 2, 3], plot=False, lr_of=lr_of)
+    assert "rates softmax 0.0006, ssa 0.0012" in text and "| softmax | 3 |" in text and "| ssa | 3 |" in text
+    with pytest.raises(SystemExit, match="the study's attentions"):
+        study.parse_lr_of("softmax=6e-4", ["softmax", "ssa"])
+    with pytest.raises(ValueError, match="not both"):
+        study.train_all(out, ["softmax", "ssa"], [1], [], lrs=[1e-3], lr_of=lr_of, launch=_lr_launcher(lr_of, []))
+
+
+def test_no_run_starts_after_the_launch_cutoff(tmp_path, capsys):
+    out, calls = str(tmp_path), []
+    codes = study.train_all(out, ["softmax", "ssa"], [1, 2], [], stop_launching_after=-1.0,
+                            launch=_fake_launcher(out, {"softmax": 0.0, "ssa": 0.1}, calls))
+    assert calls == [] and set(codes.values()) == {study.NOT_STARTED}
+    assert "not started (--stop-launching-after" in capsys.readouterr().out
+
+
+def test_cli_sweep_summary_and_refusals(tmp_path, capsys):
+    out = str(tmp_path)
+    best = {"softmax": 6e-4, "ssa": 1.2e-3}
+    study.train_all(out, ["softmax", "ssa"], [1234], [], lrs=[6e-4, 1.2e-3], launch=_lr_launcher(best, []))
+    assert study.main(["--summarize-only", "--seeds", "1", "--lrs", "6e-4,1.2e-3", "--out", out]) == 0
+    assert "Best rate per attention: softmax 0.0006, ssa 0.0012" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="not both"):
+        study.main(["--summarize-only", "--lrs", "1e-3", "--lr", "softmax=1e-3,ssa=1e-3", "--out", out])
