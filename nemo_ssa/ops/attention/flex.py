@@ -619,6 +619,14 @@ def _log_once(level: int, key: str, msg: str) -> None:
         logger.log(level, msg)
 
 
+#: the oldest torch whose compiled CPU FlexAttention ran here (the locks: 2.11, 2.13)
+CPU_COMPILE_TORCH = (2, 11)
+
+
+def _torch_version(version: Optional[str] = None) -> Tuple[int, int]:
+    return tuple(int(x) for x in (version or torch.__version__).split("+")[0].split(".")[:2])
+
+
 def resolve_compile(compile, device: torch.device, head_dim: int, needs_autograd_or_lse: bool,
                     kind: str = "main") -> Tuple[bool, Optional[str]]:
     """Decide compiled vs eager FlexAttention. Returns ``(use_compiled, reason_if_not)``.
@@ -633,6 +641,11 @@ def resolve_compile(compile, device: torch.device, head_dim: int, needs_autograd
     reason = None
     if device.type == "cpu" and needs_autograd_or_lse:
         reason = "compiled FlexAttention on CPU is inference-only (no backward, no log-sum-exp)"
+    elif device.type == "cpu" and _torch_version() < CPU_COMPILE_TORCH:
+        # torch 2.9.1 (NeMo FW 25.11's) aborts the process in compiled CPU FlexAttention
+        # (tests/megatron/test_module_poison.py under that stack, 2026-11-27)
+        reason = (f"compiled FlexAttention on CPU needs torch >= {'.'.join(map(str, CPU_COMPILE_TORCH))} "
+                  f"(torch {torch.__version__} aborts in it)")
     elif device.type == "cpu" and _cpu_microgemm_overrun(head_dim) is not None:
         reason = _cpu_microgemm_overrun(head_dim)
     elif device.type == "cuda" and head_dim < 16:

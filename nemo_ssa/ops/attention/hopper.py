@@ -37,7 +37,7 @@ from nemo_ssa.ops.common import env
 from nemo_ssa.ops.common.gluon_math import HAVE_GLUON
 from nemo_ssa.ops.common.tma import MIN_SCORES, tma_ready, wgmma_capable
 
-if HAVE_GLUON:  # Gluon ships with Triton >= 3.5; the package pins 3.6
+if HAVE_GLUON:  # Triton 3.6 exactly (gluon_math.GLUON_TRITON)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (

@@ -9,15 +9,29 @@ path and the reference.
 
 from __future__ import annotations
 
-try:  # Gluon ships with Triton >= 3.5; the package pins 3.6
+import triton
+
+#: the Triton the Gluon kernels were compiled, measured and tested on. Gluon is Triton's
+#: experimental layer and its API moves between releases (3.5 has it too, with other
+#: signatures): on any other Triton the plain Triton kernels run (NeMo FW 25.11's 3.5.1
+#: included; docs/install.md)
+GLUON_TRITON = (3, 6)
+
+
+def triton_version(version: str = triton.__version__) -> tuple:
+    """``(major, minor)`` of a Triton version string (``"3.6.0"``, ``"3.5.1+git..."``)."""
+    return tuple(int(x) for x in version.split("+")[0].split(".")[:2])
+
+
+try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    HAVE_GLUON = True
+    HAVE_GLUON = triton_version() == GLUON_TRITON
 except ImportError:  # pragma: no cover - an older Triton: the Triton kernels run
     HAVE_GLUON = False
 
-__all__ = ["HAVE_GLUON"]
+__all__ = ["GLUON_TRITON", "HAVE_GLUON", "triton_version"]
 
 if HAVE_GLUON:
     __all__ += ["abs_fast", "lg2", "rcp", "flip_sign", "ssa_parts", "score"]

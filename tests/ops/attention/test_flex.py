@@ -516,6 +516,18 @@ def test_compile_gating_decisions_and_logs(caplog):
         resolve_compile("yes", cpu, 32, True)
 
 
+def test_compiled_cpu_flex_needs_the_torch_it_ran_on(monkeypatch):
+    """torch 2.9.1 (NeMo FW 25.11) aborts the process in compiled CPU FlexAttention: older
+    torch runs it eager on CPU; CUDA is not gated by this."""
+    assert flex._torch_version("2.9.1+cu128") == (2, 9) and flex._torch_version("2.13.0") == (2, 13)
+    monkeypatch.setattr(flex, "_torch_version", lambda version=None: (2, 9))
+    use, reason = resolve_compile("auto", torch.device("cpu"), 32, False)
+    assert not use and "needs torch >= 2.11" in reason
+    assert resolve_compile("auto", torch.device("cuda"), 32, True) == (True, None)
+    with pytest.raises(ValueError, match="needs torch >= 2.11"):
+        resolve_compile(True, torch.device("cpu"), 32, False)
+
+
 @pytest.mark.parametrize("lanes", [4, 8, 16])
 def test_compile_gating_avoids_the_cpu_microgemm_overrun(monkeypatch, caplog, lanes):
     """Issue 47: compiled CPU flex overruns its score tile at head dims that are a multiple of

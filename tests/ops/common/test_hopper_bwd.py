@@ -395,3 +395,16 @@ def test_public_op_takes_the_gluon_backward_unless_deterministic(transform, D, m
             tn, _ = ssa_scalar_grad_terms(q.float(), k.float(), v.float(), nb["n"].detach(), nb["b"], do.float(),
                                           causal=True)
             assert_scalar_grad_close("dn", grads[3], g_ref[3], tn, torch.bfloat16, eager=g_eag[3])
+
+
+def test_gluon_runs_only_on_the_triton_it_was_built_for():
+    """Gluon's API moves between Triton releases: on any Triton but 3.6 the Triton kernels run
+    (NeMo FW 25.11 ships 3.5.1, whose Gluon imports but has other signatures)."""
+    import triton
+
+    from nemo_ssa.ops.common import gluon_math as G
+
+    assert G.triton_version("3.5.1") == (3, 5) and G.triton_version("3.6.0+git4d1f") == (3, 6)
+    assert G.GLUON_TRITON == (3, 6)
+    if G.triton_version(triton.__version__) != G.GLUON_TRITON:
+        assert not G.HAVE_GLUON and not H.HAVE_GLUON
