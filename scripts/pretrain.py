@@ -124,16 +124,10 @@ def _data(cfg: DictConfig):
         if not data.get("tokenizer_dir"):
             raise SystemExit("data.prefix needs data.tokenizer_dir (the tokenizer the dataset was built with)")
         return str(data.prefix), str(data.tokenizer_dir)
-    import fcntl
+    from nemo_ssa.data import build_corpus_locked, default_corpus_dir
 
-    from nemo_ssa.data import build_corpus, default_corpus_dir
-
-    out = data.get("dir") or default_corpus_dir()
-    os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
-    with open(os.path.abspath(out).rstrip("/") + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        info = build_corpus(out, source=data.source, vocab_size=int(data.vocab_size),
-                            max_bytes=data.get("max_bytes"))
+    info = build_corpus_locked(data.get("dir") or default_corpus_dir(), source=data.source,
+                               vocab_size=int(data.vocab_size), max_bytes=data.get("max_bytes"))
     return info.prefix, info.tokenizer_dir
 
 

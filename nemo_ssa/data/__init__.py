@@ -6,7 +6,9 @@ from nemo_ssa.data.corpus import (
     PAD_TOKEN,
     CorpusError,
     CorpusInfo,
+    DEFAULT_VOCAB_SIZE,
     build_corpus,
+    build_corpus_locked,
     default_corpus_dir,
 )
 
@@ -16,6 +18,8 @@ __all__ = [
     "PAD_TOKEN",
     "CorpusError",
     "CorpusInfo",
+    "DEFAULT_VOCAB_SIZE",
     "build_corpus",
+    "build_corpus_locked",
     "default_corpus_dir",
 ]

@@ -57,7 +57,9 @@ __all__ = [
     "CorpusInfo",
     "CorpusError",
     "build_corpus",
+    "build_corpus_locked",
     "default_corpus_dir",
+    "DEFAULT_VOCAB_SIZE",
     "EOD_TOKEN",
     "PAD_TOKEN",
     "BUILDER_VERSION",
@@ -82,6 +84,10 @@ class CorpusInfo:
 
 def _repo_root() -> Path:
     return Path(__file__).resolve().parents[2]
+
+
+#: the embedded default's options (configs/data/stdlib.yaml: 50,257 tokens pad to 50,304)
+DEFAULT_VOCAB_SIZE = 50_257
 
 
 def default_corpus_dir() -> str:
@@ -538,3 +544,16 @@ def build_corpus(
     log(f"dataset prefix: {prefix}")
     log(f"tokenizer dir:  {tok_dir}")
     return _info_from_manifest(out, manifest, reused=False)
+
+
+def build_corpus_locked(out_dir, **options) -> CorpusInfo:
+    """:func:`build_corpus` under an exclusive lock on ``<out_dir>.lock``: the first of several
+    processes (the ranks of one node) builds, the others then reuse it. Several nodes on a
+    shared file system: build once beforehand (``scripts/build_corpus.py``)."""
+    import fcntl
+
+    out = os.path.abspath(os.fspath(out_dir))
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out.rstrip("/") + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return build_corpus(out, **options)
