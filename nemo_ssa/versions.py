@@ -8,8 +8,10 @@ in requirements/ hold the exact tested sets):
   optimizer setup, two-rank save/resume under numpy 2) and on GPUs through NeMo (the main
   job and a DP2 resume, docs/results/2026-11-27-stack). 0.17+ needs Python 3.12: its slot
   contracts are read from source in CI and 0.19.2 trained on GPUs through plain
-  megatron-core (scripts/train_megatron_core.py, which does not call this check); the NeMo
-  path has not run there, so this range stays the NeMo path's.
+  megatron-core (scripts/train_megatron_core.py, which does not call this check) and through
+  Megatron-LM's loop from its wheel (``nemo_ssa.megatron.lm_pretrain``, which checks its own
+  range, ``lm_pretrain.MEGATRON_CORE`` = 0.19.x); the NeMo path has not run there, so this
+  range stays the NeMo path's.
 - **nemo_toolkit 2.7.x**: the last line with ``nemo.collections.llm`` (recipes, MegatronStrategy).
   nemo_toolkit 3.0 removed the LLM collection; its recipes moved to Megatron-Bridge.
 - **numpy 1.26 - 2.x**: 1.26.4 in the lock, 2.4.6 in the CPU matrix, 2.5.2 on the GPU image

@@ -143,7 +143,8 @@ def check_megatron(version: Optional[str] = None) -> str:
     if Version(Version(version).base_version) not in SpecifierSet(MEGATRON_CORE):
         raise SystemExit(
             f"{_TAG} megatron-core {version}: this entry runs megatron.training's loop of megatron-core"
-            f"{MEGATRON_CORE} (Python >= 3.12; 0.16 and older ship no megatron.training). With megatron-core "
+            f"{MEGATRON_CORE} (Python >= 3.12; 0.16 and older ship no megatron.training, 0.17 and 0.18 "
+            "another pretrain()). With megatron-core "
             "0.15-0.16 use NeMo (scripts/pretrain.py) or plain megatron-core (scripts/train_megatron_core.py); "
             "with a Megatron-LM checkout use its pretrain_gpt.py --spec nemo_ssa.megatron.layer_specs <name>.")
     return version

@@ -245,3 +245,24 @@ def test_the_0_19_bundle_pins_one_megatron_core_inside_the_loops_range_and_its_s
     assert pins == [f"megatron-core=={V019}"]  # the image has the rest (its list in the file's header)
     assert lm_pretrain.check_megatron(V019) == V019
     assert V019 in contracts.pinned_versions(os.path.join(REPO, "requirements", "sources", "megatron-core.txt"))
+
+
+def test_the_readmes_megatron_lm_lines_name_this_entry_and_a_spec_that_exists():
+    import re
+    import shlex
+
+    text = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+    section = text.split("**Megatron-LM's own loop**", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    lines = [ln for ln in block.splitlines() if ln.startswith("torchrun ")]
+    assert len(lines) == 3
+    for line in lines:
+        argv = shlex.split(line)
+        assert argv[argv.index("-m") + 1] == "nemo_ssa.megatron.lm_pretrain"
+        rest = argv[argv.index("-m") + 2:]
+        module, name = rest[rest.index("--spec") + 1: rest.index("--spec") + 3]
+        import importlib
+
+        assert callable(vars(importlib.import_module(module))[name])
+        preset, full = lm_pretrain.build_argv(rest, corpus=("/p", "/t"))
+        assert preset == "nemotron-114m" and full[-len(rest):] == rest
