@@ -30,7 +30,7 @@ import os
 import warnings
 from typing import Callable, Dict, List, Optional
 
-__all__ = ["SUPPORTED", "UnsupportedStackError", "check_stack", "stack_problems", "installed_version"]
+__all__ = ["SUPPORTED", "MEGATRON_LM_LOOP", "DECLARED_MEGATRON_CORE", "UnsupportedStackError", "check_stack", "stack_problems", "installed_version"]
 
 #: distribution -> (specifier, what to do instead)
 SUPPORTED: Dict[str, tuple] = {
@@ -40,6 +40,14 @@ SUPPORTED: Dict[str, tuple] = {
     "torch": (">=2.11,<2.14", "install torch 2.11-2.13"),
     "triton": (">=3.6,<3.7", "install triton 3.6"),
 }
+
+#: the megatron-core releases Megatron-LM's loop from the wheel runs on (nemo_ssa.megatron.lm_pretrain):
+#: 0.19 is where megatron.training's pretrain() takes the config container that entry builds
+MEGATRON_LM_LOOP = ">=0.19,<0.20"
+
+#: what pyproject.toml declares for megatron-core: every release some path of ours ran on --
+#: the NeMo path's range (SUPPORTED) and the Megatron-LM loop's; 0.17 and 0.18 never ran
+DECLARED_MEGATRON_CORE = ">=0.15.3,!=0.17.*,!=0.18.*,<0.20"
 
 _NEMO3 = ("nemo_toolkit {version} has no LLM collection (nemo.collections.llm, its recipes and "
           "MegatronStrategy were removed in 3.0 and moved to Megatron-Bridge). nemo-ssa's NeMo path "

@@ -56,7 +56,22 @@ def test_pyproject_declares_the_same_ranges():
     deps = dict(re.findall(r'"([A-Za-z_\-]+)([<>=!~][^"]*)"', text))
     for dist, (spec, _) in versions.SUPPORTED.items():
         assert dist in deps, f"pyproject.toml does not declare {dist}"
-        assert set(deps[dist].split(",")) == set(spec.split(",")), (dist, deps[dist], spec)
+        want = versions.DECLARED_MEGATRON_CORE if dist == "megatron-core" else spec
+        assert set(deps[dist].split(",")) == set(want.split(",")), (dist, deps[dist], want)
+
+
+@pytest.mark.parametrize("version, declared", [
+    ("0.15.3", True), ("0.16.1", True), ("0.16.9", True), ("0.19.0", True), ("0.19.2", True),
+    ("0.15.2", False), ("0.17.1", False), ("0.18.2", False), ("0.20.0", False)])
+def test_declared_megatron_core_is_exactly_the_paths_that_ran(version, declared):
+    """pyproject's megatron-core range = the NeMo path's range + the Megatron-LM loop's."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    v = Version(version)
+    assert (v in SpecifierSet(versions.DECLARED_MEGATRON_CORE)) is declared
+    some_path = v in SpecifierSet(versions.SUPPORTED["megatron-core"][0]) or v in SpecifierSet(versions.MEGATRON_LM_LOOP)
+    assert some_path is declared
 
 
 def test_the_locks_are_inside_the_ranges():

@@ -45,11 +45,13 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from nemo_ssa.versions import MEGATRON_LM_LOOP  # the range is decided there, with the others
+
 __all__ = ["PRESETS", "MEGATRON_CORE", "build_argv", "check_megatron", "check_args", "get_batch",
            "loss_func", "forward_step", "train_valid_test_datasets_provider", "main"]
 
 #: the megatron-core releases whose ``megatron.training`` this entry is written for and ran on
-MEGATRON_CORE = ">=0.19,<0.20"
+MEGATRON_CORE = MEGATRON_LM_LOOP
 
 #: --preset name -> Megatron-LM arguments (before the user's: a later argument wins)
 PRESETS: Dict[str, List[str]] = {
