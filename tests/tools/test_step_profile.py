@@ -105,3 +105,21 @@ def test_the_nemo_profiler_callback_writes_the_step_by_module(tmp_path):
     assert "over 2 profiled steps" in where and "| decoder.layers.*.mlp bwd |" in where, where
     assert "| kernel family |" in where
     assert all(not m._forward_pre_hooks for m in model.modules())  # the ranges are removed
+
+
+def test_device_time_counts_each_kernel_once_on_the_op_that_launched_it():
+    """Device mode: a module's time is the kernels its ops launched. prof.events() also lists
+    the kernels as events of their own, whose self device time must not be added again."""
+    from types import SimpleNamespace as NS
+
+    def op(name, seq, kernels, parent=None, self_dev=0.0):
+        return NS(name=name, sequence_nr=seq, thread=1, cpu_parent=parent, kernels=[NS(name=k, duration=d) for k, d in kernels],
+                  self_device_time_total=self_dev, self_cpu_time_total=1.0, id=id(name) + seq)
+
+    rng = op(f"{sp.MODULE_RANGE}decoder.layers.0.mlp", -1, [])
+    mm = op("aten::mm", 7, [("sm90_xmma_gemm", 40.0)], parent=rng, self_dev=40.0)
+    copy = op("aten::copy_", 8, [("elementwise_copy", 10.0)], parent=rng, self_dev=10.0)
+    kernel_event = op("sm90_xmma_gemm", -1, [], self_dev=40.0)  # the device-side event itself
+    events = [rng, mm, copy, kernel_event]
+    owners = sp.by_module(events, device=True)
+    assert sum(owners.values()) == 50.0 == sum(sp.by_family(events, device=True).values())
