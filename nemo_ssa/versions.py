@@ -30,7 +30,7 @@ import os
 import warnings
 from typing import Callable, Dict, List, Optional
 
-__all__ = ["SUPPORTED", "MEGATRON_LM_LOOP", "DECLARED_MEGATRON_CORE", "UnsupportedStackError", "check_stack", "stack_problems", "installed_version"]
+__all__ = ["SUPPORTED", "NEAREST_STACK", "MEGATRON_LM_LOOP", "DECLARED_MEGATRON_CORE", "UnsupportedStackError", "check_stack", "stack_problems", "installed_version"]
 
 #: distribution -> (specifier, what to do instead)
 SUPPORTED: Dict[str, tuple] = {
@@ -55,6 +55,12 @@ _NEMO3 = ("nemo_toolkit {version} has no LLM collection (nemo.collections.llm, i
           "(nemo_ssa.megatron.spec.gpt_layer_spec, docs/megatron-core.md).")
 
 ALLOW_ENV = "NEMO_SSA_ALLOW_UNTESTED_STACK"
+
+#: the one line every refusal ends with: the nearest stack that works (NVIDIA's NeMo FW 25.09
+#: and 25.11 sets were measured on CPU and refused: docs/results/2026-11-27-stack)
+NEAREST_STACK = ("nearest stack that works: nemo_toolkit 2.7.3 + megatron-core 0.15.3 (0.16.1 runs too) + "
+                 "torch 2.11 + triton 3.6 (requirements/gpu-py312.lock, installed with --no-deps); without "
+                 "NeMo, megatron-core 0.19.x (python -m nemo_ssa.megatron.lm_pretrain)")
 
 
 class UnsupportedStackError(RuntimeError):
@@ -103,6 +109,6 @@ def check_stack(dists: Optional[List[str]] = None,
         if os.environ.get(ALLOW_ENV) == "1":
             warnings.warn(f"untested stack ({ALLOW_ENV}=1):\n  {text}", RuntimeWarning, stacklevel=2)
         else:
-            raise UnsupportedStackError(f"nemo-ssa: untested stack:\n  {text}\n"
+            raise UnsupportedStackError(f"nemo-ssa: untested stack:\n  {text}\n{NEAREST_STACK}\n"
                                         f"(set {ALLOW_ENV}=1 to run anyway, untested)")
     return problems

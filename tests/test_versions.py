@@ -85,3 +85,19 @@ def test_the_locks_are_inside_the_ranges():
             v = pins.get(dist.lower().replace("_", "-"))
             if v is not None:
                 assert Version(Version(v).base_version) in SpecifierSet(spec), (lock.name, dist, v)
+
+
+@pytest.mark.parametrize("container, over", [
+    # NVIDIA NeMo FW containers' sets (Megatron-Bridge's software-versions table), measured on
+    # CPU and refused: docs/results/2026-11-27-stack/nemo-fw-25.09-cpu.md, nemo-fw-25.11-cpu.md
+    ("25.09", dict(nemo_toolkit="2.5.0", megatron_core="0.14.0", torch="2.8.0", triton="3.4.0")),
+    ("25.11", dict(nemo_toolkit="2.6.0", megatron_core="0.15.0", torch="2.9.1", triton="3.5.1")),
+])
+def test_the_nemo_fw_containers_before_26_02_are_refused_naming_the_nearest_stack(container, over, monkeypatch):
+    monkeypatch.delenv(versions.ALLOW_ENV, raising=False)
+    with pytest.raises(versions.UnsupportedStackError) as e:
+        versions.check_stack(version_of=fake(**over))
+    msg = str(e.value)
+    for dist, v in over.items():
+        assert v in msg, (dist, msg)
+    assert versions.NEAREST_STACK in msg and "gpu-py312.lock" in msg

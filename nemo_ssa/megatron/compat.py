@@ -367,3 +367,16 @@ def _save_strategy_signature() -> inspect.Signature:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def yarn_concentration_factor(config) -> float:
+    """YaRN's attention concentration factor (``mscale``) for ``config``, which megatron's own
+    RoPE applies: megatron-core's function where it has one (0.15+), else 1.0 -- megatron-core
+    0.14's SelfAttention applies RoPE without it."""
+    try:
+        from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+            _yarn_get_concentration_factor_from_config,
+        )
+    except ImportError:
+        return 1.0
+    return _yarn_get_concentration_factor_from_config(config)

@@ -44,9 +44,6 @@ import torch
 from torch import Tensor
 
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
-from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
-    _yarn_get_concentration_factor_from_config,
-)
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.enums import AttnMaskType
@@ -55,7 +52,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from nemo_ssa.config.attentions import attention_for_module
-from nemo_ssa.megatron.compat import accepted_kwargs
+from nemo_ssa.megatron.compat import accepted_kwargs, yarn_concentration_factor
 from nemo_ssa.megatron.core_attention import SSAScalars
 from nemo_ssa.ops.nsa import NSAConfig, PhiParams
 from nemo_ssa.ops.registry import get_attention_fn
@@ -265,7 +262,7 @@ class NSASelfAttention(SSAScalars, MegatronModule):
         if freqs is None:
             return t
         return apply_rotary_pos_emb(t, freqs, config=self.config, cu_seqlens=None,
-                                    mscale=_yarn_get_concentration_factor_from_config(self.config),
+                                    mscale=yarn_concentration_factor(self.config),
                                     cp_group=self.pg_collection.cp)
 
     def forward(

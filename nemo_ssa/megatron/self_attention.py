@@ -22,10 +22,9 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
-    _yarn_get_concentration_factor_from_config,
-)
 from megatron.core.transformer.attention import SelfAttention
+
+from nemo_ssa.megatron.compat import yarn_concentration_factor
 
 logger = logging.getLogger("nemo_ssa.megatron.self_attention")
 _LOGGED: set = set()
@@ -90,7 +89,7 @@ class FusedRopeSelfAttention(SelfAttention):
             _log_once("RoPE on only one of q / k")
             return super().forward(hidden_states, attention_mask, rotary_pos_emb=rotary_pos_emb, **kwargs)
         core = self.core_attention
-        core._pending_rope = (freqs_q, freqs_k, _yarn_get_concentration_factor_from_config(self.config))
+        core._pending_rope = (freqs_q, freqs_k, yarn_concentration_factor(self.config))
         try:
             return super().forward(hidden_states, attention_mask, rotary_pos_emb=None, **kwargs)
         finally:
