@@ -2,7 +2,8 @@
 
 megatron-core 0.15 trains a GPTModel on CPU except for a handful of hard-coded CUDA
 placements: ``torch.cuda.current_device()`` in the DDP grad buffers and RoPE,
-``torch.cuda.synchronize()`` in dist_checkpointing's save,
+``torch.cuda.synchronize()`` in dist_checkpointing's save, ``torch.cuda.current_stream()`` in
+0.19's grad buffer,
 ``device='cuda'`` in the optimizer's loss-scale and overflow buffers, ``.cuda()`` in
 utilities. :func:`cpu_device_shims` redirects exactly those to the CPU for the duration
 of a ``with`` block, through a ``TorchFunctionMode`` (which sees factory calls and
@@ -52,6 +53,22 @@ class _CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _CpuStream:
+    """The one 'stream' of a CPU: everything is already in order, every wait is a no-op."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+_CPU_STREAM = _CpuStream()
+
+
 @contextlib.contextmanager
 def cpu_device_shims():
     """Redirect megatron's hard-coded CUDA placements to the CPU inside the block."""
@@ -60,6 +77,8 @@ def cpu_device_shims():
     patches = {
         "current_device": lambda: torch.device("cpu"),
         "synchronize": lambda *a, **k: None,  # dist_checkpointing's D2H staging
+        # megatron-core 0.19's grad buffer waits on the current stream before every reduction
+        "current_stream": lambda *a, **k: _CPU_STREAM,
     }
     saved = {name: getattr(torch.cuda, name) for name in patches}
     for name, fn in patches.items():
