@@ -1,7 +1,7 @@
 """CI's row on a newer stack: Python 3.13, torch 2.11, megatron-core 0.19.2 (issue 42).
 
 megatron-core >= 0.17 needs Python >= 3.12 and the CI machine has 3.11, so scripts/env.sh builds
-a Debian trixie root with Python 3.13 under CI (scripts/py313_root.sh, requirements/
+a Debian trixie root with Python 3.13 when .ci/run asks (NEMO_SSA_PY313=1; scripts/py313_root.sh, requirements/
 py313-mcore019.txt) and this test runs the suite's megatron-core 0.19 part inside it: the repo
 bind-mounted at /repo in a private mount namespace (``unshare --mount``; nothing outlives the
 call), ``chroot``, pytest on the files below. What they cover there, on the installed 0.19.2:
@@ -39,7 +39,8 @@ pytestmark = pytest.mark.slow
 
 def test_the_megatron_core_0_19_part_of_the_suite_passes_on_python_3_13():
     if not os.path.isfile(os.path.join(ROOT, ".ready")):
-        msg = f"no Python 3.13 root at {ROOT}: scripts/env.sh builds it under CI (scripts/py313_root.sh)"
+        msg = (f"no Python 3.13 root at {ROOT}: NEMO_SSA_PY313=1 bash scripts/env.sh ... builds it "
+               "(.ci/run does; scripts/py313_root.sh)")
         if os.environ.get("CI"):
             pytest.fail(msg)
         pytest.skip(msg)
