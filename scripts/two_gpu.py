@@ -60,11 +60,22 @@ MAX_DELTA, EMA, FROM_STEP, GOLDEN_RTOL = 0.05, 0.9, 50, 0.05
 REFERENCE_OF = {"ssa-dp2": "ssa-1gpu", "softmax-dp2": "softmax-1gpu", "ssa-tp2sp": "ssa-1gpu",
                 "ssa-cp2": "ssa-1gpu", "ssa-2node": "ssa-1gpu",
                 # four GPUs (issue 46): every layout at global batch 128 (CP: 2 sequences of 16K/32K)
-                "ssa-dp4": "ssa-1gpu-g128", "ssa-dp4-kill": "ssa-1gpu-g128", "ssa-tp2dp2": "ssa-1gpu-g128",
-                "softmax_triton-tp2dp2": "softmax_triton-1gpu-g128", "ssa-cp2dp2-16k": "ssa-1gpu-16k",
+                "ssa-dp4": "ssa-1gpu-g128", "ssa-dp4-kill": "ssa-1gpu-g128",
+                # TP runs megatron's MLP and output layer + loss (the fused MLP and cross entropy
+                # refuse TP/SP): its gate is one GPU on that same implementation; the fused 1-GPU
+                # run is reported beside it (IMPLEMENTATION_GAP_OF)
+                "ssa-tp2dp2": "ssa-1gpu-g128-unfused", "ssa-tp2-g128": "ssa-1gpu-g128-unfused",
+                "softmax_triton-tp2dp2": "softmax_triton-1gpu-g128-unfused",
+                "ssa-cp2dp2-16k": "ssa-1gpu-16k",
                 "ssa-cp2dp2-32k": "ssa-1gpu-32k", "softmax_triton-cp2dp2-16k": "softmax_triton-1gpu-16k",
-                "ssa-tp2-g128": "ssa-1gpu-g128", "ssa-1gpu-g128-mb16": "ssa-1gpu-g128",
-                "ssa-1gpu-g128-unfused": "ssa-1gpu-g128"}
+                "ssa-1gpu-g128-mb16": "ssa-1gpu-g128"}
+#: loss differences reported, not gated: a layout against one GPU on the other implementation,
+#: and the two 1-GPU implementations against each other (how far fused vs unfused layers alone
+#: move this schedule's curve)
+IMPLEMENTATION_GAP_OF = {"ssa-tp2dp2": "ssa-1gpu-g128", "ssa-tp2-g128": "ssa-1gpu-g128",
+                         "softmax_triton-tp2dp2": "softmax_triton-1gpu-g128",
+                         "ssa-1gpu-g128-unfused": "ssa-1gpu-g128",
+                         "softmax_triton-1gpu-g128-unfused": "softmax_triton-1gpu-g128"}
 RESUMED = {"ssa-tp2to1": "ssa-1gpu", "ssa-dp2to1": "ssa-1gpu",
            "ssa-dp4to2": "ssa-1gpu-g128", "ssa-dp4to1": "ssa-1gpu-g128"}
 KILLED = ("ssa-2node", "ssa-dp4-kill")
@@ -193,6 +204,7 @@ def plan(part: str, scratch: str, cpu: bool, extra: Sequence[str] = ()) -> List[
         # CP runs 2 sequences per step (micro batch 1 x DP2), its 1-GPU references accumulate 2
         g128 = [f"train.global_batch_size={8 if cpu else 128}"]
         tp = ["train.tensor_parallel=2", "train.sequence_parallel=true", *g128]
+        unfused = ["model.fused_mlp=false", "model.fused_cross_entropy=false"]  # the layers TP runs
 
         def cp_args(seq):
             return ["train.context_parallel=2", *long_seq(seq)]
@@ -221,8 +233,9 @@ def plan(part: str, scratch: str, cpu: bool, extra: Sequence[str] = ()) -> List[
             [Job("ssa-tp2-g128", [run("ssa-tp2-g128", 2, ssa, *tp)], "0,1"),
              Job("ssa-1gpu-g128-mb16", [run("ssa-1gpu-g128-mb16", 1, ssa, *g128,
                                             f"train.micro_batch_size={1 if cpu else 16}")], "2"),
-             Job("ssa-1gpu-g128-unfused", [run("ssa-1gpu-g128-unfused", 1, ssa, *g128, "model.fused_mlp=false",
-                                               "model.fused_cross_entropy=false")], "3")],
+             Job("ssa-1gpu-g128-unfused", [run("ssa-1gpu-g128-unfused", 1, ssa, *g128, *unfused)], "3")],
+            [Job("softmax_triton-1gpu-g128-unfused", [run("softmax_triton-1gpu-g128-unfused", 1, st, *g128,
+                                                          *unfused)], "0")],
         ]
     raise SystemExit(f"unknown part {part!r}: one of {', '.join(PARTS)}")
 
@@ -629,6 +642,17 @@ def check_ranks(run_dir: str) -> Tuple[bool, str]:
     return True, msg
 
 
+def _gap_detail(out: str) -> str:
+    """One line from a reported comparison's summary.csv: mean and max |Δ| of the EMA curves."""
+    try:
+        rows = list(csv.DictReader(open(os.path.join(out, "summary.csv"))))
+        r = next(r for r in rows if r["run"] != r["baseline"])
+        return (f"EMA {EMA}, steps >= {r['from_step']}: mean |Δ| {float(r['mean_abs_delta']):.4f}, "
+                f"max {float(r['max_abs_delta']):.4f} (step {r['max_delta_step']}); {out}/summary.md")
+    except (OSError, StopIteration, KeyError, ValueError) as e:
+        return f"no comparison ({type(e).__name__}: {e})"
+
+
 def check(args) -> int:
     from nemo_ssa.tools.compare import main as compare_main
 
@@ -651,7 +675,8 @@ def check(args) -> int:
 
     for part, own in parts.items():
         runs = dict(own)
-        for label in set(REFERENCE_OF.values()) | set(RESUMED.values()) | set(SPEED_REF_OF.values()):
+        for label in (set(REFERENCE_OF.values()) | set(RESUMED.values()) | set(SPEED_REF_OF.values())
+                      | set(IMPLEMENTATION_GAP_OF.values())):
             if label not in runs and find(own, label):
                 runs[label] = find(own, label)
         for run_label, ref_label in REFERENCE_OF.items():
@@ -667,6 +692,15 @@ def check(args) -> int:
                                "--title", f"{run_label} vs {ref_label} ({part})"] + (["--no-plot"] if args.no_plot else []))
             gate(f"{part}: {run_label} loss vs {ref_label}", rc == 0,
                  f"EMA {EMA}, steps >= {args.from_step}, max |Δ| <= {args.max_delta}; {out}/summary.md")
+        for run_label, ref_label in IMPLEMENTATION_GAP_OF.items():
+            if run_label in own and ref_label in runs:
+                out = os.path.join(args.out, part, f"{run_label}_vs_{ref_label}")
+                compare_main([f"{ref_label}={runs[ref_label]}", f"{run_label}={runs[run_label]}",
+                              "--ema", str(EMA), "--from-step", str(args.from_step), "--out", out,
+                              "--title", f"{run_label} vs {ref_label} ({part}, reported)"]
+                             + (["--no-plot"] if args.no_plot else []))
+                rows.append((f"{part}: {run_label} loss vs {ref_label} (other implementation)", "reported",
+                             _gap_detail(out)))
         for run_label, ref_label in RESUMED.items():
             if run_label in runs and ref_label in runs:
                 out = os.path.join(args.out, part, f"{run_label}_resume")

@@ -163,9 +163,11 @@ def test_plan_has_every_run_of_the_issue():
                       "ssa-1gpu-g128", "softmax_triton-1gpu-g128", "ssa-dp4", "ssa-dp4-kill", "ssa-dp4to2",
                       "ssa-dp4to1", "ssa-1gpu-16k", "ssa-1gpu-32k", "softmax_triton-1gpu-16k", "ssa-tp2dp2",
                       "softmax_triton-tp2dp2", "ssa-cp2dp2-16k", "softmax_triton-cp2dp2-16k", "ssa-cp2dp2-32k",
-                      "ssa-tp2-g128", "ssa-1gpu-g128-mb16", "ssa-1gpu-g128-unfused"}
+                      "ssa-tp2-g128", "ssa-1gpu-g128-mb16", "ssa-1gpu-g128-unfused",
+                      "softmax_triton-1gpu-g128-unfused"}
     # every gated four-GPU run has its reference in the plan, and every gate label is a planned run
-    for run, ref in {**two_gpu.REFERENCE_OF, **two_gpu.RESUMED, **two_gpu.SPEED_REF_OF}.items():
+    for run, ref in {**two_gpu.REFERENCE_OF, **two_gpu.RESUMED, **two_gpu.SPEED_REF_OF,
+                     **two_gpu.IMPLEMENTATION_GAP_OF}.items():
         assert run in labels and ref in labels, (run, ref)
     dp4 = [j for stage in two_gpu.plan("dp4", "/s", cpu=False) for j in stage]
     kill = [j for j in dp4 if j.kill]
@@ -257,3 +259,22 @@ def test_checkpoint_key_of_ssa_scalars(key, want):
 
     m = _SSA_CKPT_KEY.match(key)
     assert (m.groups() if m else None) == want
+
+
+@pytest.mark.parametrize("fault", [None, "tp_off_its_implementation"])
+def test_tp_is_gated_on_its_own_implementation_and_the_fused_gap_reported(tmp_path, fault):
+    # TP runs megatron's MLP and loss: its gate is the 1-GPU run on those layers; how far the
+    # fused 1-GPU run sits is reported (0.08 here, above the gate's 0.05) and fails nothing
+    p = _part(tmp_path, "l4", part="layouts4")
+    _run_dir(p, "ssa-1gpu-g128")
+    _run_dir(p, "ssa-1gpu-g128-unfused", offset=0.08)
+    _run_dir(p, "ssa-tp2-g128", world=2, offset=0.08 + (0.1 if fault else 0.004))
+    rc, md = _check(tmp_path, p)
+    failed = [line for line in md.splitlines() if "| FAIL |" in line]
+    gap = next(x for x in md.splitlines() if "ssa-1gpu-g128-unfused loss vs ssa-1gpu-g128 (other implementation)" in x)
+    assert "| reported |" in gap and "max 0.0800" in gap, gap
+    assert "ssa-tp2-g128 loss vs ssa-1gpu-g128 (other implementation) | reported" in md
+    if fault is None:
+        assert rc == 0 and not failed, md
+    else:
+        assert rc == 1 and len(failed) == 1 and "ssa-tp2-g128 loss vs ssa-1gpu-g128-unfused" in failed[0], md
