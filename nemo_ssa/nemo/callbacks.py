@@ -276,4 +276,6 @@ class ProfilerCallback(Callback):
         with open(os.path.join(self.out, "where.md"), "w") as f:
             f.write(f"# Where the step goes: {what} time per step over {self._profiled} profiled steps\n\n"
                     + sp.table(sp.by_module(events, device=device), "module", self._profiled) + "\n\n"
-                    + sp.table(sp.by_family(events, device=device), "kernel family", self._profiled) + "\n")
+                    + sp.table(sp.by_family(events, device=device), "kernel family", self._profiled) + "\n\n"
+                    + "What the rows without a module hold:\n\n"
+                    + sp.top_ops_table(sp.top_ops(events, device=device), self._profiled) + "\n")

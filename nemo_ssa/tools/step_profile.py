@@ -28,7 +28,7 @@ from typing import Callable, Dict, Iterable, Iterator, Optional, Tuple
 import torch
 
 __all__ = ["MODULE_RANGE", "DEFAULT_MODULES", "module_ranges", "optimizer_range", "by_module", "family",
-           "by_family", "table"]
+           "by_family", "table", "UNNAMED", "top_ops", "top_ops_table"]
 
 MODULE_RANGE = "nemo_ssa.module::"
 OPTIMIZER_RANGE = "nemo_ssa.optimizer"
@@ -132,6 +132,47 @@ def by_module(events, device: bool) -> Dict[str, float]:
         if t > 0:
             out[_owner(ev, fwd_module, memo)] += t
     return dict(out)
+
+
+#: the rows of ``by_module`` that name no layer: what they hold is ``top_ops``'s to say
+UNNAMED = ("other", "backward, no module")
+
+
+def top_ops(events, device: bool, owners: Iterable[str] = UNNAMED, n: int = 8) -> Dict[str, list]:
+    """``{owner: [(op, kernel family, microseconds), ...]}``: the ``n`` ops with the most self
+    time inside each of ``owners`` (by default the rows that name no module), an op's family
+    being that of its longest kernel (device) or of its name (CPU)."""
+    want = set(owners)
+    fwd_module: Dict[Tuple[int, int], str] = {}
+    memo: Dict[int, str] = {}
+    for ev in events:
+        if ev.sequence_nr is not None and ev.sequence_nr >= 0 and not ev.name.startswith(_EVAL):
+            owner = _owner(ev, {}, memo)
+            if owner.endswith(" fwd"):
+                fwd_module.setdefault((ev.thread, ev.sequence_nr), owner[: -len(" fwd")])
+    memo.clear()
+    acc: Dict[str, Dict[Tuple[str, str], float]] = {o: defaultdict(float) for o in want}
+    for ev in events:
+        t = _self_time(ev, device)
+        if t <= 0:
+            continue
+        owner = _owner(ev, fwd_module, memo)
+        if owner not in want:
+            continue
+        kernels = list(getattr(ev, "kernels", ()) or ()) if device else []
+        fam = family(max(kernels, key=lambda k: k.duration).name) if kernels else family(ev.name)
+        acc[owner][(ev.name, fam)] += t
+    return {o: [(op, fam, t) for (op, fam), t in sorted(d.items(), key=lambda kv: -kv[1])[:n]]
+            for o, d in acc.items() if d}
+
+
+def top_ops_table(tops: Dict[str, list], steps: int = 1) -> str:
+    """Markdown: per unnamed row, its largest ops."""
+    rows = ["| row | op | kernel family | us per step |", "|---|---|---|---|"]
+    for owner, ops in tops.items():
+        for op, fam, t in ops:
+            rows.append(f"| {owner} | `{op}` | {fam} | {t / steps:,.0f} |")
+    return "\n".join(rows)
 
 
 _FAMILIES = (

@@ -104,6 +104,7 @@ def test_the_nemo_profiler_callback_writes_the_step_by_module(tmp_path):
     where = (tmp_path / "profile" / "where.md").read_text()
     assert "over 2 profiled steps" in where and "| decoder.layers.*.mlp bwd |" in where, where
     assert "| kernel family |" in where
+    assert "What the rows without a module hold" in where and "| other | `" in where, where
     assert all(not m._forward_pre_hooks for m in model.modules())  # the ranges are removed
 
 
@@ -123,3 +124,25 @@ def test_device_time_counts_each_kernel_once_on_the_op_that_launched_it():
     events = [rng, mm, copy, kernel_event]
     owners = sp.by_module(events, device=True)
     assert sum(owners.values()) == 50.0 == sum(sp.by_family(events, device=True).values())
+
+
+def test_top_ops_name_what_the_unnamed_rows_hold():
+    from types import SimpleNamespace as NS
+
+    def op(name, seq, kernels, parent=None):
+        return NS(name=name, sequence_nr=seq, thread=1, cpu_parent=parent,
+                  kernels=[NS(name=k, duration=d) for k, d in kernels], self_cpu_time_total=1.0)
+
+    rng = op(f"{sp.MODULE_RANGE}decoder.layers.0.mlp", -1, [])
+    inside = op("aten::mm", 7, [("sm90_xmma_gemm", 40.0)], parent=rng)
+    loose = [op("aten::copy_", 8, [("elementwise_copy_kernel", 6.0)]),
+             op("aten::copy_", 9, [("elementwise_copy_kernel", 4.0)]),
+             op("aten::mul", 10, [("vectorized_elementwise_kernel", 3.0)])]
+    tops = sp.top_ops([rng, inside, *loose], device=True)
+    assert tops == {"other": [("aten::copy_", "copy/transpose/cast", 10.0), ("aten::mul", "elementwise", 3.0)]}
+    text = sp.top_ops_table(tops, steps=2)
+    assert "| other | `aten::copy_` | copy/transpose/cast | 5 |" in text
+    # the CPU path: a real step's unnamed ops are found, and nothing inside a module is listed
+    _, events = _profiled_step()
+    cpu = sp.top_ops(events, device=False, owners=("other",), n=3)
+    assert cpu and len(cpu["other"]) <= 3 and all(t > 0 for _, _, t in cpu["other"])
