@@ -11,7 +11,7 @@ values. Pure Python (no torch / megatron import): cheap enough to fuzz
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 from nemo_ssa.config.policy import ATTENTIONS, resolve_attention
 
@@ -121,6 +121,21 @@ def check_fused_mlp(value: Any, tensor_parallel: Any = 1, sequence_parallel: boo
                          "(megatron's MLP at tensor_parallel > 1) or false")
 
 
+def held_out_every(max_steps: int, val_check_interval: Optional[int]) -> Tuple[int, Optional[str]]:
+    """Steps between held-out evaluations, and a line to print when the configured value was
+    changed: ``None`` is one evaluation at the end; a value above ``max_steps`` is clamped to
+    it (Lightning stops such a launch inside ``fit`` with a traceback about "training batches",
+    and a user who shortens ``max_steps`` under a train preset's interval meets exactly that)."""
+    steps = int(max_steps)
+    if val_check_interval is None:
+        return steps, None
+    every = _int("train.val_check_interval", val_check_interval)
+    if every > steps:
+        return steps, (f"train.val_check_interval={every} is beyond train.max_steps={steps}: the held-out "
+                       f"loss is taken once, at step {steps}")
+    return every, None
+
+
 _TRAIN_INTS = ("seq_length", "micro_batch_size", "global_batch_size", "max_steps", "log_every_n_steps")
 
 
@@ -162,6 +177,8 @@ def check_run_config(cfg: Mapping[str, Any], *, cuda: bool, world: Optional[int]
         v = train.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0):
             raise ValueError(f"train.{key}={v!r} must be a number >= 0")
+    if train.get("val_check_interval") is not None:
+        _int("train.val_check_interval", train["val_check_interval"])
     if train.get("ckpt_every_n_steps") is not None:
         _int("train.ckpt_every_n_steps", train["ckpt_every_n_steps"])
     precision = train.get("precision")

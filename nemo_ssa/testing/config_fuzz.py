@@ -61,6 +61,7 @@ def gen_case(rng: random.Random) -> Dict[str, Any]:
     }
     # drawn last so the cases above stay what they were before the option existed
     cfg["model"]["fused_mlp"] = rng.choice(["auto", "auto", True, False, "true", "yes", None])
+    train["val_check_interval"] = rng.choice([None, None, 125, 100000, 0])
     return {"cfg": cfg, "cuda": cuda}
 
 
@@ -92,6 +93,9 @@ def oracle(case: Dict[str, Any]) -> List[str]:
         why.append("seed")
     if cfg["stop_after"] is not None and cfg["stop_after"] > t["max_steps"]:
         why.append("stop_after")
+    every = t.get("val_check_interval")
+    if every is not None and every < 1:
+        why.append("val_check_interval")
     world = t["num_nodes"] * t["num_gpus_per_node"]
     tp, cp = t["tensor_parallel"], t["context_parallel"]
     if tp >= 1 and cp >= 1:

@@ -33,3 +33,28 @@ def test_explicit_zero_parallel_size_is_refused():
            "train": {"tensor_parallel": 0, "precision": "32"}, "model": {}}
     with pytest.raises(ValueError, match="tensor_parallel"):
         check_run_config(cfg, cuda=False)
+
+
+
+@pytest.mark.parametrize("every, want", [(45, 45), (10, 10), (None, 45), (46, 45), (1000, 45)])
+def test_val_check_interval_beyond_max_steps_is_clamped_and_said(every, want):
+    # seen on 4 GPUs: val_check_interval=1000 with max_steps=45 reached Lightning's fit loop and
+    # died there on every rank ("must be less than or equal to the number of the training batches")
+    from nemo_ssa.config.check import held_out_every
+
+    got, note = held_out_every(45, every)
+    assert got == want
+    assert (note is not None) == (every is not None and every > 45)
+    if note:
+        assert f"val_check_interval={every}" in note and "step 45" in note
+
+
+def test_val_check_interval_below_one_is_refused():
+    from nemo_ssa.config.check import check_run_config, held_out_every
+
+    cfg = {"attention": {"name": "softmax"}, "policy": "pinned", "seed": 1, "model": {},
+           "train": {"max_steps": 45, "val_check_interval": 0, "precision": "32"}}
+    with pytest.raises(ValueError, match="val_check_interval"):
+        check_run_config(cfg, cuda=False)
+    with pytest.raises(ValueError, match="val_check_interval"):
+        held_out_every(45, 0)
