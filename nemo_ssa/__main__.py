@@ -2,14 +2,17 @@
 
 Commands:
     compare   merge/align/plot/gate loss curves (``scripts/compare_losses.py``)
-    pretrain  the hydra launcher (``scripts/pretrain.py``; needs the repository checkout)
+    pretrain  the hydra launcher, overrides as ``scripts/pretrain.py`` takes them (``nemo_ssa.cli.pretrain``)
     slurm     render the sbatch script of a multi-node pretrain (nemo-run's Slurm executor)
-    study     attentions x seeds and their seed-paired verdicts (``scripts/study.py``)
+    study     attentions x seeds and their seed-paired verdicts (``nemo_ssa.cli.study``)
+
+Every command runs from an installed package; none needs the repository checkout. Outputs
+(``runs/``, and the embedded corpus under ``data/`` outside a checkout) go under the current
+directory.
 """
 
 from __future__ import annotations
 
-import os
 import runpy
 import sys
 from typing import Optional, Sequence
@@ -31,14 +34,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from nemo_ssa.nemo.slurm import main as slurm_main
 
         return slurm_main(rest)
-    if cmd in ("pretrain", "study"):
-        script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", f"{cmd}.py")
-        if not os.path.isfile(script):
-            print(f"nemo_ssa {cmd}: {script} not found; run from a repository checkout", file=sys.stderr)
-            return 2
-        sys.argv = [script, *rest]
-        runpy.run_path(script, run_name="__main__")
+    if cmd == "pretrain":
+        # Run as ``__main__`` (not by calling its ``main``): Lightning starts the other GPU
+        # processes of ``train.num_gpus_per_node=N`` by re-running ``__main__`` with
+        # ``sys.argv[1:]``, which must then be ``-m nemo_ssa.cli.pretrain <overrides>``.
+        sys.argv = [sys.argv[0], *rest]
+        runpy.run_module("nemo_ssa.cli.pretrain", run_name="__main__", alter_sys=True)
         return 0
+    if cmd == "study":
+        from nemo_ssa.cli.study import main as study_main
+
+        return study_main(rest)
     print(f"nemo_ssa: unknown command {cmd!r}\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help=f"output directory (default: {default_corpus_dir()})")
     ap.add_argument("--source", default="stdlib", help="'stdlib', a directory of text files, or a .jsonl file")
-    ap.add_argument("--vocab-size", type=int, default=50_257, help="BPE vocab size (default 50257, as configs/data/stdlib.yaml; pads to 50,304)")
+    ap.add_argument("--vocab-size", type=int, default=50_257, help="BPE vocab size (default 50257, as nemo_ssa/configs/data/stdlib.yaml; pads to 50,304)")
     ap.add_argument("--max-bytes", type=_max_bytes, default=None,
                     help="cap on total input bytes, e.g. 5000000 or 5M; 'all' (default) = no cap")
     ap.add_argument("--name", default="corpus", help="dataset name: <out>/<name>_text_document.{bin,idx}")

@@ -20,6 +20,8 @@ ROLE_PACKAGES = {
     "tools",          # compare, metrics log, profile summary
     "train",          # the CPU training loop
     "config",         # the attention table, the policy, the config checks
+    "cli",            # the pretrain launcher and the study behind python -m nemo_ssa and scripts/
+    "configs",        # the launcher's hydra tree (package data, no Python)
     "_offline_stubs",  # stand-ins for packages an offline install lacks
 }
 ROOT_MODULES = {

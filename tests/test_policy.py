@@ -165,11 +165,11 @@ def _attention_table_rows():
 
 @pytest.mark.parametrize("name", sorted(list(ATTENTIONS) + list(ALIASES)))
 def test_every_name_has_a_config_and_a_readme_row(name):
-    """``attention=<name>`` works from the launcher (configs/attention/<name>.yaml) and is
+    """``attention=<name>`` works from the launcher (nemo_ssa/configs/attention/<name>.yaml) and is
     documented; the yaml offers only options the policy accepts for it."""
     import yaml
 
-    with open(os.path.join(REPO, "configs", "attention", f"{name}.yaml")) as f:
+    with open(os.path.join(REPO, "nemo_ssa", "configs", "attention", f"{name}.yaml")) as f:
         cfg = yaml.safe_load(f)
     assert cfg["name"] == name
     info = ATTENTIONS.get(name) or ATTENTIONS[SSAPolicy().pinned_kernel]

@@ -2,7 +2,6 @@
 key a config does not list: ``train.num_gpus_per_node=2`` failed with "Key not in struct"
 until the keys were listed), and ``train=auto`` keeps them when it resolves."""
 
-import importlib.util
 import os
 
 import pytest
@@ -14,15 +13,14 @@ LAYOUT = ["train.num_nodes=2", "train.num_gpus_per_node=4", "train.tensor_parall
 
 
 def _pretrain():
-    spec = importlib.util.spec_from_file_location("pretrain_mod", os.path.join(REPO, "scripts", "pretrain.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from nemo_ssa.cli import pretrain
+
+    return pretrain
 
 
-@pytest.mark.parametrize("train", sorted(f[:-5] for f in os.listdir(os.path.join(REPO, "configs", "train"))))
+@pytest.mark.parametrize("train", sorted(f[:-5] for f in os.listdir(os.path.join(REPO, "nemo_ssa", "configs", "train"))))
 def test_layout_overrides_compose(train):
-    with initialize_config_dir(config_dir=os.path.join(REPO, "configs"), version_base=None):
+    with initialize_config_dir(config_dir=os.path.join(REPO, "nemo_ssa", "configs"), version_base=None):
         cfg = compose("config", overrides=[f"train={train}"] + LAYOUT)
     assert cfg.train.tensor_parallel == 2 and cfg.train.sequence_parallel is True
     assert cfg.train.context_parallel == 2 and cfg.train.num_gpus_per_node == 4 and cfg.train.num_nodes == 2
@@ -32,7 +30,7 @@ def test_layout_overrides_compose(train):
         assert t.seq_length == 128  # cpu_smoke's own value where nothing was overridden
 
 def test_defaults_are_one_process():
-    with initialize_config_dir(config_dir=os.path.join(REPO, "configs"), version_base=None):
+    with initialize_config_dir(config_dir=os.path.join(REPO, "nemo_ssa", "configs"), version_base=None):
         for train in ("cpu_smoke", "gpu_9min"):
             t = compose("config", overrides=[f"train={train}"]).train
             assert (t.num_nodes, t.num_gpus_per_node, t.tensor_parallel, t.sequence_parallel, t.context_parallel) \

@@ -7,7 +7,7 @@ op and the megatron module that calls it). From this table come the policy's lis
 attentions and kernel option keys (``nemo_ssa.config.policy``), the layer spec's
 core-attention mapping (``nemo_ssa.megatron.spec.CORE_ATTENTIONS``), each core attention's
 ``attention_name`` / ``op_key`` (``nemo_ssa.megatron.core_attention``), the head dims the
-config check accepts, and what configs/attention/<name>.yaml must offer (tests/config).
+config check accepts, and what nemo_ssa/configs/attention/<name>.yaml must offer (tests/config).
 
 Pure Python (no torch / megatron import): modules are named by ``"module:Class"`` strings
 so launchers and config checks stay cheap; megatron code imports them.

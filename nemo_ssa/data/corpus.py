@@ -82,8 +82,10 @@ class CorpusInfo:
     reused: bool = False  # True when an existing build was returned from the cache
 
 
-def _repo_root() -> Path:
-    return Path(__file__).resolve().parents[2]
+def _repo_root() -> Optional[Path]:
+    """The checkout this package runs from; None for an installed package (a wheel)."""
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "pyproject.toml").is_file() and (root / "nemo_ssa" / "__init__.py").is_file() else None
 
 
 #: the embedded default's options (configs/data/stdlib.yaml: 50,257 tokens pad to 50,304)
@@ -91,8 +93,11 @@ DEFAULT_VOCAB_SIZE = 50_257
 
 
 def default_corpus_dir() -> str:
-    """``<repo>/data/stdlib-corpus``; the env var ``NEMO_SSA_DATA_DIR`` replaces ``<repo>/data``."""
-    parent = os.environ.get("NEMO_SSA_DATA_DIR") or str(_repo_root() / "data")
+    """``<repo>/data/stdlib-corpus`` in a checkout, ``./data/stdlib-corpus`` (the current
+    directory, beside ``runs/``) for an installed package; the env var ``NEMO_SSA_DATA_DIR``
+    replaces ``<repo>/data`` or ``./data``."""
+    root = _repo_root()
+    parent = os.environ.get("NEMO_SSA_DATA_DIR") or (str(root / "data") if root else "data")
     return os.path.join(os.path.abspath(os.path.expanduser(parent)), "stdlib-corpus")
 
 

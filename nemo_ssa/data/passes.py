@@ -9,7 +9,10 @@ import os
 import struct
 from typing import Optional
 
-__all__ = ["TRAIN_FRACTION", "corpus_tokens", "training_passes", "passes_note"]
+__all__ = ["TRAIN_FRACTION", "RECORD", "corpus_tokens", "training_passes", "passes_note", "passes_record"]
+
+#: what the launcher writes into a run directory (read by the study)
+RECORD = "data.json"
 
 #: the training share of the recipe's document split ("990,8,2", recipes/nemotron_114m.py)
 TRAIN_FRACTION = 0.99
@@ -52,3 +55,14 @@ def passes_note(prefix: str, **run) -> Optional[str]:
             f"{corpus_tokens(prefix) * run.get('train_fraction', TRAIN_FRACTION) / 1e6:.1f}M: {p:.1f} passes; "
             f"past the first, the held-out loss measures memorization too (more data: data.source=<dir> or "
             f"data.prefix=...)")
+
+
+def passes_record(prefix: str, **run) -> dict:
+    """``{"prefix", "corpus_tokens", "tokens_read", "passes"}`` for a run directory's
+    :data:`RECORD` (``None`` values where the dataset cannot be read)."""
+    tokens_read = int(run["max_steps"]) * int(run["global_batch_size"]) * int(run["seq_length"])
+    try:
+        total, passes = corpus_tokens(prefix), training_passes(prefix, **run)
+    except (OSError, ValueError):
+        total = passes = None
+    return {"prefix": prefix, "corpus_tokens": total, "tokens_read": tokens_read, "passes": passes}

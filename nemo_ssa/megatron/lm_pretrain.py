@@ -13,7 +13,7 @@ the megatron-core 0.19 wheel ships it -- no NeMo, no Megatron-LM checkout, no Tr
 
 Every argument is Megatron-LM's (``pretrain_gpt.py``'s parser, from ``megatron.training``),
 plus one of ours: ``--preset`` (default ``nemotron-114m``: the NeMo recipe's 114M model and
-configs/train/gpu_9min.yaml's schedule, :data:`PRESETS`; ``none``: Megatron's own defaults).
+nemo_ssa/configs/train/gpu_9min.yaml's schedule, :data:`PRESETS`; ``none``: Megatron's own defaults).
 The preset goes first on the command line, so any argument given after it wins; the
 argument list a run used is printed by rank 0. Without ``--data-path`` (or ``--mock-data``)
 the embedded corpus is used (``nemo_ssa.data.corpus``: a Megatron indexed dataset and its
@@ -57,7 +57,7 @@ MEGATRON_CORE = MEGATRON_LM_LOOP
 PRESETS: Dict[str, List[str]] = {
     # recipes/nemotron_114m.py (nemotron3_4b shrunk: 12 x 768, 24 heads / 8 groups, ffn 3072,
     # squared ReLU, layernorm1p, RoPE on half the head dim, no biases, tied embeddings) under
-    # configs/train/gpu_9min.yaml (micro batch 32 x 1024, bf16, 6e-4 cosine to 6e-5 after 20
+    # nemo_ssa/configs/train/gpu_9min.yaml (micro batch 32 x 1024, bf16, 6e-4 cosine to 6e-5 after 20
     # warm-up steps, weight decay 0.1, clip 1.0, Adam 0.9 / 0.95); without Transformer Engine:
     # the local implementation, no fused RoPE / persistent LN / gradient-accumulation fusion
     "nemotron-114m": [
@@ -301,7 +301,7 @@ def _use_prebuilt_dataset_helpers() -> None:
 
 
 def _default_corpus() -> Tuple[str, str]:
-    """(prefix, tokenizer dir) of the embedded corpus (configs/data/stdlib.yaml's), built on
+    """(prefix, tokenizer dir) of the embedded corpus (nemo_ssa/configs/data/stdlib.yaml's), built on
     first use by the first rank of the node (the others wait on its lock, then reuse it)."""
     from nemo_ssa.data import DEFAULT_VOCAB_SIZE, build_corpus_locked, default_corpus_dir
 

@@ -1,6 +1,6 @@
 """nemo_ssa.config.attentions: the one attention table, and everything derived from it.
 
-The table and configs/attention/*.yaml name the same attentions with the same options;
+The table and nemo_ssa/configs/attention/*.yaml name the same attentions with the same options;
 the policy, the layer spec, the core attentions and the ops registry read their names,
 option keys, classes and op keys from it; and the checkpoint keys each attention's layer
 writes are the ones recorded below (taken from the code before the table existed), so
@@ -33,7 +33,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _yaml_configs():
     configs = {}
-    for path in sorted(glob.glob(os.path.join(REPO, "configs", "attention", "*.yaml"))):
+    for path in sorted(glob.glob(os.path.join(REPO, "nemo_ssa", "configs", "attention", "*.yaml"))):
         with open(path) as f:
             cfg = yaml.safe_load(f)
         assert cfg["name"] == os.path.basename(path)[: -len(".yaml")], path

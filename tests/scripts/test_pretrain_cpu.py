@@ -132,7 +132,7 @@ def test_main_job_cli_trains_and_says_where_logs_are(tiny_corpus, tmp_path):
            "data.max_bytes=400000", "train.max_steps=12", "train.log_every_n_steps=4",
            "train.seq_length=32", "train.lr=3e-3", "train.ckpt_every_n_steps=null",
            "model.cpu_arch.hidden_size=32", "model.cpu_arch.ffn_hidden_size=64",
-           "attention.options.n=2.0"]
+           "attention.options.n=2.0", "train.val_check_interval=50"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
@@ -149,6 +149,12 @@ def test_main_job_cli_trains_and_says_where_logs_are(tiny_corpus, tmp_path):
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.1
     assert {"n_layer_01", "n_layer_02"} <= set(rows[0])
     assert os.path.isdir(run_dir / "tb") and os.listdir(run_dir / "tb")
+    # an interval beyond max_steps is one held-out evaluation at the end, said in one line
+    assert "train.val_check_interval=50 is beyond train.max_steps=12" in out
+    assert [r["step"] for r in csv.DictReader(open(run_dir / "heldout.csv"))] == ["12"]
+    # what the run read of its data: 12 steps x global batch 8 (cpu_smoke) x 32 tokens, inside one pass
+    data = json.load(open(run_dir / "data.json"))
+    assert data["tokens_read"] == 12 * 8 * 32 and 0 < data["passes"] < 1 and "passes;" not in out
 
 
 def test_cpu_loop_applies_weight_decay_multipliers(tiny_corpus, tmp_path):
@@ -184,12 +190,9 @@ def test_nsa_ssa_trains_logs_and_resumes_n(tiny_corpus, tmp_path):
 
 
 def _pretrain_module():
-    import importlib.util
+    from nemo_ssa.cli import pretrain
 
-    spec = importlib.util.spec_from_file_location("pretrain_script", os.path.join(REPO, "scripts", "pretrain.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return pretrain
 
 
 def test_baseline_reuse_and_fresh_runs_set_the_old_one_aside(tmp_path):

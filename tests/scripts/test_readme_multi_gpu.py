@@ -101,10 +101,9 @@ def test_gpu_global_batch_follows_data_parallel_unless_set(overrides, cuda_world
     attention keeps the global batch (gradient accumulation)."""
     from hydra import compose, initialize_config_dir
 
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
-    import pretrain
+    from nemo_ssa.cli import pretrain
 
-    with initialize_config_dir(config_dir=os.path.join(REPO, "configs"), version_base=None):
+    with initialize_config_dir(config_dir=os.path.join(REPO, "nemo_ssa", "configs"), version_base=None):
         cfg = compose("config", overrides=["train=gpu_9min", *overrides])
     train = pretrain._train_cfg(cfg, cuda=True)
     assert (int(train.global_batch_size), int(train.micro_batch_size)) == want

@@ -222,8 +222,7 @@ def test_nemo_resume_names_the_newest_loadable_checkpoint(tiny_corpus, tmp_path)
     it skipped; an intact ``-last`` is left to NeMo (no explicit path)."""
     import shutil
 
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
-    import pretrain
+    from nemo_ssa.cli import pretrain
 
     d = tmp_path / "run"
     _train(tiny_corpus, d, stop_after=2)
