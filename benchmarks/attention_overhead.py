@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 from typing import Callable, Dict, List
@@ -31,8 +30,10 @@ from typing import Callable, Dict, List
 import torch
 import torch.nn.functional as F
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:] = [REPO] + [p for p in sys.path if os.path.abspath(p or ".") != REPO]
+if __name__ == "__main__" and not __package__:  # run as a file: python benchmarks/x.py
+    import _bootstrap  # noqa: F401
+
+from benchmarks.bench_attention import make_inputs  # noqa: E402
 
 SHAPES = {"B1-N128": (1, 128), "B8-N1024": (8, 1024), "B32-N1024": (32, 1024)}
 
@@ -54,24 +55,9 @@ def host_us(fn: Callable[[], None], n: int = 100) -> float:
 
 def gpu_us(fn: Callable[[], None], n: int = 50) -> float:
     """Kernel time per call from CUDA-graph replays (no host cost, no launch gaps)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(n):
-        g.replay()
-    e1.record()
-    torch.cuda.synchronize()
-    return e0.elapsed_time(e1) / n * 1e3
+    from benchmarks.timing import graph_ms
+
+    return graph_ms(fn, n=n) * 1e3
 
 
 def wall_us(fn: Callable[[], None]) -> float:
@@ -95,13 +81,7 @@ def host_profile(calls: int, dev, dt, H: int, HKV: int, D: int) -> int:
     from nemo_ssa.ops.attention import flash
 
     B, N = 1, 128
-    torch.manual_seed(0)
-    q = torch.randn(B, H, N, D, device=dev, dtype=dt, requires_grad=True)
-    k = torch.randn(B, HKV, N, D, device=dev, dtype=dt, requires_grad=True)
-    v = torch.randn(B, HKV, N, D, device=dev, dtype=dt, requires_grad=True)
-    go = torch.randn(B, H, N, D, device=dev, dtype=dt)
-    n = torch.tensor([1.5], device=dev, requires_grad=True)
-    b = torch.tensor([0.8], device=dev)
+    q, k, v, go, n, b = make_inputs(B, H, HKV, N, D, dt, dev)
     fns = {"ssa_triton": lambda: flash.ssa_attention_triton(q, k, v, n, b, causal=True).backward(go),
            "softmax_triton": lambda: flash.softmax_attention_triton(q, k, v, causal=True).backward(go)}
     for name, fn in fns.items():
@@ -230,13 +210,7 @@ def main(argv=None) -> int:
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | bf16 causal H{H}/{HKV} D{D}", flush=True)
     for label in args.shapes.split(","):
         B, N = SHAPES[label]
-        torch.manual_seed(0)
-        q = torch.randn(B, H, N, D, device=dev, dtype=dt, requires_grad=True)
-        k = torch.randn(B, HKV, N, D, device=dev, dtype=dt, requires_grad=True)
-        v = torch.randn(B, HKV, N, D, device=dev, dtype=dt, requires_grad=True)
-        go = torch.randn(B, H, N, D, device=dev, dtype=dt)
-        n = torch.tensor([1.5], device=dev, requires_grad=True)
-        b = torch.tensor([0.8], device=dev)
+        q, k, v, go, n, b = make_inputs(B, H, HKV, N, D, dt, dev)
         ke, ve = (t.detach().repeat_interleave(H // HKV, 1).requires_grad_() for t in (k, v))
 
         def sdpa(backend):

@@ -34,6 +34,11 @@ from typing import Callable, Dict, List
 import torch
 import torch.nn.functional as F
 
+if __name__ == "__main__" and not __package__:  # run as a file: python benchmarks/x.py
+    import _bootstrap  # noqa: F401
+
+from benchmarks.timing import graph_ms, median_ms, peak_mib  # noqa: E402
+
 ROWS = ("softmax_triton", "ssa_triton", "ssa_triton_poly", "ssa_reference", "sdpa_flash", "sdpa_cudnn")
 DEFAULT_ROWS = ("softmax_triton", "ssa_triton", "sdpa_flash", "sdpa_cudnn")
 # ssa_triton_poly: ssa_triton with NEMO_SSA_POLY_LOG2=1 (half of the SSA log2 on FMA units)
@@ -108,31 +113,42 @@ def _sdpa_fn(backend_name: str, causal: bool, q, k, v):
     return expanded, True
 
 
-def _graph_ms(fn: Callable[[], None], n: int = 30) -> float:
-    """Milliseconds per call of ``fn`` replayed as a CUDA graph (no host cost, no gaps)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(n):
-        g.replay()
-    e1.record()
-    torch.cuda.synchronize()
-    return e0.elapsed_time(e1) / n
+def make_inputs(B: int, Hq: int, Hkv: int, N: int, D: int, dtype, device, seed: int = 0):
+    """``(q, k, v, go, n, b)`` of one shape: q ``[B, Hq, N, D]``, k/v ``[B, Hkv, N, D]``
+    (leaves), the output gradient ``go`` and the SSA scalars (``n`` learnable)."""
+    torch.manual_seed(seed)
+    q = torch.randn(B, Hq, N, D, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(B, Hkv, N, D, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn(B, Hkv, N, D, device=device, dtype=dtype, requires_grad=True)
+    go = torch.randn(B, Hq, N, D, device=device, dtype=dtype)
+    n = torch.tensor([1.5], device=device, requires_grad=True)
+    b = torch.tensor([0.8], device=device)
+    return q, k, v, go, n, b
+
+
+def row_fn(name: str, causal: bool, q, k, v, n, b):
+    """``(fn(q, k, v) -> o, extra leaves, note)`` of one row of ``ROWS`` (``ssa_triton_poly``
+    is ``ssa_triton``; the caller sets NEMO_SSA_POLY_LOG2). SDPA rows raise where the
+    backend is missing (a CPU, a build without it)."""
+    if name == "softmax_triton":
+        from nemo_ssa.ops.attention.flash import softmax_attention_triton
+
+        return (lambda q, k, v: softmax_attention_triton(q, k, v, causal=causal)), (), ""
+    if name in ("ssa_triton", "ssa_triton_poly"):
+        from nemo_ssa.ops.attention.flash import ssa_attention_triton
+
+        return (lambda q, k, v: ssa_attention_triton(q, k, v, n, b, causal=causal)), (n,), ""
+    if name == "ssa_reference":
+        from nemo_ssa.ops.attention.naive import attention_naive
+
+        return (lambda q, k, v: attention_naive(q, k, v, n=n, b=b, causal=causal, upcast=False)), (n,), ""
+    if name in ("sdpa_flash", "sdpa_cudnn"):
+        fn, expanded = _sdpa_fn(name, causal, q, k, v)
+        return fn, (), "*" if expanded else ""
+    raise ValueError(f"unknown row {name!r}; choose from {ROWS}")
 
 
 def _bench_row(name: str, fn: Callable, q, k, v, go, rep: int, extra_grads=(), gpu_time: bool = False) -> Dict:
-    import triton.testing
-
     leaves = [q, k, v, *extra_grads]
 
     def fwd():
@@ -145,8 +161,8 @@ def _bench_row(name: str, fn: Callable, q, k, v, go, rep: int, extra_grads=(), g
     out = {}
     fwd_bwd()  # compile / warm up
     torch.cuda.synchronize()
-    out["fwd_ms"] = triton.testing.do_bench(fwd, rep=rep, return_mode="median")
-    out["fwdbwd_ms"] = triton.testing.do_bench(fwd_bwd, rep=rep, grad_to_none=leaves, return_mode="median")
+    out["fwd_ms"] = median_ms(fwd, rep_ms=rep)
+    out["fwdbwd_ms"] = median_ms(fwd_bwd, rep_ms=rep, grad_to_none=leaves)
     for t in leaves:
         t.grad = None
     if gpu_time:
@@ -155,18 +171,13 @@ def _bench_row(name: str, fn: Callable, q, k, v, go, rep: int, extra_grads=(), g
                 t.grad = None
             fwd_bwd()
         try:
-            out["gpu_fwdbwd_ms"] = _graph_ms(fresh_fwd_bwd)
+            out["gpu_fwdbwd_ms"] = graph_ms(fresh_fwd_bwd)
         except Exception as e:  # a path that cannot be captured: say so, keep the row
             out["gpu_fwdbwd_ms"] = math.nan
             print(f"   {name}: no CUDA-graph timing ({type(e).__name__}: {str(e).splitlines()[0][:80]})")
         for t in leaves:
             t.grad = None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fwd_bwd()
-    torch.cuda.synchronize()
-    out["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+    out["peak_mib"] = peak_mib(fwd_bwd)
     for t in leaves:
         t.grad = None
     return out
@@ -175,9 +186,8 @@ def _bench_row(name: str, fn: Callable, q, k, v, go, rep: int, extra_grads=(), g
 def run(args) -> List[Dict]:
     if args.autotune:
         os.environ["NEMO_SSA_AUTOTUNE"] = "1"
-    from nemo_ssa.ops.attention.flash import fwd_config, softmax_attention_triton, ssa_attention_triton
+    from nemo_ssa.ops.attention.flash import fwd_config
     from nemo_ssa.ops.common.bwd_config import bwd_config
-    from nemo_ssa.ops.attention.naive import attention_naive
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     causal = not args.full
@@ -190,30 +200,13 @@ def run(args) -> List[Dict]:
         B, Hq, Hkv, N, D = shp["B"], shp["Hq"], shp["Hkv"], shp["N"], shp["D"]
         print(f"## {shp['label']}: B={B} N={N} Hq={Hq} Hkv={Hkv} D={D} | fwd cfg {tuple(fwd_config(D, causal, dtype))} "
               f"bwd cfg {tuple(bwd_config(D, causal, dtype))}", flush=True)
-        torch.manual_seed(0)
-        q = torch.randn(B, Hq, N, D, device=dev, dtype=dtype, requires_grad=True)
-        k = torch.randn(B, Hkv, N, D, device=dev, dtype=dtype, requires_grad=True)
-        v = torch.randn(B, Hkv, N, D, device=dev, dtype=dtype, requires_grad=True)
-        go = torch.randn(B, Hq, N, D, device=dev, dtype=dtype)
-        n = torch.tensor([1.5], device=dev, requires_grad=True)
-        b = torch.tensor([0.8], device=dev)
+        q, k, v, go, n, b = make_inputs(B, Hq, Hkv, N, D, dtype, dev)
         rows: Dict[str, Dict] = {}
         for name in want:
-            extra, mark = (), ""
             try:
-                if name == "softmax_triton":
-                    fn = lambda q, k, v: softmax_attention_triton(q, k, v, causal=causal)  # noqa: E731
-                elif name in ("ssa_triton", "ssa_triton_poly"):
-                    fn = lambda q, k, v: ssa_attention_triton(q, k, v, n, b, causal=causal)  # noqa: E731
-                    extra = (n,)
-                elif name == "ssa_reference":
-                    fn = lambda q, k, v: attention_naive(q, k, v, n=n, b=b, causal=causal, upcast=False)  # noqa: E731
-                    extra = (n,)
-                elif name in ("sdpa_flash", "sdpa_cudnn"):
-                    fn, expanded = _sdpa_fn(name, causal, q, k, v)
-                    mark = "*" if expanded else ""
-                else:
+                if name not in ROWS:
                     raise SystemExit(f"unknown row {name!r}; choose from {ROWS}")
+                fn, extra, mark = row_fn(name, causal, q, k, v, n, b)
                 old = os.environ.get("NEMO_SSA_POLY_LOG2")
                 os.environ["NEMO_SSA_POLY_LOG2"] = "1" if name == "ssa_triton_poly" else "0"
                 try:

@@ -30,8 +30,8 @@ from typing import Dict, List
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:] = [REPO] + [p for p in sys.path if os.path.abspath(p or ".") != REPO]
+if __name__ == "__main__" and not __package__:  # run as a file: python benchmarks/x.py
+    import _bootstrap  # noqa: F401
 
 
 def _init(cp: int, seed: int = 1234) -> None:

@@ -35,7 +35,8 @@ from typing import Callable, Dict, List
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __name__ == "__main__" and not __package__:  # run as a file: python benchmarks/x.py
+    import _bootstrap  # noqa: F401
 
 from nemo_ssa.ops.elsa import elsa_attention, make_plan  # noqa: E402
 from nemo_ssa.testing import rel_err  # noqa: E402

@@ -26,24 +26,17 @@ from typing import Callable, Dict, List
 import torch
 import torch.nn.functional as F
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:] = [REPO] + [p for p in sys.path if os.path.abspath(p or ".") != REPO]
+if __name__ == "__main__" and not __package__:  # run as a file: python benchmarks/x.py
+    import _bootstrap  # noqa: F401
+
+from benchmarks.timing import median_ms, peak_mib  # noqa: E402
 
 
 def bench(fn: Callable[[], None], leaves) -> Dict[str, float]:
-    import triton.testing
-
-    fn()
-    torch.cuda.synchronize()
-    ms = triton.testing.do_bench(fn, rep=100, grad_to_none=leaves, return_mode="median")
+    ms = median_ms(fn, rep_ms=100, grad_to_none=leaves)
     for t in leaves:
         t.grad = None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+    peak = peak_mib(fn)
     for t in leaves:
         t.grad = None
     return {"ms": ms, "peak_mib": peak}

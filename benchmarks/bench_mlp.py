@@ -45,8 +45,10 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:] = [REPO] + [p for p in sys.path if os.path.abspath(p or ".") != REPO]
+if __name__ == "__main__" and not __package__:  # run as a file: python benchmarks/x.py
+    import _bootstrap  # noqa: F401
+
+from benchmarks.timing import median_ms  # noqa: E402
 
 H, FFN, SEQ = 768, 3072, 1024
 DT = torch.bfloat16
@@ -147,9 +149,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def do_bench(fn, leaves=None) -> float:
     """Median ms: triton's do_bench on CUDA, a short wall-clock loop in the CPU smoke mode."""
     if not SMOKE:
-        import triton.testing
-
-        return triton.testing.do_bench(fn, grad_to_none=leaves, return_mode="median")
+        return median_ms(fn, grad_to_none=leaves)
     times = []
     for _ in range(3):
         for t in leaves or []:

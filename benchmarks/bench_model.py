@@ -33,8 +33,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:] = [REPO] + [p for p in sys.path if os.path.abspath(p or ".") != REPO]
+if __name__ == "__main__" and not __package__:  # run as a file: python benchmarks/x.py
+    import _bootstrap  # noqa: F401
 
 from nemo_ssa.tools.step_profile import optimizer_range  # noqa: E402 -- this checkout's package
 

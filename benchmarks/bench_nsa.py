@@ -39,7 +39,10 @@ from typing import Callable, Dict, List
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+if __name__ == "__main__" and not __package__:  # run as a file: python benchmarks/x.py
+    import _bootstrap  # noqa: F401
+
+from benchmarks.timing import median_ms  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 COLUMNS = ["D", "N", "what", "mode", "ms", "tok_per_s", "x_sdpa"]
@@ -103,50 +106,36 @@ def write_out(path: str, rows: List[Dict], preamble: str) -> None:
             f.write(preamble + "\n\n" + fmt_table(rows) + "\n")
 
 
-MIN_WARMUP_CALLS = 3
-MIN_TIMED_CALLS = 10
-
-
 def bench(fn: Callable[[], None], warmup: int, rep: int) -> float:
-    if not torch.cuda.is_available():  # --cpu-smoke: one call, wall clock
-        import time
-
-        fn()
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    import triton.testing
-
-    # do_bench sizes its loops from a 5-call estimate: at 64K a 130 ms call got one warm-up
-    # and ONE timed call, and the first case in a process ran up to 9% slow
-    # (docs/results/2026-11-26-nsa-qmajor-dq, calls 9-10). So at least MIN_WARMUP_CALLS
-    # warm-up and MIN_TIMED_CALLS timed calls, whatever the time budgets say.
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    est = start.elapsed_time(end)
-    warmup = max(warmup, MIN_WARMUP_CALLS * est)
-    rep = max(rep, MIN_TIMED_CALLS * est)
-    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+    return median_ms(fn, warmup_ms=warmup, rep_ms=rep)
 
 
-def run_case(args, D: int, N: int, only: set) -> List[Dict]:
+ROW_NAMES = ("sdpa_flash", "nsa_layer", "compressed", "selection", "selected", "window", "fla_nsa")
+#: the CPU smoke's NSA block sizes (N=128)
+SMOKE_NSA = dict(block_len=8, stride=4, select_block=16, top_n=4, window=32)
+
+
+def build_case(D: int, N: int, *, batch: int, hq: int, hkv: int, dtype, device, transform: str = "softmax",
+               compress: str = "mlp", small_blocks: bool = False) -> Dict:
+    """Inputs and callables of every row of one (D, N) case.
+
+    Returns a dict: ``fns`` {row: fn() -> output}, ``leaves`` {row: tensors its fwd+bwd
+    differentiates}, ``refs`` {row: fn() -> the torch reference's output on the same
+    inputs} (rows with one), ``do`` (output gradient), ``skipped`` {row: why}, ``tokens``.
+    ``small_blocks``: the CPU smoke's NSA sizes (``SMOKE_NSA``) instead of the defaults.
+    """
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from nemo_ssa.ops.nsa import NSAConfig, compress_kv, init_phi_params, nsa_attention
+    from nemo_ssa.ops.nsa.naive import compressed_visibility, masked_attention, selection_keep_mask, window_mask
     from nemo_ssa.ops.nsa.range_attn import compressed_attention, window_attention
     from nemo_ssa.ops.nsa.select import select_blocks_triton
     from nemo_ssa.ops.nsa.selected_attn import selected_attention
 
-    dev, dt = ("cpu", torch.float32) if args.cpu_smoke else ("cuda", DTYPES[args.dtype])
-    B, HQ, HKV = args.batch, args.hq, args.hkv
-    cfg = NSAConfig(compress=args.compress)
-    if args.cpu_smoke:
-        cfg = NSAConfig(block_len=8, stride=4, select_block=16, top_n=4, window=32, compress=args.compress)
+    dev, dt = torch.device(device), dtype
+    B, HQ, HKV = batch, hq, hkv
+    cfg = NSAConfig(compress=compress, **(SMOKE_NSA if small_blocks else {}))
     g = torch.Generator(device=dev).manual_seed(N + D)
 
     def r(*s):
@@ -157,13 +146,12 @@ def run_case(args, D: int, N: int, only: set) -> List[Dict]:
     gates = r(B, HQ, N, 3)
     phi = [init_phi_params(cfg, D, dtype=dt, device=dev, std=0.02, requires_grad=True) for _ in range(2)]
     ssa = {}
-    if args.transform == "ssa":
+    if transform == "ssa":
         ssa = dict(n=torch.tensor([1.5], device=dev, requires_grad=True), b=torch.tensor([0.8], device=dev))
     do = torch.randn(B, HQ, N, D, device=dev, dtype=dt, generator=g)
-    kw = dict(k_slc=kv[2], v_slc=kv[3], k_win=kv[4], v_win=kv[5], transform=args.transform, **ssa)
+    kw = dict(k_slc=kv[2], v_slc=kv[3], k_win=kv[4], v_win=kv[5], transform=transform, **ssa)
     if cfg.compress == "mlp":
         kw.update(phi_k=phi[0], phi_v=phi[1])
-    warm, rep = args.warmup_ms, args.rep_ms
     tokens = B * N
 
     def layer():
@@ -172,29 +160,29 @@ def run_case(args, D: int, N: int, only: set) -> List[Dict]:
     def compressed():
         kc = compress_kv(kv[0], cfg, phi[0] if cfg.compress == "mlp" else None)
         vc = compress_kv(kv[1], cfg, phi[1] if cfg.compress == "mlp" else None)
-        return compressed_attention(q, kc, vc, cfg.block_len, cfg.stride, transform=args.transform, **ssa)[0]
+        return compressed_attention(q, kc, vc, cfg.block_len, cfg.stride, transform=transform, **ssa)[0]
 
     with torch.no_grad():
         kc0 = compress_kv(kv[0], cfg, phi[0] if cfg.compress == "mlp" else None)
-        _, lse0 = compressed_attention(q, kc0, kc0, cfg.block_len, cfg.stride, transform=args.transform, **ssa)
-        idx0 = select_blocks_triton(q, kc0, lse0, cfg, transform=args.transform, **ssa)
+        _, lse0 = compressed_attention(q, kc0, kc0, cfg.block_len, cfg.stride, transform=transform, **ssa)
+        idx0 = select_blocks_triton(q, kc0, lse0, cfg, transform=transform, **ssa)
 
     def selection():
         with torch.no_grad():
-            return select_blocks_triton(q, kc0, lse0, cfg, transform=args.transform, **ssa)
+            return select_blocks_triton(q, kc0, lse0, cfg, transform=transform, **ssa)
 
     def selected():
-        return selected_attention(q, kv[2], kv[3], idx0, cfg.select_block, transform=args.transform, **ssa)
+        return selected_attention(q, kv[2], kv[3], idx0, cfg.select_block, transform=transform, **ssa)
 
     def window():
-        return window_attention(q, kv[4], kv[5], cfg.window, transform=args.transform, **ssa)
+        return window_attention(q, kv[4], kv[5], cfg.window, transform=transform, **ssa)
 
     kexp = kv[0].detach().repeat_interleave(HQ // HKV, 1).requires_grad_()
     vexp = kv[1].detach().repeat_interleave(HQ // HKV, 1).requires_grad_()
     qd = q.detach().requires_grad_()
 
     def sdpa():
-        if dev == "cpu":
+        if dev.type == "cpu":
             return F.scaled_dot_product_attention(qd, kexp, vexp, is_causal=True)
         backends = [SDPBackend.FLASH_ATTENTION] if dt != torch.float32 else [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
         with sdpa_kernel(backends):
@@ -233,6 +221,43 @@ def run_case(args, D: int, N: int, only: set) -> List[Dict]:
 
     fns = dict(sdpa_flash=sdpa, nsa_layer=layer, compressed=compressed, selection=selection,
                selected=selected, window=window, fla_nsa=fla_nsa)
+
+    # torch references on the same inputs (the dry run's agreement check)
+    attn = dict(transform=transform, **ssa)
+    causal = torch.ones(N, N, dtype=torch.bool, device=dev).tril()
+
+    def ref_layer():
+        return nsa_attention(q, kv[0], kv[1], gates, cfg, impl="torch", **kw)
+
+    def ref_compressed():
+        kc = compress_kv(kv[0], cfg, phi[0] if cfg.compress == "mlp" else None)
+        vc = compress_kv(kv[1], cfg, phi[1] if cfg.compress == "mlp" else None)
+        return masked_attention(q, kc, vc, compressed_visibility(N, cfg, dev), **attn)[0]
+
+    def ref_selected():
+        keep = (selection_keep_mask(idx0, N, cfg) & causal).repeat_interleave(HQ // HKV, dim=1)
+        return masked_attention(q, kv[2], kv[3], keep, **attn)[0]
+
+    def ref_window():
+        return masked_attention(q, kv[4], kv[5], window_mask(N, cfg.window, dev), **attn)[0]
+
+    def ref_sdpa():  # SDPA is plain softmax whatever the transform
+        return masked_attention(qd, kexp, vexp, causal)[0]
+
+    refs = dict(sdpa_flash=ref_sdpa, nsa_layer=ref_layer, compressed=ref_compressed, selected=ref_selected,
+                window=ref_window)
+    leaf_map = {name: leaves(name) for name in ROW_NAMES if name not in ("selection",) and fns[name] is not None}
+    return dict(fns=fns, leaves=leaf_map, refs=refs, do=do, skipped={"fla_nsa": fla_why} if fla_nsa is None else {},
+                tokens=tokens, cfg=cfg)
+
+
+def run_case(args, D: int, N: int, only: set) -> List[Dict]:
+    dev, dt = ("cpu", torch.float32) if args.cpu_smoke else ("cuda", DTYPES[args.dtype])
+    case = build_case(D, N, batch=args.batch, hq=args.hq, hkv=args.hkv, dtype=dt, device=dev,
+                      transform=args.transform, compress=args.compress, small_blocks=args.cpu_smoke)
+    fns, do, tokens = case["fns"], case["do"], case["tokens"]
+    fla_why = case["skipped"].get("fla_nsa", "")
+    warm, rep = args.warmup_ms, args.rep_ms
     rows: List[Dict] = []
     sdpa_ms: Dict[str, float] = {}
     for name, fn in fns.items():
@@ -252,7 +277,7 @@ def run_case(args, D: int, N: int, only: set) -> List[Dict]:
                         with torch.no_grad():
                             fn()
                 else:
-                    ins = leaves(name)
+                    ins = case["leaves"][name]
 
                     def call(fn=fn, ins=ins):
                         out = fn()
@@ -269,7 +294,7 @@ def run_case(args, D: int, N: int, only: set) -> List[Dict]:
             rows.append(row)
             print(f"  D={D:<4} N={N:<6} {name:<11} {mode:<8} {row['ms']:9.3f} ms  x_sdpa={row['x_sdpa']:.2f}",
                   flush=True)
-    del q, kv, gates, phi, kexp, vexp, qd
+    del case, fns
     if dev == "cuda":
         torch.cuda.empty_cache()
     return rows

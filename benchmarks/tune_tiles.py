@@ -36,9 +36,8 @@ import sys
 import time
 from typing import Dict, List, Optional, Tuple
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+if __name__ == "__main__" and not __package__:  # run as a file: python benchmarks/x.py
+    import _bootstrap  # noqa: F401
 
 SHAPES = {
     # label: (B, Hq, Hkv, N, D) -- the model's attention, and the long-sequence and wide-head benchmark shapes

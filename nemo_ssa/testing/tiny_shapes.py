@@ -5,7 +5,7 @@ A length-1 sequence is ordinary (a packed document of one token, a one-token pro
 Triton compiles a separate kernel for every int argument equal to 1 (and for multiples of
 16), so these shapes reach compiler paths the usual sizes never do. Output and dq/dk/dv
 must be finite and within 2x the eager same-dtype error (+1e-5). Used by
-``benchmarks/tiny_shapes.py`` (the sweep) and tests/ops/test_tiny_shapes_gpu.py.
+``benchmarks/checks/tiny_shapes.py`` (the sweep) and tests/ops/test_tiny_shapes_gpu.py.
 """
 
 from __future__ import annotations

@@ -106,6 +106,6 @@ def test_pytest_command_uses_xdist_and_timeout_only_when_installed(monkeypatch):
 
 
 def test_model_grad_parity_needs_cuda():
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "model_grad_parity.py"), "--steps", "1"],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.checks.model_grad_parity", "--steps", "1"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode != 0 and "needs CUDA" in proc.stderr

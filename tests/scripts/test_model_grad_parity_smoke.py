@@ -1,4 +1,4 @@
-"""benchmarks/model_grad_parity.py's logic on CPU (``--smoke-cpu``: the tiny ``cpu_arch`` model,
+"""benchmarks/checks/model_grad_parity.py's logic on CPU (``--smoke-cpu``: the tiny ``cpu_arch`` model,
 fp64 reference, fp16 ``ssa_triton`` in the Triton interpreter), so the GPU run is not its
 first run: the report has the per-layer n and b rows with sum|terms| and a PASS verdict, and
 a wrong dn (the Triton model's n gradients scaled, ``--inject-dn-scale``) gives FAIL and exit 1.
@@ -22,9 +22,9 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs 
 def _start(out, *extra):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     env.pop("MASTER_PORT", None)
-    return subprocess.Popen([sys.executable, os.path.join(REPO, "benchmarks", "model_grad_parity.py"), "--smoke-cpu",
+    return subprocess.Popen([sys.executable, "-m", "benchmarks.checks.model_grad_parity", "--smoke-cpu",
                              "--out", str(out), *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                            text=True, cwd=REPO)
 
 
 def test_model_grad_parity_smoke(tmp_path):

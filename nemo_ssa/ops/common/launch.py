@@ -101,7 +101,7 @@ def for_lengths(kernel, *lengths: int):
     Triton compiles a separate kernel for an int argument equal to 1, folding it in as a
     constant. With the lengths folded to 1, the softmax backward's dQ kernel (bf16, causal,
     D32) makes ptxas segfault on sm_90 (``PTXASError ... error code -11``;
-    ``python -m benchmarks.tiny_shapes`` reproduces it). One-token documents and prompts
+    ``python -m benchmarks.checks.tiny_shapes`` reproduces it). One-token documents and prompts
     therefore run the kernel every other length runs, with the lengths as run-time values;
     every other length keeps Triton's usual specialisation (multiples of 16 included), so
     the kernels users time are unchanged."""

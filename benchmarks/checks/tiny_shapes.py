@@ -1,11 +1,11 @@
 """Every public attention op at tiny sequence lengths: runs and matches its reference.
 
-    python -m benchmarks.tiny_shapes                       # a GPU: bf16 + fp16 + fp32, every op
-    python -m benchmarks.tiny_shapes --ops flash,varlen --lengths 1,2 --dtypes bf16
-    python -m benchmarks.tiny_shapes --no-specialize ALL   # an A/B of Triton's int specialisation
+    python -m benchmarks.checks.tiny_shapes                       # a GPU: bf16 + fp16 + fp32, every op
+    python -m benchmarks.checks.tiny_shapes --ops flash,varlen --lengths 1,2 --dtypes bf16
+    python -m benchmarks.checks.tiny_shapes --no-specialize ALL   # an A/B of Triton's int specialisation
 
-(Run it as a module from the repository root: ``python benchmarks/tiny_shapes.py`` puts
-``benchmarks/`` first on the path, and an installed ``nemo_ssa`` -- the offline bundle
+(Run it as a module from the repository root: ``python benchmarks/checks/tiny_shapes.py`` puts
+``benchmarks/checks/`` first on the path, and an installed ``nemo_ssa`` -- the offline bundle
 holds one -- would be imported instead of the checkout.)
 
 The cases and checks are ``nemo_ssa.testing.tiny_shapes``: forward and backward of each
@@ -93,7 +93,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     text = "\n".join([summary, ""] + (lines if bad else ["(every case ok)"]))
     if args.out:
         with open(args.out, "w") as f:
-            f.write(f"`python benchmarks/tiny_shapes.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n\n{text}\n")
+            f.write(f"`python -m benchmarks.checks.tiny_shapes {' '.join(argv if argv is not None else sys.argv[1:])}`\n\n{text}\n")
     print(text)
     return 1 if bad else 0
 

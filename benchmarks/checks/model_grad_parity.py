@@ -35,8 +35,8 @@ both relative errors, their ratio (the old rule), the absolute errors, sum|terms
 GPU run (H100, ~2-4 minutes; report in $OUT; method, reading, results and the CPU
 smoke's findings in docs/gradient-parity.md)::
 
-    python benchmarks/model_grad_parity.py --steps 150 --triton-fp32 --out $OUT/grad_parity.md
-    python benchmarks/model_grad_parity.py --steps 0 --eager same-dtype --out $OUT/grad_parity_same_dtype.md
+    python -m benchmarks.checks.model_grad_parity --steps 150 --triton-fp32 --out $OUT/grad_parity.md
+    python -m benchmarks.checks.model_grad_parity --steps 0 --eager same-dtype --out $OUT/grad_parity_same_dtype.md
 
 Limit of the scalar rule: the sum|terms| bound is a worst case; where |dn| is ~1e-3 of
 sum|terms| (at init) it passes even a 50% error in dn (the smoke's negative control needs
@@ -45,7 +45,7 @@ sum|terms| (at init) it passes even a 50% error in dn (the smoke's negative cont
 CPU smoke (the logic only, tiny ``cpu_arch`` model, fp16 kernels in the Triton
 interpreter)::
 
-    TRITON_INTERPRET=1 python benchmarks/model_grad_parity.py --smoke-cpu --steps 1
+    TRITON_INTERPRET=1 python -m benchmarks.checks.model_grad_parity --smoke-cpu --steps 1
 
 ``--inject-dn-scale 1.5`` multiplies the Triton model's n gradients (a negative control:
 the verdict must be FAIL). Prints timing per phase, one table per checkpoint and a final
@@ -66,8 +66,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:] = [REPO] + [p for p in sys.path if os.path.abspath(p or ".") != REPO]
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nemo_ssa.testing import (  # noqa: E402
     SCALAR_GRAD_RTOL,
@@ -130,11 +129,12 @@ def shims(smoke: bool):
 
 
 def cpu_arch() -> dict:
-    """``model.cpu_arch`` of configs/model/nemotron_114m.yaml (the CPU loop's tiny model)."""
+    """``model.cpu_arch`` of nemo_ssa/configs/model/nemotron_114m.yaml (the CPU loop's tiny model)."""
     from omegaconf import OmegaConf
 
-    return dict(OmegaConf.to_container(OmegaConf.load(os.path.join(REPO, "configs", "model",
-                                                                   "nemotron_114m.yaml")).cpu_arch))
+    from nemo_ssa.cli import config_file
+
+    return dict(OmegaConf.to_container(OmegaConf.load(config_file("model", "nemotron_114m.yaml")).cpu_arch))
 
 
 def build_model(attention: str, seq: int, learnable_b: bool, smoke: bool, vocab: int):

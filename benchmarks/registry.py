@@ -1,0 +1,198 @@
+"""One table of op benchmarks: what is timed, at which shapes, against what.
+
+Each op (``attention``, ``nsa``, ``nsa-ssa``) declares once
+
+* its entries: a name, a role (``kernel`` under test, ``baseline`` it is timed against in
+  the same process, ``reference`` = the unfused/eager path), the baseline each is divided
+  by, and whether it needs CUDA (SDPA's flash/cuDNN backends, fla's kernels);
+* its shape sets: ``recipe`` (the training recipe's D=32 attention: micro batch 8 and 32,
+  seq 1024, 24 heads / 8 KV groups), ``wide`` (D64/D128), ``long`` (long sequences) and
+  ``tiny`` (CPU dry run under the Triton interpreter);
+* ``build(shape, dtype, device)``: the inputs and one callable per entry, plus the torch
+  reference each kernel must agree with (the dry run's check). The builders are the
+  speed scripts' own (``bench_attention.make_inputs``/``row_fn``,
+  ``bench_nsa.build_case``): a row means the same thing here and there.
+
+``benchmarks/run.py`` times these with ``benchmarks/timing.py``. Unknown names raise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+
+@dataclass(frozen=True)
+class Shape:
+    label: str
+    B: int
+    Hq: int
+    Hkv: int
+    N: int
+    D: int
+
+    def __str__(self) -> str:
+        return f"{self.label} (B{self.B}-N{self.N}-HQ{self.Hq}-HKV{self.Hkv}-D{self.D})"
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    role: str  # "kernel" | "baseline" | "reference"
+    baseline: Optional[str]  # the entry its time is divided by (None: baselines themselves)
+    needs_cuda: bool = False  # no CPU path at all: skipped by the dry run, with the reason
+    modes: Tuple[str, ...] = ("fwd", "fwd+bwd")
+
+
+@dataclass
+class Built:
+    """One shape's inputs and callables: ``fns[name]() -> output``; ``leaves[name]`` are
+    what its backward differentiates; ``refs[name]() -> reference output`` on the same
+    inputs (absent: nothing to compare); ``skipped[name]``: why there is no callable."""
+
+    fns: Dict[str, Callable[[], torch.Tensor]]
+    leaves: Dict[str, List[torch.Tensor]]
+    grad_out: torch.Tensor
+    refs: Dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)
+    skipped: Dict[str, str] = field(default_factory=dict)
+    notes: Dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class OpBench:
+    op: str
+    doc: str
+    entries: Tuple[Entry, ...]
+    shapes: Dict[str, Tuple[Shape, ...]]
+    build: Callable[..., Built]  # (shape, dtype, device, names) -> Built
+    tiny_rtol: float = 2e-3  # dry run: rel_err(fn, ref) bound at fp32, tiny shapes
+
+    def entry(self, name: str) -> Entry:
+        for e in self.entries:
+            if e.name == name:
+                return e
+        raise KeyError(f"op {self.op!r} has no entry {name!r}; entries: {[e.name for e in self.entries]}")
+
+
+# ----------------------------------------------------------------------------- attention
+RECIPE = (Shape("recipe", 8, 24, 8, 1024, 32), Shape("recipe-B32", 32, 24, 8, 1024, 32))
+
+
+def _build_attention(shape: Shape, dtype, device, names) -> Built:
+    from benchmarks import bench_attention as ba
+
+    causal = True
+    q, k, v, go, n, b = ba.make_inputs(shape.B, shape.Hq, shape.Hkv, shape.N, shape.D, dtype, device)
+    built = Built(fns={}, leaves={}, grad_out=go)
+    for name in names:
+        try:
+            fn, extra, note = ba.row_fn(name, causal, q, k, v, n, b)
+        except Exception as e:  # a backend missing here (SDPA flash/cuDNN on a CPU)
+            built.skipped[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
+            continue
+        built.fns[name] = (lambda fn=fn: fn(q, k, v))
+        built.leaves[name] = [q, k, v, *extra]
+        if note:
+            built.notes[name] = "K/V expanded outside the timed region"
+
+    def ssa_ref():
+        from nemo_ssa.ops.attention.naive import attention_naive
+
+        return attention_naive(q, k, v, n=n, b=b, causal=causal, upcast=True)
+
+    def softmax_ref():
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.float(), k.float(), v.float(), is_causal=causal, enable_gqa=shape.Hq != shape.Hkv)
+
+    built.refs.update(softmax_triton=softmax_ref, ssa_triton=ssa_ref, ssa_reference=ssa_ref,
+                      sdpa_flash=softmax_ref, sdpa_cudnn=softmax_ref)
+    return built
+
+
+ATTENTION = OpBench(
+    op="attention",
+    doc="causal attention kernels (bench_attention.py's rows) vs SDPA cuDNN / flash",
+    entries=(
+        Entry("softmax_triton", "kernel", "sdpa_cudnn"),
+        Entry("ssa_triton", "kernel", "sdpa_cudnn"),
+        Entry("ssa_reference", "reference", "sdpa_cudnn"),
+        Entry("sdpa_flash", "baseline", "sdpa_cudnn", needs_cuda=True),
+        Entry("sdpa_cudnn", "baseline", None, needs_cuda=True),
+    ),
+    shapes={
+        "recipe": RECIPE,
+        "wide": (Shape("D64", 2, 16, 16, 8192, 64), Shape("D128", 2, 8, 8, 8192, 128),
+                 Shape("D64-B8", 8, 16, 16, 4096, 64), Shape("D128-B8", 8, 8, 8, 4096, 128)),
+        "long": (Shape("N4096", 2, 24, 8, 4096, 32), Shape("N16384", 1, 24, 8, 16384, 32),
+                 Shape("N32768", 1, 24, 8, 32768, 32)),
+        "tiny": (Shape("tiny", 1, 4, 2, 40, 32),),
+    },
+    build=_build_attention,
+)
+
+
+# ----------------------------------------------------------------------------------- NSA
+def _nsa_builder(transform: str):
+    def build(shape: Shape, dtype, device, names) -> Built:
+        from benchmarks import bench_nsa as bn
+
+        case = bn.build_case(shape.D, shape.N, batch=shape.B, hq=shape.Hq, hkv=shape.Hkv, dtype=dtype,
+                             device=device, transform=transform, small_blocks=shape.label == "tiny")
+        built = Built(fns={}, leaves={}, grad_out=case["do"])
+        for name in names:
+            if case["fns"].get(name) is None:
+                built.skipped[name] = case["skipped"].get(name, "no callable")
+                continue
+            built.fns[name] = case["fns"][name]
+            built.leaves[name] = case["leaves"].get(name, [])
+            if name in case["refs"]:
+                built.refs[name] = case["refs"][name]
+        return built
+
+    return build
+
+
+_NSA_ENTRIES = (
+    Entry("nsa_layer", "kernel", "sdpa_flash"),
+    Entry("compressed", "kernel", "sdpa_flash"),
+    Entry("selection", "kernel", "sdpa_flash", modes=("fwd",)),
+    Entry("selected", "kernel", "sdpa_flash"),
+    Entry("window", "kernel", "sdpa_flash"),
+    Entry("sdpa_flash", "baseline", None),  # on a CPU: SDPA's math path (the dry run checks it)
+    Entry("fla_nsa", "baseline", "sdpa_flash", needs_cuda=True),
+)
+_NSA_SHAPES = {
+    "recipe": (Shape("recipe", 8, 24, 8, 1024, 32),),
+    "long": tuple(Shape(f"N{n}", 1, 24, 8, n, 32) for n in (4096, 16384, 32768, 65536)),
+    "wide": tuple(Shape(f"D128-N{n}", 1, 24, 8, n, 128) for n in (4096, 16384, 32768, 65536)),
+    "tiny": (Shape("tiny", 1, 6, 2, 128, 32),),
+}
+NSA = OpBench("nsa", "NSA layer and branches (bench_nsa.py's rows), softmax transform, vs SDPA flash",
+              _NSA_ENTRIES, _NSA_SHAPES, _nsa_builder("softmax"))
+NSA_SSA = OpBench("nsa-ssa", "the same NSA rows with the SSA transform", _NSA_ENTRIES, _NSA_SHAPES,
+                  _nsa_builder("ssa"))
+
+REGISTRY: Dict[str, OpBench] = {o.op: o for o in (ATTENTION, NSA, NSA_SSA)}
+
+
+def get(op: str) -> OpBench:
+    """The registered op called ``op`` (KeyError naming the known ops otherwise)."""
+    if op not in REGISTRY:
+        raise KeyError(f"unknown benchmark op {op!r}; registered: {sorted(REGISTRY)}")
+    return REGISTRY[op]
+
+
+def shapes(op: str, sets: str) -> List[Shape]:
+    """Shapes of ``op`` for a comma list of set names (``recipe,long``; ``all``: every set but tiny)."""
+    bench = get(op)
+    names = [s for s in sets.split(",") if s]
+    if names == ["all"]:
+        names = [s for s in bench.shapes if s != "tiny"]
+    out = []
+    for s in names:
+        if s not in bench.shapes:
+            raise KeyError(f"op {op!r} has no shape set {s!r}; sets: {sorted(bench.shapes)}")
+        out += bench.shapes[s]
+    return out

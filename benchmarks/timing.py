@@ -1,0 +1,87 @@
+"""The one timer of the benchmarks: median milliseconds of a callable, and its peak memory.
+
+``median_ms`` is ``triton.testing.do_bench`` (L2 flushed between calls, median of the
+timed calls) with floors on the number of calls: do_bench sizes its loops from a 5-call
+estimate, so a 130 ms call got one warm-up and ONE timed call and the first case of a
+process ran up to 9% slow (docs/results/2026-11-26-nsa-qmajor-dq). At least
+``MIN_WARMUP_CALLS`` warm-up and ``MIN_TIMED_CALLS`` timed calls, whatever the budgets say.
+
+Without CUDA (the scripts' CPU smoke modes only) it returns the wall clock of one call
+after one warm-up call: numbers that check the script runs, not speeds.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable, Optional
+
+import torch
+
+MIN_WARMUP_CALLS = 3
+MIN_TIMED_CALLS = 10
+
+
+def median_ms(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 100,
+              grad_to_none: Optional[Iterable[torch.Tensor]] = None) -> float:
+    """Median ms of ``fn()`` on the current CUDA stream.
+
+    Args:
+        fn: the call to time (its first call here also compiles and warms up).
+        warmup_ms, rep_ms: do_bench's time budgets, raised to the call-count floors.
+        grad_to_none: tensors whose ``.grad`` is cleared before every call (fwd+bwd
+            rows that accumulate into leaves).
+    Returns:
+        milliseconds (float).
+    """
+    if not torch.cuda.is_available():
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    import triton.testing
+
+    leaves = list(grad_to_none) if grad_to_none is not None else None
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    est = start.elapsed_time(end)
+    warmup_ms = max(warmup_ms, MIN_WARMUP_CALLS * est)
+    rep_ms = max(rep_ms, MIN_TIMED_CALLS * est)
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=leaves,
+                                         return_mode="median"))
+
+
+def graph_ms(fn: Callable[[], None], n: int = 30) -> float:
+    """Milliseconds per call of ``fn`` replayed as a CUDA graph: kernel time without host
+    cost or launch gaps (no L2 flush between replays)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(n):
+        g.replay()
+    e1.record()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1) / n
+
+
+def peak_mib(fn: Callable[[], object]) -> float:
+    """MiB allocated by one call of ``fn`` above what was allocated before it (CUDA)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2 ** 20

@@ -1,0 +1,130 @@
+"""benchmarks/registry.py and benchmarks/run.py on CPU: the registry's entries and shapes,
+``--list``, the dry run's agreement check (and that it fails on a wrong callable), ``--ab``
+against a worktree of HEAD, and the no-CUDA refusal of a timing run."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+
+from benchmarks import bench_attention, registry, run  # noqa: E402
+
+RUN = os.path.join(REPO, "benchmarks", "run.py")
+
+
+def _run(*args, env=None, timeout=300):
+    e = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, RUN, *args], capture_output=True, text=True, timeout=timeout, env=e,
+                          cwd=REPO)
+
+
+def test_registry_has_the_recipe_shape_and_the_scripts_rows():
+    att = registry.get("attention")
+    recipe = registry.shapes("attention", "recipe")
+    assert [(s.B, s.Hq, s.Hkv, s.N, s.D) for s in recipe] == [(8, 24, 8, 1024, 32), (32, 24, 8, 1024, 32)]
+    # the attention rows are bench_attention.py's, timed against SDPA in the same process
+    names = {e.name for e in att.entries}
+    assert names <= set(bench_attention.ROWS) and {"softmax_triton", "ssa_triton", "sdpa_cudnn"} <= names
+    assert all(e.baseline in names for e in att.entries if e.baseline)
+    nsa = registry.get("nsa")
+    assert {"nsa_layer", "compressed", "selection", "selected", "window", "sdpa_flash"} <= {e.name for e in nsa.entries}
+    assert registry.shapes("nsa", "recipe")[0].D == 32
+    for op in registry.REGISTRY:
+        for s in ("recipe", "wide", "long", "tiny"):
+            assert registry.shapes(op, s), (op, s)
+    assert any(s.D == 128 for s in registry.shapes("attention", "wide"))
+    assert max(s.N for s in registry.shapes("nsa", "long")) >= 65536
+    with pytest.raises(KeyError, match="unknown benchmark op"):
+        registry.get("nope")
+    with pytest.raises(KeyError, match="no shape set"):
+        registry.shapes("attention", "huge")
+
+
+def test_list_runs_on_cpu():
+    proc = _run("--list")
+    assert proc.returncode == 0, proc.stderr
+    assert "recipe (B8-N1024-HQ24-HKV8-D32)" in proc.stdout and "ssa_triton" in proc.stdout
+    assert "nsa_layer" in proc.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_timing_without_cuda_says_so():
+    proc = _run("--op", "attention", "--shape", "recipe")
+    assert proc.returncode != 0
+    assert "needs a CUDA GPU" in proc.stderr and "--dry-run" in proc.stderr
+
+
+def test_dry_run_agrees_at_tiny_shapes():
+    rows = run.dry_run([registry.get("attention"), registry.get("nsa")], only="softmax_triton,ssa_triton,window")
+    by = {(r["op"], r["impl"]): r for r in rows}
+    assert set(by) == {("attention", "softmax_triton"), ("attention", "ssa_triton"), ("nsa", "window")}
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert r["rel_err"] < 1e-4
+
+
+def test_dry_run_fails_on_a_wrong_callable(monkeypatch):
+    real = bench_attention.row_fn
+
+    def wrong(name, causal, q, k, v, n, b):
+        fn, extra, note = real(name, causal, q, k, v, n, b)
+        if name != "ssa_triton":
+            return fn, extra, note
+        return (lambda q, k, v: fn(q, k, v) * 1.01), extra, note  # 1% off: must fail
+
+    monkeypatch.setattr(bench_attention, "row_fn", wrong)
+    rows = run.dry_run([registry.get("attention")], only="softmax_triton,ssa_triton")
+    status = {r["impl"]: r["status"] for r in rows}
+    assert status == {"softmax_triton": "ok", "ssa_triton": "FAIL"}
+
+
+def test_dry_run_fails_when_a_kernel_cannot_be_built(monkeypatch):
+    def broken(name, *a):
+        raise RuntimeError("kernel missing")
+
+    monkeypatch.setattr(bench_attention, "row_fn", broken)
+    rows = run.dry_run([registry.get("attention")], only="ssa_triton,sdpa_cudnn")
+    status = {r["impl"]: r["status"] for r in rows}
+    # a kernel that cannot be built fails; a CUDA-only baseline is skipped with its reason
+    assert status == {"ssa_triton": "FAIL", "sdpa_cudnn": "skip"}
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not os.path.isdir(os.path.join(REPO, ".git")),
+                    reason="needs git and a checkout")
+def test_ab_dry_run_from_a_worktree_of_head(tmp_path):
+    before = subprocess.run(["git", "-C", REPO, "worktree", "list"], capture_output=True, text=True).stdout
+    proc = _run("--dry-run", "--op", "attention", "--only", "ssa_triton", "--ab", "HEAD", "--out",
+                str(tmp_path / "ab.md"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    # the ref's run imported nemo_ssa from the worktree, not from this checkout
+    headers = [ln for ln in proc.stdout.splitlines() if ln.startswith("# benchmarks/run.py")]
+    assert any("nemo_ssa from " in h and "nemo_ssa_ab_" in h.split("nemo_ssa from ")[1] for h in headers), headers
+    assert "A/B: this tree vs HEAD" in proc.stdout
+    table = (tmp_path / "ab.md").read_text()
+    assert "status_ref" in table
+    line = next(ln for ln in table.splitlines() if "ssa_triton" in ln)
+    assert line.count(" ok ") == 2
+    after = subprocess.run(["git", "-C", REPO, "worktree", "list"], capture_output=True, text=True).stdout
+    assert after == before  # the worktree is removed
+
+
+def test_merge_ab_ratios():
+    here = [dict(op="a", shape="s", impl="k", mode="fwd", ms=2.0, x_base=1.0, note="")]
+    ref = [dict(op="a", shape="s", impl="k", mode="fwd", ms=4.0, x_base=2.0, note="")]
+    m = run.merge_ab(here, ref, dry=False)
+    assert m[0]["here/ref"] == 0.5 and m[0]["ms_ref"] == 4.0 and m[0]["x_base_ref"] == 2.0
+
+
+def test_ratios_against_the_baseline():
+    rows = [dict(op="a", shape="s", impl="k", mode="fwd", baseline="b", ms=3.0),
+            dict(op="a", shape="s", impl="b", mode="fwd", baseline="", ms=2.0)]
+    run._ratios(rows)
+    assert rows[0]["x_base"] == 1.5 and rows[1]["x_base"] != rows[1]["x_base"]  # NaN: no baseline
