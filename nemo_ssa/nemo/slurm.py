@@ -6,8 +6,9 @@
 prints (or writes) the sbatch script nemo-run would submit: ``#SBATCH`` lines for
 ``--nodes`` x ``--gpus-per-node``, one ``srun`` task per node running ``torchrun --nnodes N
 --nproc-per-node G --rdzv-backend c10d`` on the head node's address, ``--kill-on-bad-exit``
-(a rank that dies ends the job; resume with ``resume=true``), and ``scripts/pretrain.py``
-with ``train.num_nodes`` / ``train.num_gpus_per_node`` set to match. Nothing is submitted:
+(a rank that dies ends the job; resume with ``resume=true``), and ``-m nemo_ssa.cli.pretrain``
+(from a checkout, ``PYTHONPATH`` exported to it; an installed package needs nothing) with
+``train.num_nodes`` / ``train.num_gpus_per_node`` set to match. Nothing is submitted:
 ``sbatch job.sbatch`` on the cluster, or pass the same executor to ``nemo_run.run`` there.
 
 The parallel layout in the overrides (``train.tensor_parallel`` etc.) is checked against
@@ -57,7 +58,7 @@ def slurm_executor(nodes: int, gpus_per_node: int, account: str, partition: Opti
 def render_sbatch(nodes: int, gpus_per_node: int, overrides: Sequence[str], account: str,
                   partition: Optional[str] = None, time: str = "04:00:00", job_dir: Optional[str] = None,
                   container_image: Optional[str] = None, check: bool = True) -> str:
-    """The sbatch script for ``scripts/pretrain.py <overrides>`` on ``nodes`` x ``gpus_per_node``."""
+    """The sbatch script for ``python -m nemo_ssa.cli.pretrain <overrides>`` on ``nodes`` x ``gpus_per_node``."""
     import logging
 
     import nemo_run as run
@@ -77,8 +78,12 @@ def render_sbatch(nodes: int, gpus_per_node: int, overrides: Sequence[str], acco
                        in ("1", "true"), pipeline_parallel=1)
     args = [*overrides, f"train.num_nodes={int(nodes)}", f"train.num_gpus_per_node={int(gpus_per_node)}"]
     ex = slurm_executor(nodes, gpus_per_node, account, partition, time, job_dir, container_image)
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    script = run.Script(path=os.path.join(repo, "scripts", "pretrain.py"), args=args, entrypoint="python")
+    # a module, so an installed package and a checkout run the same launcher; from a checkout
+    # the job puts it on PYTHONPATH (an installed copy is found by the job's python itself)
+    from nemo_ssa.cli import child_env
+
+    env = {k: v for k, v in child_env({}).items() if k == "PYTHONPATH"}
+    script = run.Script(path="nemo_ssa.cli.pretrain", args=args, entrypoint="python", m=True, env=env)
     quiet = logging.getLogger("nemo_run")
     level = quiet.level
     quiet.setLevel(logging.WARNING)  # "Detected Torchrun launcher, setting ntasks_per_node=1"

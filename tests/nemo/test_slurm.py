@@ -5,6 +5,7 @@ matching, a dead rank ending the job; and a bad layout refused before anything r
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 
@@ -33,10 +34,13 @@ def test_one_torchrun_per_node_launches_the_pretrain_script(script):
     assert len(srun) == 1, script
     cmd = srun[0]
     for part in ("--kill-on-bad-exit=1", "--nnodes 2", "--nproc-per-node 8", "--rdzv-backend c10d",
-                 "--node-rank $SLURM_NODEID", "scripts/pretrain.py", "attention=ssa_triton",
+                 "--node-rank $SLURM_NODEID", "-m nemo_ssa.cli.pretrain", "attention=ssa_triton",
                  "train.tensor_parallel=2", "train.num_nodes=2", "train.num_gpus_per_node=8"):
         assert part in cmd, (part, cmd)
     assert "train.num_gpus_per_node=1" not in cmd  # the executor's layout wins over a stale override
+    # from this checkout the job exports it, so the module resolves without an install
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert f"export PYTHONPATH={repo}" in script
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
