@@ -14,7 +14,7 @@
   reverse or shuffled order (order-independence check; the default keeps file order).
 - ``NEMO_SSA_TEST_LOG=<file.jsonl>``: one JSON line per collected test id and per
   finished test (outcome, seconds, first line of the failure), appended as tests finish,
-  so a run killed at a time limit still leaves its results (``scripts/gpu_session.py``
+  so a run killed at a time limit still leaves its results (``scripts/device/gpu_session.py``
   turns the file into the markdown results table). Works under pytest-xdist (the
   controller writes the results, the workers their collection).
 - ``megatron_cpu``: torch.distributed over gloo (world size 1), megatron's parallel state

@@ -42,7 +42,7 @@ class MetricsCallback(Callback):
     other ranks record nothing per step. At the end *every* rank writes
     ``ranks/rank_RRRRR.json``: its layout (:func:`rank_layout`) and its own n and b per
     layer, as exact ``float.hex`` strings, so that "n is identical on every TP rank" is
-    checked bit for bit (``scripts/two_gpu.py check``).
+    checked bit for bit (``scripts/device/two_gpu.py check``).
     """
 
     def __init__(self, run_dir: str, seq_length: int, global_batch_size: int, attention: str,

@@ -152,7 +152,7 @@ def write_rank_file(run_dir: str, layout: Dict[str, Any], step: int, ssa: Dict[s
     """``<run_dir>/ranks/rank_RRRRR.json``: this rank's layout (:func:`rank_layout`), the
     step, and its own SSA n and b per layer as exact ``float.hex`` strings. Every rank
     writes one at the end of a run (NeMo callback and CPU loop alike), so agreement of n
-    across tensor-parallel ranks is checked bit for bit from files (``scripts/two_gpu.py``)."""
+    across tensor-parallel ranks is checked bit for bit from files (``scripts/device/two_gpu.py``)."""
     record = dict(layout, step=int(step),
                   n={str(layer): float(v).hex() for layer, v in sorted(ssa.get("n", {}).items())},
                   b={str(layer): float(v).hex() for layer, v in sorted(ssa.get("b", {}).items())})

@@ -1,4 +1,4 @@
-"""scripts/gpu_session.py: timed steps, a killed step does not stop the next, one archive back;
+"""scripts/device/gpu_session.py: timed steps, a killed step does not stop the next, one archive back;
 presets write a results table (test, outcome, seconds) even when a step is killed."""
 
 import importlib.util
@@ -11,7 +11,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _load_session():
-    spec = importlib.util.spec_from_file_location("gpu_session", os.path.join(REPO, "scripts", "gpu_session.py"))
+    spec = importlib.util.spec_from_file_location("gpu_session", os.path.join(REPO, "scripts", "device", "gpu_session.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -20,7 +20,7 @@ def _load_session():
 def test_steps_time_limits_and_packing(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "scripts", "gpu_session.py"), "--out", str(out), "--budget", "30",
+        [sys.executable, os.path.join(REPO, "scripts", "device", "gpu_session.py"), "--out", str(out), "--budget", "30",
          "ok:10:echo hello; echo table > {out}/t.md", "slow:1:sleep 20", "bad:10:exit 3"],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1

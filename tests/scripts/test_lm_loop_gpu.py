@@ -1,4 +1,4 @@
-"""scripts/lm_loop_gpu.py (Megatron-LM's loop on GPUs, issue 42): its reading of megatron's
+"""scripts/device/lm_loop_gpu.py (Megatron-LM's loop on GPUs, issue 42): its reading of megatron's
 iteration lines, and its whole flow on a megatron-core the loop refuses (here 0.15.3: the
 first launch fails with the entry's message, nothing else is started, the table says so).
 The run on GPUs is docs/results/2026-11-27-stack."""
@@ -10,7 +10,7 @@ import sys
 import tarfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
+sys.path.insert(0, os.path.join(REPO, "scripts", "device"))
 
 import lm_loop_gpu  # noqa: E402
 

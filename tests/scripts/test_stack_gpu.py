@@ -1,4 +1,4 @@
-"""scripts/stack_gpu.py (the GPU stack check of issue 42) end to end on CPU: two stacks (both
+"""scripts/device/stack_gpu.py (the GPU stack check of issue 42) end to end on CPU: two stacks (both
 the installed one here), the plain megatron-core entry at a tiny shape, the DP2 save + load
 stage, the gates and the table. On GPUs it is the command of docs/results/2026-11-27-stack."""
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
+sys.path.insert(0, os.path.join(REPO, "scripts", "device"))
 
 import stack_gpu  # noqa: E402
 

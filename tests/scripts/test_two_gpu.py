@@ -1,4 +1,4 @@
-"""scripts/two_gpu.py: the checks on synthetic run logs -- each gate passes on
+"""scripts/device/two_gpu.py: the checks on synthetic run logs -- each gate passes on
 good logs and fails on one planted fault (a loss offset, one rank's n one ulp off, the
 checkpoint's n off, DP2 too slow, a resume without its second segment) -- and the whole
 ``tp_cp`` part on CPU (gloo, tiny model): TP2+SP stopped at step 3, its checkpoint resumed
@@ -17,7 +17,7 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
+sys.path.insert(0, os.path.join(REPO, "scripts", "device"))
 
 import two_gpu  # noqa: E402
 
@@ -228,7 +228,7 @@ def test_both_parts_end_to_end_on_cpu(tmp_path):
     tgzs = []
     for part in ("dp", "tp_cp"):
         out = tmp_path / part
-        proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "two_gpu.py"), "run", "--part", part,
+        proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "device", "two_gpu.py"), "run", "--part", part,
                                "--cpu-smoke", "--out", str(out), "--scratch", str(tmp_path / f"scratch_{part}"),
                                "--budget", "1200"], cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]

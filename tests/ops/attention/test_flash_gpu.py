@@ -19,7 +19,7 @@ where fp32 itself is ~1e-9 of sum|terms| off). Inputs: fresh random draws per te
 seed derived from the test id (tests/conftest.py), so a failure reproduces.
 
 ``gpu_quick`` marks the core cases run after any kernel change
-(``python scripts/gpu_session.py --preset quick``).
+(``python scripts/device/gpu_session.py --preset quick``).
 """
 
 import math

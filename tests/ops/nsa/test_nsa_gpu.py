@@ -10,7 +10,7 @@ that cancel); bf16: ≤ 2× the error of the eager bf16 reference (same selectio
 three, so a bf16 near-tie cannot flip a block), dn/db 2× eager + 1.6e-2 x sum|terms|.
 Each (dtype, head dim, transform) compiles the whole kernel set once, so the cases spread
 the head dims over the two dtypes instead of crossing them. The dense reference needs
-~15 GB at N=4088 (marker ``gpu_big``: scripts/gpu_session.py runs them alone, with one worker).
+~15 GB at N=4088 (marker ``gpu_big``: scripts/device/gpu_session.py runs them alone, with one worker).
 
 Run:  pytest -q -m gpu tests/ops/nsa/test_nsa_gpu.py      (skips without CUDA)
 """
@@ -84,7 +84,7 @@ def scalar_terms(q, gates, kw, do, aux):
     return {"n": tn, "b": tb}
 
 
-BIG = pytest.mark.gpu_big  # run alone (scripts/gpu_session.py full-2 runs them with one worker)
+BIG = pytest.mark.gpu_big  # run alone (scripts/device/gpu_session.py full-2 runs them with one worker)
 
 
 @pytest.fixture(autouse=True)

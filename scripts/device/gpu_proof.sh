@@ -3,7 +3,7 @@
 # steps with attention=softmax and attention=ssa (local corpus, micro batch 8, seq 1024,
 # bf16). Writes <attention>_metrics.csv, <attention>_summary.json and proof.log to OUT.
 #
-#   bash scripts/gpu_proof.sh [STEPS] [OUT]
+#   bash scripts/device/gpu_proof.sh [STEPS] [OUT]
 #
 # On a node without internet, install the offline bundle first (docs/offline-bundle.md);
 # this script does it when .whl/ is present.

@@ -4,7 +4,7 @@
 #      failure on [1]-shaped fp32 parameters (expected to fail; the default is off);
 #   B  60 steps, checkpoints at 30 and 60;
 #   C  resume=true from B's run dir to 90 steps: continues at step 61 from the saved n.
-# Writes B/C metrics and a log to OUT.   bash scripts/gpu_checkpoint_check.sh [OUT]
+# Writes B/C metrics and a log to OUT.   bash scripts/device/gpu_checkpoint_check.sh [OUT]
 set -uo pipefail
 out="${1:-${OUT:-runs/gpu_ckpt}}"
 mkdir -p "$out" runs

@@ -10,8 +10,8 @@ DP2 run of the last stack stops at step STEPS/2 (checkpoint) and resumes. Finall
 stack's curves are gated against the first stack's (EMA 0.9, max |Δ| 0.05 from step 50)
 with ``scripts/compare_losses.py`` and a table is printed::
 
-    python scripts/stack_gpu.py --stack 0.15.3= --stack 0.16.1=.whl16 --out $OUT/stack
-    python scripts/stack_gpu.py --entry core --stack 0.15.3= --stack 0.19.2=.whl19 --bare 0.19.2 --out $OUT/core
+    python scripts/device/stack_gpu.py --stack 0.15.3= --stack 0.16.1=.whl16 --out $OUT/stack
+    python scripts/device/stack_gpu.py --entry core --stack 0.15.3= --stack 0.19.2=.whl19 --bare 0.19.2 --out $OUT/core
 
 ``--entry core`` runs ``scripts/train_megatron_core.py`` (plain megatron-core, no NeMo: the
 path a megatron-core 0.17-0.19 stack has) at the recipe's shape (12 layers, hidden 768, 24
@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _site(name: str, wheels: str, scratch: str) -> str:

@@ -2,13 +2,13 @@
 
 Named presets (the GPU test plan; ``PRESETS`` below lists what each runs)::
 
-    python scripts/gpu_session.py --preset quick  --out $OUT --commit <sha>   # after any kernel change, <= 4 min
-    python scripts/gpu_session.py --preset full-1 --out $OUT --commit <sha>   # flash, flex, ELSA, extreme logits
-    python scripts/gpu_session.py --preset full-2 --out $OUT --commit <sha>   # NSA, CUDA runs of the CPU op tests, ops fuzz
-    python scripts/gpu_session.py --list-presets
+    python scripts/device/gpu_session.py --preset quick  --out $OUT --commit <sha>   # after any kernel change, <= 4 min
+    python scripts/device/gpu_session.py --preset full-1 --out $OUT --commit <sha>   # flash, flex, ELSA, extreme logits
+    python scripts/device/gpu_session.py --preset full-2 --out $OUT --commit <sha>   # NSA, CUDA runs of the CPU op tests, ops fuzz
+    python scripts/device/gpu_session.py --list-presets
 
 A preset installs the offline wheel bundle first when ``.whl/`` is present (as
-scripts/gpu_proof.sh does), keeps Triton's and inductor's compile caches under
+scripts/device/gpu_proof.sh does), keeps Triton's and inductor's compile caches under
 ``.cache/`` in the checkout (a second command on a still-warm machine reuses them),
 runs pytest with pytest-xdist (``-n``, when installed: Triton compiles are CPU-bound
 and the workers compile in parallel) and pytest-timeout (a per-test cap, when
@@ -20,7 +20,7 @@ what did not.
 
 Free-form steps (as before)::
 
-    python scripts/gpu_session.py --out $OUT --budget 560 \\
+    python scripts/device/gpu_session.py --out $OUT --budget 560 \\
         "flash-tests:150:python -m pytest -m gpu tests/ops/attention/test_flash_gpu.py -q" \\
         "bench:120:python benchmarks/bench_attention.py --quick --out {out}/bench_attention.md"
 
@@ -47,7 +47,7 @@ import sys
 import tarfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 GPU_FILES = ["tests/ops/attention/test_flash_gpu.py", "tests/ops/attention/test_flash_gluon.py",
              "tests/ops/common/test_hopper_bwd.py",
@@ -177,7 +177,7 @@ def results_markdown(preset: str, logs, info: dict, commit: str, commands, rows,
     lines = [f"# GPU tests, preset `{preset}` ({info.get('device', '?')}, {time.strftime('%Y-%m-%d')})", "",
              f"- commit: `{commit}`; torch {info.get('torch', '?')}, triton {info.get('triton', '?')}, "
              f"CUDA {info.get('cuda', '?')}",
-             f"- command: `python scripts/gpu_session.py --preset {preset}` ({PRESETS[preset]['about']})",
+             f"- command: `python scripts/device/gpu_session.py --preset {preset}` ({PRESETS[preset]['about']})",
              f"- bundle: {bundle}"]
     for name, rc, secs in rows:
         lines.append(f"- step `{name}`: exit {rc}, {secs:.0f} s")

@@ -1,7 +1,7 @@
 """Megatron-LM's own loop (``python -m nemo_ssa.megatron.lm_pretrain``) on GPUs, megatron-core
 0.19 (issue 42): the runs and gates of docs/results/2026-11-27-stack, one device command.
 
-    python scripts/lm_loop_gpu.py --site /tmp/site19 --out $OUT/lm --budget 540
+    python scripts/device/lm_loop_gpu.py --site /tmp/site19 --out $OUT/lm --budget 540
 
 ``--site``: a directory with megatron-core 0.19 (and the nemo_ssa wheel) installed, used alone
 on ``PYTHONPATH`` (the image has torch, triton, transformers). Runs, ``--steps`` iterations each,
@@ -35,7 +35,7 @@ import threading
 import time
 from typing import List, Optional
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:] = [REPO] + [p for p in sys.path if os.path.abspath(p or ".") != REPO]
 
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.eE+-]+)")

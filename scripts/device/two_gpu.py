@@ -3,16 +3,16 @@ files back, check. docs/two-gpu.md has the plan, the device calls and the gates.
 
 On a 2-GPU machine (nvidia-h100-x2 / nvidia-h200-x2), one device command per part::
 
-    python scripts/two_gpu.py run --part dp --out $OUT/dp         # DP2, two launchers + SIGKILL, resumes
-    python scripts/two_gpu.py run --part tp_cp --out $OUT/tp_cp   # TP2+SP stop/resume, TP2 -> 1, CP2
-    python scripts/two_gpu.py run --part speed --out $OUT/speed   # weak-scaling speed on one machine
+    python scripts/device/two_gpu.py run --part dp --out $OUT/dp         # DP2, two launchers + SIGKILL, resumes
+    python scripts/device/two_gpu.py run --part tp_cp --out $OUT/tp_cp   # TP2+SP stop/resume, TP2 -> 1, CP2
+    python scripts/device/two_gpu.py run --part speed --out $OUT/speed   # weak-scaling speed on one machine
 
 Here, on what came back::
 
-    python scripts/two_gpu.py check <files_at>/dp/two_gpu-dp.tgz <...tp_cp.tgz> <...speed.tgz> \\
+    python scripts/device/two_gpu.py check <files_at>/dp/two_gpu-dp.tgz <...tp_cp.tgz> <...speed.tgz> \\
         --out docs/results/<date>-two-gpu
 
-``python scripts/two_gpu.py plan`` prints every command and runs nothing; ``--cpu-smoke``
+``python scripts/device/two_gpu.py plan`` prints every command and runs nothing; ``--cpu-smoke``
 runs a part on CPU (gloo, the tiny model, six steps; tests/scripts/test_two_gpu.py).
 
 Every run is the 114M recipe through ``scripts/pretrain.py`` (local corpus, bf16, seq 1024,
@@ -40,7 +40,7 @@ import tempfile
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:] = [REPO] + [p for p in sys.path if os.path.abspath(p or ".") != REPO]
 
 STEPS, STOP = 200, 100
@@ -754,7 +754,7 @@ def check(args) -> int:
     lines = ["| check | result | detail |", "|---|---|---|"] + [f"| {a} | {b} | {c} |" for a, b, c in rows]
     text = "\n".join(lines)
     with open(os.path.join(args.out, "two_gpu.md"), "w") as f:
-        f.write(f"# Two-GPU check\n\n`python scripts/two_gpu.py check {' '.join(args.logs)}`\n\n{text}\n")
+        f.write(f"# Two-GPU check\n\n`python scripts/device/two_gpu.py check {' '.join(args.logs)}`\n\n{text}\n")
     print(text)
     shutil.rmtree(tmp, ignore_errors=True)
     if not rows:
