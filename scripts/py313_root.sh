@@ -31,7 +31,8 @@ cp /etc/ssl/certs/ca-certificates.crt "$root/etc/ssl/certs/ca-certificates.crt"
 cp /etc/resolv.conf "$root/etc/resolv.conf"
 cp "$reqs" "$root/requirements.txt"
 echo "[py313] venv and $(basename "$reqs")" >&2
-chroot "$root" /usr/bin/env -i PATH=/usr/bin:/bin HOME=/root PIP_CERT=/etc/ssl/certs/ca-certificates.crt \
+# no wheel cache: it would keep a second copy of the CUDA wheels (~3 GB) on a CI disk that runs short
+chroot "$root" /usr/bin/env -i PATH=/usr/bin:/bin HOME=/root PIP_CERT=/etc/ssl/certs/ca-certificates.crt PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 /bin/sh -c \
     "python3.13 -m venv /opt/v && /opt/v/bin/pip install -q -r /requirements.txt" >&2
 chroot "$root" /opt/v/bin/python -c "import torch, triton, megatron.core, megatron.training" 2>/dev/null \
