@@ -30,10 +30,8 @@ import csv
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from typing import Dict, List, Optional
 
 if __name__ == "__main__" and not __package__:  # run as a file: python benchmarks/x.py
@@ -42,6 +40,7 @@ if __name__ == "__main__" and not __package__:  # run as a file: python benchmar
 import torch  # noqa: E402
 
 from benchmarks import registry  # noqa: E402
+from benchmarks.ab import use_code_root, worktree  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 NO_CUDA = ("run.py: timing needs a CUDA GPU and none is visible here. "
@@ -270,11 +269,7 @@ def _strip_ab(argv: List[str]) -> List[str]:
 
 def run_ref(ref: str, argv: List[str]) -> List[Dict]:
     """This runner's rows with git ref ``ref``'s ``nemo_ssa`` (a worktree in a temp dir)."""
-    repo = registry.__file__.rsplit(os.sep, 2)[0]
-    tmp = tempfile.mkdtemp(prefix="nemo_ssa_ab_")
-    wt = os.path.join(tmp, "tree")
-    subprocess.run(["git", "-C", repo, "worktree", "add", "--detach", "--quiet", wt, ref], check=True)
-    try:
+    with worktree(ref) as (tmp, wt):
         out = os.path.join(tmp, "rows.json")
         cmd = [sys.executable, os.path.abspath(__file__), *_strip_ab(argv), "--code-root", wt, "--json", out]
         print(f"# --ab {ref}: {' '.join(cmd)}", flush=True)
@@ -283,9 +278,6 @@ def run_ref(ref: str, argv: List[str]) -> List[Dict]:
             raise SystemExit(f"run.py --ab {ref}: the ref's run wrote no rows (exit {proc.returncode})")
         with open(out) as fh:
             return json.load(fh)
-    finally:
-        subprocess.run(["git", "-C", repo, "worktree", "remove", "--force", wt], check=False)
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------ main
@@ -296,9 +288,7 @@ def main(argv=None) -> int:
         print(list_registry())
         return 0
     if args.code_root:
-        if "nemo_ssa" in sys.modules:
-            raise SystemExit("run.py --code-root: nemo_ssa was imported before the path was set")
-        sys.path.insert(0, os.path.abspath(args.code_root))
+        use_code_root(args.code_root, "run.py")
     if args.dry_run:
         # before any kernel module is imported: Triton reads it when a kernel is defined
         os.environ["TRITON_INTERPRET"] = "1"

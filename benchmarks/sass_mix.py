@@ -27,7 +27,6 @@ import argparse
 import collections
 import os
 import re
-import subprocess
 import sys
 from typing import Dict, List, Optional, Tuple
 
@@ -36,29 +35,8 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
 
-
-class _SM90Driver:
-    """The slice of Triton's driver interface that ``JITFunction.run(warmup=True)`` uses."""
-
-    def __init__(self, capability: int = 90):
-        self.target = GPUTarget("cuda", capability, 32)
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        return self.target
-
-    def get_active_torch_device(self):
-        return torch.device("cpu")
-
-    def map_python_to_cpp_type(self, ty: str) -> str:  # pragma: no cover - launcher only
-        return ty
+from benchmarks.sass_ab import SM90Driver, sass_of  # noqa: E402
 
 
 _MUFU = re.compile(r"\bMUFU\.(\w+)")
@@ -121,22 +99,6 @@ def mix(instrs, lo: int, hi: int) -> Dict[str, int]:
             c["mufu." + op.split(".")[1].lower()] += 1
     c["total"] = hi - lo + 1
     return dict(c)
-
-
-def _cuobjdump() -> str:
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-
-
-def sass_of(compiled) -> Tuple[str, int]:
-    """``(SASS text, registers per thread)`` of a compiled kernel, from ``cuobjdump``."""
-    import tempfile
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([_cuobjdump(), "-sass", f.name], check=True, capture_output=True, text=True).stdout
-        res = subprocess.run([_cuobjdump(), "-res-usage", f.name], check=True, capture_output=True, text=True).stdout
-    m = re.search(r"REG:(\d+)", res)
-    return sass, int(m.group(1)) if m else -1
 
 
 def capture_launches(fn) -> List[Tuple[object, tuple, tuple, dict]]:
@@ -244,7 +206,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dump", default=None, help="write each kernel's SASS and PTX here")
     ap.add_argument("--json", default=None, help="also write the rows as JSON")
     args = ap.parse_args(argv)
-    triton.runtime.driver.set_active(_SM90Driver())
+    triton.runtime.driver.set_active(SM90Driver())
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     hq, hkv = (int(x) for x in args.heads.split("/"))
     bwd_cfg = None
@@ -255,9 +217,15 @@ def main(argv=None) -> int:
     if args.fwd_config:
         from nemo_ssa.ops.attention.flash import FwdConfig
         fwd_cfg = FwdConfig(*(int(x) for x in args.fwd_config.split(",")))
-    # the stand-in sm_90 target can take the TMA path (the host code sees CPU tensors)
-    from nemo_ssa.ops.common import tma
-    tma.tma_capable = lambda device: True
+    # the host code sees CPU tensors: its device facts answer as an H100's (the TMA path)
+    from nemo_ssa.ops.common.target import H100, stand_in
+    with stand_in(H100):
+        rows = _rows(args, dtype, hq, hkv, bwd_cfg, fwd_cfg)
+    _print(args, rows, hq, hkv)
+    return 0
+
+
+def _rows(args, dtype, hq, hkv, bwd_cfg, fwd_cfg) -> List[Dict[str, object]]:
     rows = []
     for tr in args.transforms.split(","):
         for name, kern, grid, kargs, meta in collect(tr, args.head_dim, not args.non_causal, dtype, hq, hkv,
@@ -267,6 +235,10 @@ def main(argv=None) -> int:
                 continue
             r = kernel_report(f"{tr}_{name}", compiled, meta, args.dump)
             rows.append(r)
+    return rows
+
+
+def _print(args, rows, hq, hkv) -> None:
     keys = ["total", "fp32", "int", "mufu", "mufu.lg2", "mufu.ex2", "mufu.rcp", "cvt", "mma", "shfl", "mem", "ctrl",
             "other"]
     print(f"sm_90 static SASS, D={args.head_dim}, H{hq}/{hkv}, {args.dtype}, "
@@ -285,7 +257,6 @@ def main(argv=None) -> int:
         import json
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
-    return 0
 
 
 if __name__ == "__main__":

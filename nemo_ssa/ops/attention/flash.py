@@ -83,9 +83,9 @@ from nemo_ssa.ops.common.launch import (
     launch,
     param_ptrs,
     stat_strides,
-    use_fast_math,
     zhsd_strides,
 )
+from nemo_ssa.ops.common.target import use_fast_math
 from nemo_ssa.ops.common.tma import descriptor, use_tma
 from nemo_ssa.ops.common.transforms import (
     log2_mode,
@@ -567,7 +567,7 @@ def _validate_flash(q, k, v, *, transform, n, b, causal, keep_mask, dropout_p, s
     validate_attention_args(FLASH_VARLEN_CAPS if varlen else FLASH_CAPS, q, k, v, n, b, transform=transform,
                             causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p, keep_mask=keep_mask,
                             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                            max_seqlen_k=max_seqlen_k, interpreted=is_interpreter())
+                            max_seqlen_k=max_seqlen_k)
     if input_precision not in (None, "ieee", "tf32", "tf32x3"):
         raise ValueError(f"input_precision {input_precision!r}; supported: None, 'ieee', 'tf32', 'tf32x3'")
 
@@ -575,9 +575,8 @@ def _validate_flash(q, k, v, *, transform, n, b, causal, keep_mask, dropout_p, s
 def _resolve(q, d, softmax_scale, input_precision, fast_math):
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     prec = default_input_precision(q.dtype) if input_precision is None else input_precision
-    fast = use_fast_math(q.device) if fast_math is None else bool(fast_math)
-    if fast and (q.device.type != "cuda" or is_interpreter()):
-        fast = False  # inline PTX only exists on CUDA
+    # inline PTX only exists on CUDA: fast_math=True elsewhere is ignored
+    fast = use_fast_math(q.device) and (fast_math is None or bool(fast_math))
     return scale, prec, fast
 
 

@@ -48,7 +48,7 @@ if HAVE_GLUON:  # Triton 3.6 exactly (gluon_math.GLUON_TRITON)
         warpgroup_mma_wait,
     )
 
-    from nemo_ssa.ops.common.gluon_math import abs_fast, flip_sign, lg2, score, ssa_parts
+    from nemo_ssa.ops.common.gluon_math import score, ssa_parts
 
 __all__ = ["GluonFwdConfig", "GLUON_FWD", "HAVE_GLUON", "gluon_fwd_config", "gluon_fwd"]
 
@@ -76,8 +76,6 @@ GLUON_FWD: Dict[Tuple[int, str], GluonFwdConfig] = {
     (64, "ssa"): GluonFwdConfig(64, 128, 2, 4, c_only=True),
 }
 
-_sm90 = wgmma_capable  # (a module-level name: the CPU tests stand in for an H100 through it)
-
 
 def gluon_fwd_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, *, transform: str,
                      varlen: bool, dropout: bool, save_c: bool, fast_log2: int,
@@ -92,7 +90,7 @@ def gluon_fwd_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch
     if transform == "ssa" and fast_log2 != 1:  # the backward recomputes z with this log2
         return None
     bz, hq, sq, _ = q.shape
-    if bz * hq * sq * k.shape[2] < MIN_SCORES or not _sm90(q.device):
+    if bz * hq * sq * k.shape[2] < MIN_SCORES or not wgmma_capable(q.device):
         return None
     if not all(tma_ready(t) for t in (q, k, v, o)) or not (k.dtype == v.dtype == o.dtype == q.dtype):
         return None
@@ -100,9 +98,6 @@ def gluon_fwd_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch
 
 
 if HAVE_GLUON:
-
-    # the names the archived probes of docs/results/2026-11-26-gluon import
-    _abs_fast, _lg2, _flip_sign = abs_fast, lg2, flip_sign
 
     @gluon.jit
     def _load_kv(desc, smem, bars, z, h, j, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, pred):

@@ -57,9 +57,9 @@ from nemo_ssa.ops.common.launch import (
     launch,
     param_ptrs,
     stat_strides,
-    use_fast_math,
     zhsd_strides,
 )
+from nemo_ssa.ops.common.target import use_fast_math
 from nemo_ssa.ops.common.tma import descriptor, use_tma
 from nemo_ssa.ops.common.validate import KERNEL_DTYPES, MAX_HEAD_DIM, MIN_HEAD_DIM  # noqa: F401 (re-exported)
 from nemo_ssa.ops.common.transforms import TRANSFORM_SSA, log2_mode, transform_id

@@ -34,7 +34,6 @@ __all__ = [
     "launch",
     "launch_key",
     "FAST_LAUNCH",
-    "use_fast_math",
     "default_input_precision",
     "cdiv",
     "next_pow2",
@@ -234,11 +233,6 @@ def launch(kernel, grid: tuple, args: tuple, meta: dict, ntensors: Optional[int]
         g = tuple(grid) + (1, 1)
         fn(g[0], g[1], g[2], _current_stream(dev), *pre, *args, *tail)
     return compiled
-
-
-def use_fast_math(device: torch.device) -> bool:
-    """Default for ``fast_math`` (PTX ``lg2.approx``): CUDA (not ROCm), not interpreted."""
-    return (not is_interpreter()) and device.type == "cuda" and torch.version.hip is None
 
 
 def default_input_precision(dtype: torch.dtype) -> str:

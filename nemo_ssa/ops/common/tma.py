@@ -23,12 +23,12 @@ columns past ``D`` read as 0 and are dropped on store, so no masks are needed.
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 
 from nemo_ssa.ops.common import env
-from nemo_ssa.ops.common.launch import is_interpreter
+from nemo_ssa.ops.common.target import target
 
 __all__ = ["MIN_SCORES", "tma_capable", "tma_ready", "use_tma", "descriptor", "wgmma_capable"]
 
@@ -38,35 +38,15 @@ __all__ = ["MIN_SCORES", "tma_capable", "tma_ready", "use_tma", "descriptor", "w
 #: costs a few), which a short call cannot hide. An explicit config is always honoured.
 MIN_SCORES = 1 << 24
 
-_CAPABLE: Dict[int, bool] = {}
-_SM90: Dict[int, bool] = {}
-
-
 def tma_capable(device: torch.device) -> bool:
-    """Whether kernels on ``device`` can use tensor descriptors: CUDA compute capability
-    >= 9.0 (not ROCm), or the interpreter (CPU tensors)."""
-    if is_interpreter():
-        return True
-    if device.type != "cuda" or torch.version.hip is not None:
-        return False
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    ok = _CAPABLE.get(idx)
-    if ok is None:
-        ok = _CAPABLE[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
-    return ok
+    """Whether kernels on ``device`` can use tensor descriptors (``target.Target.tma``)."""
+    return target(device).tma
 
 
 def wgmma_capable(device: torch.device) -> bool:
-    """Compute capability exactly 9.0 (H100/H200): Hopper's warpgroup MMA (``wgmma``), which
-    the Gluon kernels (``ops.attention.hopper``, ``ops.common.hopper_bwd``) are built on, is
-    sm_90a-only -- not on Blackwell or later, not in the interpreter."""
-    if device.type != "cuda" or torch.version.hip is not None:
-        return False
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    ok = _SM90.get(idx)
-    if ok is None:
-        ok = _SM90[idx] = tuple(torch.cuda.get_device_capability(idx)) == (9, 0)
-    return ok
+    """Hopper's warpgroup MMA, which the Gluon kernels (``ops.attention.hopper``,
+    ``ops.common.hopper_bwd``) are built on (``target.Target.wgmma``: sm_90 exactly)."""
+    return target(device).wgmma
 
 
 def tma_ready(t: torch.Tensor) -> bool:

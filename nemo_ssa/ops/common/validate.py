@@ -48,6 +48,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from nemo_ssa.ops.common.target import backend
+
 __all__ = [
     "check_deterministic",
     "ArgumentTypeError",
@@ -140,15 +142,15 @@ def check_ssa_param(name: str, t, device: torch.device) -> None:
                          f"(0-d or [1])")
 
 
-def _check_device(caps: Capabilities, device: torch.device, interpreted: bool) -> None:
+def _check_device(caps: Capabilities, device: torch.device) -> None:
     if not caps.triton:
         return
-    if interpreted:
-        if device.type != "cpu":
-            raise UnsupportedError(
-                f"{caps.name}: the Triton kernels were built for TRITON_INTERPRET=1; supported "
-                f"devices in this process: cpu; got {device}")
-    elif device.type != "cuda":
+    kind = backend(device)
+    if kind == "unsupported":
+        raise UnsupportedError(
+            f"{caps.name}: the Triton kernels were built for TRITON_INTERPRET=1; supported "
+            f"devices in this process: cpu; got {device}")
+    if kind == "cpu":
         raise UnsupportedError(
             f"{caps.name}: device {device} unsupported; supported devices: cuda (or cpu when "
             f"TRITON_INTERPRET=1 is set before nemo_ssa.ops is imported)")
@@ -189,7 +191,6 @@ def validate_attention_args(
     cu_seqlens_k=None,
     max_seqlen_q=None,
     max_seqlen_k=None,
-    interpreted: bool = False,
 ) -> None:
     """Check one attention call against ``caps``; raise before any work is done.
 
@@ -200,7 +201,6 @@ def validate_attention_args(
         n, b: SSA parameters (required for ``transform="ssa"``, refused otherwise).
         transform, causal, softmax_scale, dropout_p, keep_mask: as in ``attention_naive``.
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: packed input (varlen ops).
-        interpreted: for Triton ops, whether their kernels were built by the interpreter.
 
     Raises:
         ArgumentTypeError, UnsupportedError or ValueError (module docstring), the message
@@ -220,7 +220,7 @@ def validate_attention_args(
         raise exc(f"{caps.name}: q, k, v have dtype {q.dtype}; supported dtypes: {_dtype_names(caps.dtypes)}")
     if q.device != k.device or q.device != v.device:
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    _check_device(caps, q.device, interpreted)
+    _check_device(caps, q.device)  # Triton ops: target.backend says where their kernels run
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     d, dk = q.shape[-1], k.shape[-1]

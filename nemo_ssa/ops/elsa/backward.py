@@ -7,7 +7,7 @@ with the flash kernels: it recomputes ``p = 2^(z2 - M)`` tile by tile (no attent
 matrix, no online-softmax recurrence) and returns ``dq, dk, dv, dn, db``. ELSA adds
 nothing of its own here: it calls the shared custom op ``nemo_ssa::attention_bwd`` (one
 opaque node for ``torch.compile``, the same node the flash forward's backward uses) and
-keeps forward and backward on the same ``lg2.approx`` choice (``launch.use_fast_math``): ``p`` is
+keeps forward and backward on the same ``lg2.approx`` choice (``target.use_fast_math``): ``p`` is
 recomputed from ``z2``, so both passes must round ``z2`` identically.
 """
 
@@ -19,7 +19,8 @@ import torch
 
 from nemo_ssa.ops.common.bwd import attention_bwd_op  # noqa: F401 -- registers nemo_ssa::attention_bwd
 from nemo_ssa.ops.common.dispatch import SINGLE, backward_plan
-from nemo_ssa.ops.common.launch import default_input_precision, use_fast_math
+from nemo_ssa.ops.common.launch import default_input_precision
+from nemo_ssa.ops.common.target import use_fast_math
 from nemo_ssa.ops.common.transforms import log2_mode
 
 __all__ = ["elsa_bwd"]

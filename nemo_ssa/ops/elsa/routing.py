@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from nemo_ssa.ops.common.launch import block_d, is_interpreter  # noqa: F401 (block_d: re-exported)
+from nemo_ssa.ops.common.target import target
 
 __all__ = [
     "FWD_TILES",
@@ -67,17 +68,11 @@ ROUTING = dict(
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count_cuda(index: int) -> int:
-    return int(torch.cuda.get_device_properties(index).multi_processor_count)
-
-
 @torch.compiler.assume_constant_result  # a device property: a constant to torch.compile
 def sm_count(device) -> int:
-    """Streaming multiprocessors of ``device`` (CUDA), else ``ROUTING['default_sms']``."""
-    device = torch.device(device)
-    if device.type == "cuda" and not is_interpreter():
-        return _sm_count_cuda(device.index if device.index is not None else torch.cuda.current_device())
-    return int(ROUTING["default_sms"])
+    """Streaming multiprocessors of ``device`` (CUDA, ``target.Target.sms``), else
+    ``ROUTING['default_sms']``."""
+    return target(torch.device(device)).sms or int(ROUTING["default_sms"])
 
 
 def _dtype_class(dtype: torch.dtype) -> str:

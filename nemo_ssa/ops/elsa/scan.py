@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from nemo_ssa.ops.common.launch import is_interpreter as kernels_interpreted
-from nemo_ssa.ops.common.launch import use_fast_math
+from nemo_ssa.ops.common.target import target, use_fast_math
 from nemo_ssa.ops.common.transforms import score_fwd_hoisted, transform_consts, transform_id
 from nemo_ssa.ops.common.validate import (
     KERNEL_DTYPES,
@@ -531,8 +531,7 @@ def _validate_elsa(q, k, v, *, transform, n, b, causal, softmax_scale, keep_mask
                    num_partitions, fp32_precision) -> None:
     """The shared argument check with ELSA's capabilities, plus ELSA's own options."""
     validate_attention_args(ELSA_CAPS, q, k, v, n, b, transform=transform, causal=causal,
-                            softmax_scale=softmax_scale, dropout_p=dropout_p, keep_mask=keep_mask,
-                            interpreted=kernels_interpreted())
+                            softmax_scale=softmax_scale, dropout_p=dropout_p, keep_mask=keep_mask)
     if fp32_precision not in FP32_PRECISIONS:
         raise ValueError(f"fp32_precision must be one of {FP32_PRECISIONS}, got {fp32_precision!r}")
     if num_partitions is not None and (isinstance(num_partitions, bool) or not isinstance(num_partitions, int)
@@ -642,7 +641,7 @@ def merge_finalize_partials(
     if not (m.device == l.device == acc.device):
         raise ValueError(f"m, l, acc must be on one device, got {m.device}, {l.device}, {acc.device}")
     interp = kernels_interpreted()
-    if not ((m.device.type == "cuda" and not interp) or (m.device.type == "cpu" and interp)):
+    if not target(m.device).runs_kernels:
         raise ValueError(f"the merge kernel runs on CUDA tensors, or on CPU when TRITON_INTERPRET=1 was set "
                          f"before nemo_ssa.ops.elsa was imported (supported here: "
                          f"{'cpu' if interp else 'cuda'}); got device {m.device}")

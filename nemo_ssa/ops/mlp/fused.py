@@ -53,6 +53,7 @@ from torch import Tensor
 
 from nemo_ssa.ops.common import env
 from nemo_ssa.ops.common.launch import is_interpreter
+from nemo_ssa.ops.common.target import backend
 from nemo_ssa.ops.mlp.naive import mlp_relu2_naive
 
 
@@ -287,9 +288,10 @@ def triton_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the Triton path runs for ``dtype`` tensors on ``device``: bf16/fp16 on CUDA;
     fp16 on CPU under ``TRITON_INTERPRET=1`` (the interpreter's bf16 ``tl.dot`` is wrong:
     it stores bf16 as uint16, so bf16 is checked on the GPU, tests/ops/mlp/test_mlp_gpu.py)."""
-    if device.type == "cuda":
+    kind = backend(device)
+    if kind in ("cuda", "rocm"):
         return dtype in SUPPORTED_DTYPES
-    return device.type == "cpu" and dtype == torch.float16 and is_interpreter()
+    return kind == "interpreter" and dtype == torch.float16
 
 
 kernels_interpreted = is_interpreter  # this family's name for the one interpreter check

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from nemo_ssa.ops.common.launch import block_d, is_interpreter, use_fast_math  # noqa: F401 (block_d: re-exported)
+from nemo_ssa.ops.common.launch import block_d, is_interpreter  # noqa: F401 (block_d: re-exported)
+from nemo_ssa.ops.common.target import target, use_fast_math
 from nemo_ssa.ops.common.validate import KERNEL_DTYPES, MAX_HEAD_DIM, MIN_HEAD_DIM
 from nemo_ssa.ops.common.transforms import log2_mode, transform_id
 
@@ -29,7 +30,7 @@ def check_kernel_tensors(name_to_tensor) -> None:
             )
         if t.dtype != ref.dtype or t.device != ref.device:
             raise ValueError(f"all inputs must share dtype and device; `{name}` is {t.dtype} on {t.device}")
-    if not (ref.is_cuda or is_interpreter()):
+    if not target(ref.device).runs_kernels:
         raise ValueError(
             "NSA Triton kernels need a CUDA tensor (or TRITON_INTERPRET=1 on CPU); "
             "use impl='torch' for the CPU reference path"

@@ -37,6 +37,7 @@ from nemo_ssa.ops.nsa.naive import (
     window_mask,
 )
 from nemo_ssa.ops.attention.naive import ssa_transform
+from nemo_ssa.ops.common.target import backend
 
 __all__ = ["nsa_attention", "STAGES", "IMPLS", "resolve_impl"]
 
@@ -149,7 +150,7 @@ _TABLE = {
 
 def resolve_impl(impl: Union[str, Dict[str, str]], q: torch.Tensor) -> Dict[str, str]:
     """``impl`` -> ``{stage: "triton" | "torch"}`` (raises ValueError on unknown names)."""
-    auto = "triton" if (q.is_cuda and q.dtype != torch.float64) else "torch"
+    auto = "triton" if (backend(q.device) in ("cuda", "rocm") and q.dtype != torch.float64) else "torch"
     if isinstance(impl, str):
         if impl not in IMPLS + ("auto",):
             raise ValueError(f"unknown NSA impl {impl!r}; supported: {IMPLS + ('auto',)} or a dict {{stage: impl}}")

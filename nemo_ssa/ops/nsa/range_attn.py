@@ -50,7 +50,6 @@ for half inputs (as flash attention does); no dropout.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional, Tuple
 
@@ -60,6 +59,7 @@ import triton.language as tl
 
 from nemo_ssa.ops.common.device import tma_tile
 from nemo_ssa.ops.common.launch import is_interpreter
+from nemo_ssa.ops.common.target import target
 from nemo_ssa.ops.common.tma import descriptor, use_tma
 from nemo_ssa.ops.common.transforms import grad_consts, score_bwd_parts, score_fwd, transform_consts
 from nemo_ssa.ops.nsa._common import (
@@ -593,11 +593,6 @@ def _dkv_split(n_tok: int, nk: int, bsz: int, hkv: int, group: int, d: int, bloc
     return max(1, split)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _range_fwd(q, k, v, n_t, b_t, tid, scale, kstride, koff, window):
     bsz, hq, n_tok, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
@@ -643,7 +638,7 @@ def _range_bwd(q, k, v, o, lse, do, n_t, b_t, tid, scale, kstride, koff, window)
         hq, n_tok, nk, d, hq // hkv, scale, kstride, koff, window if window else 0, **common,
     )
     split = _dkv_split(n_tok, nk, bsz, hkv, hq // hkv, d, bm, bn, kstride, window,
-                       n_sm=_num_sms(q.device.index) if q.is_cuda else 132,
+                       n_sm=target(q.device).sms or 132,
                        override=int(TILE_OVERRIDE.get("dkv_split", 0)))
     common["TMA"] = _tma("dkv", d, q, do, scores=bsz * hq * n_tok * nk)
     dk, dv, dnb = _range_bwd_dkv(q, k, v, do, lse, delta, n_t, b_t, scale, kstride, koff, window, split, common)

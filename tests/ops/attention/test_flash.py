@@ -650,7 +650,7 @@ def test_traced_host_code_touches_no_triton_kernel():
     dynamo fail with "TritonKernelVariable() has no type" under inductor."""
     import triton
 
-    from nemo_ssa.ops.common import device, launch
+    from nemo_ssa.ops.common import device, launch, target
     from nemo_ssa.ops.common import validate as va
     from nemo_ssa.ops.attention import flash as fl
 
@@ -662,7 +662,8 @@ def test_traced_host_code_touches_no_triton_kernel():
               fl.ssa_attention_triton_varlen, fl.softmax_attention_triton_varlen, fl._validate_flash,
               fl._resolve, fl._fwd_setup_context, fl._fwd_backward, fl._flash_apply, fl._grads_from_bwd,
               device.make_rng_state, launch.is_interpreter,
-              launch.use_fast_math, launch.default_input_precision, va.validate_attention_args, va.check_ssa_param,
+              target.use_fast_math, target.backend, launch.default_input_precision, va.validate_attention_args,
+              va.check_ssa_param,
               va._check_device, va._check_cu_seqlens]
     for fn in traced:
         fn = getattr(fn, "__wrapped__", fn)

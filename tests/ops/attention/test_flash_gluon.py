@@ -26,6 +26,7 @@ if not CUDA:
 
 import nemo_ssa.ops.attention.flash as flash  # noqa: E402
 import nemo_ssa.ops.attention.hopper as hopper  # noqa: E402
+from nemo_ssa.ops.common import target  # noqa: E402
 from nemo_ssa.ops.attention.naive import attention_naive  # noqa: E402
 from nemo_ssa.ops.common.launch import is_interpreter  # noqa: E402
 from nemo_ssa.testing import assert_within_2x_eager  # noqa: E402
@@ -110,8 +111,9 @@ def _cfg(q, k=None, v=None, o=None, **kw):
 
 @pytest.fixture
 def sm90(monkeypatch):
-    monkeypatch.setattr(hopper, "_sm90", lambda device: True)
     monkeypatch.delenv("NEMO_SSA_GLUON", raising=False)
+    with target.stand_in(target.H100):
+        yield
 
 
 def test_gluon_config_takes_the_table_rows(sm90):
@@ -146,20 +148,23 @@ def test_gluon_config_refuses_what_it_does_not_cover(sm90, monkeypatch):
     monkeypatch.setenv("NEMO_SSA_GLUON", "0")
     assert _cfg(q) is None
     monkeypatch.delenv("NEMO_SSA_GLUON")
-    monkeypatch.setattr(hopper, "_sm90", lambda device: False)  # sm_80, sm_100, ... and CPU
-    assert _cfg(q) is None
+    for other in (target.Target("cuda", (8, 0), 108), target.Target("cuda", (10, 0), 148), target.Target("rocm", (9, 4))):
+        with target.stand_in(other):
+            assert _cfg(q) is None, other
+    with target.stand_in(target.Target("cpu")):
+        assert _cfg(q) is None
 
 
 def test_sm90_check_is_exact_capability(monkeypatch):
-    from nemo_ssa.ops.common import tma as T
+    from nemo_ssa.ops.common.tma import tma_capable, wgmma_capable
 
-    assert not hopper._sm90(torch.device("cpu"))
-    monkeypatch.setattr(torch.version, "hip", None)
-    for cap, want in (((9, 0), True), ((10, 0), False), ((8, 9), False), ((12, 0), False)):
-        T._SM90.clear()
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda idx=None, c=cap: c)
-        assert hopper._sm90(torch.device("cuda", 0)) is want, cap
-    T._SM90.clear()
+    assert not wgmma_capable(torch.device("cpu"))
+    for cap, wgmma, tma in (((9, 0), True, True), ((10, 0), False, True), ((8, 9), False, False),
+                            ((12, 0), False, True)):
+        with target.stand_in(target.Target("cuda", cap, 100)):
+            assert wgmma_capable(torch.device("cpu")) is wgmma and tma_capable(torch.device("cpu")) is tma, cap
+    assert not target.Target("rocm", (9, 0)).wgmma and not target.Target("interpreter").wgmma
+    assert target.Target("interpreter").tma and not target.Target("interpreter").fast_math
 
 
 def test_flash_fwd_routes_an_accepted_call_to_the_gluon_kernel(monkeypatch):

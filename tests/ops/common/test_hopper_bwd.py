@@ -28,7 +28,7 @@ if not CUDA:
 import nemo_ssa.ops.common.bwd as B  # noqa: E402
 import nemo_ssa.ops.common.hopper_bwd as H  # noqa: E402
 from nemo_ssa.ops.attention.naive import attention_naive  # noqa: E402
-from nemo_ssa.ops.common import bwd_config, dispatch  # noqa: E402
+from nemo_ssa.ops.common import bwd_config, dispatch, target  # noqa: E402
 from nemo_ssa.ops.common.launch import is_interpreter  # noqa: E402
 from nemo_ssa.testing import assert_within_2x_eager  # noqa: E402
 
@@ -121,8 +121,9 @@ def _big(d=128, dtype=torch.bfloat16, h=1, s=4096, device="cpu"):
 
 @pytest.fixture
 def sm90(monkeypatch):
-    monkeypatch.setattr(H, "wgmma_capable", lambda device: True)
     monkeypatch.delenv("NEMO_SSA_GLUON", raising=False)
+    with target.stand_in(target.H100):
+        yield
 
 
 def _cfg(q, k=None, do=None, o=None, transform="softmax", **kw):
@@ -151,8 +152,8 @@ def test_gluon_bwd_config_takes_the_table_rows(sm90, monkeypatch):
     monkeypatch.setenv("NEMO_SSA_GLUON", "0")
     assert _cfg(q) is None
     monkeypatch.delenv("NEMO_SSA_GLUON")
-    monkeypatch.setattr(H, "wgmma_capable", lambda device: False)
-    assert _cfg(q) is None
+    with target.stand_in(target.Target("cuda", (10, 0), 148)):  # Blackwell: no wgmma
+        assert _cfg(q) is None
 
 
 def test_single_pass_pays_where_the_gluon_kernel_runs():
