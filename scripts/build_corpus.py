@@ -32,8 +32,10 @@ def _max_bytes(value: str):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=None, help=f"output directory (default: {default_corpus_dir()})")
-    ap.add_argument("--source", default="stdlib", help="'stdlib', a directory of text files, or a .jsonl file")
+    ap.add_argument("--out", default=None, help=f"output directory (default for a named source: "
+                                                 f"{default_corpus_dir().replace('stdlib', '<source>')})")
+    ap.add_argument("--source", default="stdlib", help="'stdlib', 'site-packages' (this Python's installed packages' "
+                                                       "sources, ~10x stdlib), a directory of text files, or a .jsonl file")
     ap.add_argument("--vocab-size", type=int, default=50_257, help="BPE vocab size (default 50257, as nemo_ssa/configs/data/stdlib.yaml; pads to 50,304)")
     ap.add_argument("--max-bytes", type=_max_bytes, default=None,
                     help="cap on total input bytes, e.g. 5000000 or 5M; 'all' (default) = no cap")
@@ -42,8 +44,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quiet", action="store_true", help="print only the final prefix and tokenizer dir")
     args = ap.parse_args(argv)
 
-    out = args.out or default_corpus_dir()
     try:
+        out = args.out or default_corpus_dir(args.source)
         info = build_corpus(out, source=args.source, vocab_size=args.vocab_size, max_bytes=args.max_bytes,
                             name=args.name, force=args.force, quiet=args.quiet)
     except CorpusError as e:

@@ -123,7 +123,7 @@ def prepare_corpus(overrides: List[str], tag: str = "parity") -> None:
     from nemo_ssa.data import build_corpus, default_corpus_dir
 
     data = OmegaConf.load(os.path.join(REPO, "nemo_ssa", "configs", "data", "stdlib.yaml"))
-    info = build_corpus(data.get("dir") or default_corpus_dir(), source=data.source,
+    info = build_corpus(data.get("dir") or default_corpus_dir(data.source), source=data.source,
                         vocab_size=int(data.vocab_size), max_bytes=data.get("max_bytes"))
     print(f"[{tag}] corpus {info.prefix} ({info.num_tokens:,} tokens{', reused' if info.reused else ''})", flush=True)
 

@@ -128,7 +128,7 @@ def _data(cfg: DictConfig):
         return str(data.prefix), str(data.tokenizer_dir)
     from nemo_ssa.data import build_corpus_locked, default_corpus_dir
 
-    info = build_corpus_locked(data.get("dir") or default_corpus_dir(), source=data.source,
+    info = build_corpus_locked(data.get("dir") or default_corpus_dir(data.source), source=data.source,
                                vocab_size=int(data.vocab_size), max_bytes=data.get("max_bytes"))
     return info.prefix, info.tokenizer_dir
 

@@ -203,7 +203,8 @@ def passes_warning(run_dirs: Sequence[str]) -> Optional[str]:
     return (f"**Data: these runs read their training split up to {max(passes):.1f} times** "
             f"({sum(p > 1 for p in passes)} of {len(passes)} runs past one pass). Past the first pass the "
             "held-out loss also rewards memorizing less: a ranking or verdict read off it is not only one of "
-            "learning (more data: `data.source=<dir>` or `data.prefix=...`).")
+            "learning (more data: `data=site_packages`, ~10x the embedded corpus, `data.source=<dir>` or "
+            "`data.prefix=...`).")
 
 
 def lr_sweep(out: str, attentions: Sequence[str], seeds: Sequence[int], lrs: Sequence[float],
@@ -410,9 +411,10 @@ def prepare_corpus(overrides: Sequence[str]) -> None:
 
     from nemo_ssa.data import build_corpus, default_corpus_dir
 
-    data = OmegaConf.merge(OmegaConf.load(config_file("data", "stdlib.yaml")),
+    group = next((o.split("=", 1)[1] for o in overrides if o.startswith("data=")), "stdlib")  # data=site_packages
+    data = OmegaConf.merge(OmegaConf.load(config_file("data", f"{group}.yaml")),
                            OmegaConf.from_dotlist([o[len("data."):] for o in overrides if o.startswith("data.")]))
-    info = build_corpus(data.get("dir") or default_corpus_dir(), source=data.source,
+    info = build_corpus(data.get("dir") or default_corpus_dir(data.source), source=data.source,
                         vocab_size=int(data.vocab_size), max_bytes=data.get("max_bytes"))
     print(f"[study] corpus {info.prefix} ({info.num_tokens:,} tokens{', reused' if info.reused else ''})", flush=True)
 

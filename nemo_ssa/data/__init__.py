@@ -8,6 +8,7 @@ from nemo_ssa.data.corpus import (
     CorpusInfo,
     DEFAULT_VOCAB_SIZE,
     build_corpus,
+    NAMED_SOURCES,
     build_corpus_locked,
     default_corpus_dir,
 )
@@ -22,4 +23,5 @@ __all__ = [
     "build_corpus",
     "build_corpus_locked",
     "default_corpus_dir",
+    "NAMED_SOURCES",
 ]

@@ -51,6 +51,7 @@ MIN_FREQUENCY = 2  # a merge must be seen at least twice
 # (CPython 3.11: ~12 MB without them, ~31 MB with them), which also lets the BPE reach a
 # 50k vocabulary; where a distribution ships no test suite the corpus is just smaller.
 _STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+_PURELIB_SKIP_DIRS = frozenset({"__pycache__", "tests", "test", "testing"})
 _ENCODE_CHUNK = 256  # documents per encode_batch call
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
     "build_corpus",
     "build_corpus_locked",
     "default_corpus_dir",
+    "NAMED_SOURCES",
     "DEFAULT_VOCAB_SIZE",
     "EOD_TOKEN",
     "PAD_TOKEN",
@@ -92,13 +94,21 @@ def _repo_root() -> Optional[Path]:
 DEFAULT_VOCAB_SIZE = 50_257
 
 
-def default_corpus_dir() -> str:
-    """``<repo>/data/stdlib-corpus`` in a checkout, ``./data/stdlib-corpus`` (the current
+#: the named sources: documents collected from this Python's own files, nothing downloaded
+NAMED_SOURCES = ("stdlib", "site-packages")
+
+
+def default_corpus_dir(source: str = "stdlib") -> str:
+    """``<repo>/data/<source>-corpus`` in a checkout, ``./data/<source>-corpus`` (the current
     directory, beside ``runs/``) for an installed package; the env var ``NEMO_SSA_DATA_DIR``
-    replaces ``<repo>/data`` or ``./data``."""
+    replaces ``<repo>/data`` or ``./data``. ``source``: a named source (each gets its own
+    directory, so building one never overwrites another); a path source has no default."""
+    if source not in NAMED_SOURCES:
+        raise CorpusError(f"corpus source {source!r} is a path: give data.dir (an output directory) for it; "
+                          f"named sources with a default directory: {', '.join(NAMED_SOURCES)}")
     root = _repo_root()
     parent = os.environ.get("NEMO_SSA_DATA_DIR") or (str(root / "data") if root else "data")
-    return os.path.join(os.path.abspath(os.path.expanduser(parent)), "stdlib-corpus")
+    return os.path.join(os.path.abspath(os.path.expanduser(parent)), f"{source}-corpus")
 
 
 # --------------------------------------------------------------------------------------
@@ -108,7 +118,7 @@ def default_corpus_dir() -> str:
 
 @dataclass
 class _Docs:
-    kind: str  # "stdlib" | "dir" | "jsonl"
+    kind: str  # "stdlib" | "site-packages" | "dir" | "jsonl"
     root: str
     texts: List[str]
     num_inputs: int  # files (or jsonl lines) used as documents
@@ -215,18 +225,23 @@ def _collect_jsonl(path: Path, max_bytes: Optional[int]) -> _Docs:
 
 
 def _collect(source: str, max_bytes: Optional[int], out_dir: Path) -> _Docs:
-    if source == "stdlib":
-        root = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    if source in NAMED_SOURCES:
+        # stdlib: the standard library without its tests; site-packages: the installed
+        # packages' sources (~300 MB of Python in the GPU lock's environment, ~10x stdlib),
+        # without test directories
+        key, skip = ("stdlib", _STDLIB_SKIP_DIRS) if source == "stdlib" else ("purelib", _PURELIB_SKIP_DIRS)
+        root = Path(sysconfig.get_paths()[key]).resolve()
         paths = (
             p
-            for p in _walk_sorted(root, lambda d: d in _STDLIB_SKIP_DIRS or d.startswith("."), None)
+            for p in _walk_sorted(root, lambda d: d in skip or d.startswith("."), out_dir.resolve())
             if p.suffix == ".py"
         )
-        docs = _collect_files("stdlib", root, paths, max_bytes)
+        docs = _collect_files(source, root, paths, max_bytes)
     else:
         p = Path(os.path.expanduser(str(source)))
         if not p.exists():
-            raise CorpusError(f"corpus source does not exist: {source!r} (use 'stdlib', a directory or a .jsonl file)")
+            raise CorpusError(f"corpus source does not exist: {source!r} (use 'stdlib', 'site-packages', a directory "
+                              f"or a .jsonl file)")
         p = p.resolve()
         if p.is_dir():
             # Hidden files/dirs are skipped, and so is the output directory if it lies inside.
@@ -239,7 +254,8 @@ def _collect(source: str, max_bytes: Optional[int], out_dir: Path) -> _Docs:
         elif p.suffix == ".jsonl":
             docs = _collect_jsonl(p, max_bytes)
         else:
-            raise CorpusError(f"corpus source must be 'stdlib', a directory or a .jsonl file, got file {str(p)!r}")
+            raise CorpusError(f"corpus source must be 'stdlib', 'site-packages', a directory or a .jsonl file, "
+                              f"got file {str(p)!r}")
     if not docs.texts:
         raise CorpusError(
             f"corpus source {source!r} has no usable documents (skipped: {docs.skipped}"
@@ -284,7 +300,7 @@ def _tokenizers_version() -> str:
 
 def _options(source: str, vocab_size: int, max_bytes: Optional[int], name: str) -> dict:
     return {
-        "source": source if source == "stdlib" else "path",
+        "source": source if source in NAMED_SOURCES else "path",
         "vocab_size": int(vocab_size),
         "max_bytes": None if max_bytes is None else int(max_bytes),
         "name": name,
@@ -409,7 +425,8 @@ def build_corpus(
     Args:
         out_dir: output directory (created if missing).
         source: ``"stdlib"`` (the running Python's standard-library ``*.py`` sources, test
-            suites excluded), a directory (every non-hidden UTF-8 text file under it, one
+            suites excluded), ``"site-packages"`` (the ``*.py`` sources of the packages
+            installed for the running Python, test directories excluded: ~10x stdlib), a directory (every non-hidden UTF-8 text file under it, one
             file = one document) or a ``.jsonl`` file (one ``{"text": ...}`` per line).
         vocab_size: BPE vocabulary size requested, special tokens included. The real size can
             be smaller on a small corpus; ``CorpusInfo.vocab_size`` is the real one.

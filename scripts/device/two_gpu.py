@@ -496,7 +496,7 @@ def _prepare_corpus(cpu: bool, data_dir: Optional[str]) -> None:
     data = OmegaConf.load(os.path.join(REPO, "nemo_ssa", "configs", "data", "stdlib.yaml"))
     kw = dict(vocab_size=512, max_bytes=400_000) if cpu else dict(vocab_size=int(data.vocab_size),
                                                                    max_bytes=data.get("max_bytes"))
-    build_corpus(data_dir or data.get("dir") or default_corpus_dir(), source=data.source, quiet=True, **kw)
+    build_corpus(data_dir or data.get("dir") or default_corpus_dir(data.source), source=data.source, quiet=True, **kw)
 
 
 def _start(job: Job, env: Dict[str, str], log: str):

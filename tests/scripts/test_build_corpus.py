@@ -241,3 +241,32 @@ def test_tokenizer_loads_with_transformers_and_nemo(built, src):
     assert nt.vocab_size == built.vocab_size
     assert nt.eos_id == nt.eod == built.eod_id
     assert nt.ids_to_text(nt.text_to_ids(text)) == text
+
+
+def test_site_packages_source_reads_installed_sources_without_their_tests(tmp_path, monkeypatch):
+    """``source="site-packages"``: the ``*.py`` files under this Python's purelib, test
+    directories, caches and hidden directories left out, in sorted order; its own default
+    directory beside the stdlib one, which it never overwrites."""
+    site = tmp_path / "site"
+    files = {"alpha/__init__.py": "A = 1\n", "alpha/core.py": "def f():\n    return 2\n",
+             "beta/util.py": "X = 'beta'\n", "alpha/tests/test_core.py": "assert False\n",
+             "alpha/test/t.py": "skip\n", "alpha/__pycache__/core.py": "skip\n", ".hidden/h.py": "skip\n",
+             "alpha/data.json": '{"not": "python"}\n'}
+    for rel, text in files.items():
+        (site / rel).parent.mkdir(parents=True, exist_ok=True)
+        (site / rel).write_text(text)
+    real = sysconfig.get_paths
+
+    def paths(*a, **k):
+        return dict(real(*a, **k), purelib=str(site))
+
+    monkeypatch.setattr(sysconfig, "get_paths", paths)
+    info = build_corpus(str(tmp_path / "out"), source="site-packages", vocab_size=300, quiet=True)
+    assert info.num_documents == 3  # alpha/__init__, alpha/core, beta/util
+    m = json.loads(Path(info.manifest_path).read_text())
+    assert m["options"]["source"] == "site-packages"
+    monkeypatch.setenv("NEMO_SSA_DATA_DIR", str(tmp_path / "d"))
+    assert default_corpus_dir("site-packages") == str(tmp_path / "d" / "site-packages-corpus")
+    assert default_corpus_dir() == str(tmp_path / "d" / "stdlib-corpus")
+    with pytest.raises(CorpusError, match="give data.dir"):
+        default_corpus_dir(str(tmp_path / "my_texts"))
