@@ -1,6 +1,6 @@
 """One table of op benchmarks: what is timed, at which shapes, against what.
 
-Each op (``attention``, ``nsa``, ``nsa-ssa``) declares once
+Each op (``attention``, ``nsa``, ``nsa-ssa``, ``elsa``) declares once
 
 * its entries: a name, a role (``kernel`` under test, ``baseline`` it is timed against in
   the same process, ``reference`` = the unfused/eager path), the baseline each is divided
@@ -174,7 +174,55 @@ NSA = OpBench("nsa", "NSA layer and branches (bench_nsa.py's rows), softmax tran
 NSA_SSA = OpBench("nsa-ssa", "the same NSA rows with the SSA transform", _NSA_ENTRIES, _NSA_SHAPES,
                   _nsa_builder("ssa"))
 
-REGISTRY: Dict[str, OpBench] = {o.op: o for o in (ATTENTION, NSA, NSA_SSA)}
+# ---------------------------------------------------------------------------------- ELSA
+def _build_elsa(shape: Shape, dtype, device, names) -> Built:
+    from benchmarks import bench_attention as ba, bench_elsa as be
+
+    causal = True
+    q, k, v, go, n, b = ba.make_inputs(shape.B, shape.Hq, shape.Hkv, shape.N, shape.D, dtype, device)
+    built = Built(fns={}, leaves={}, grad_out=go)
+    for name in names:
+        if name.startswith("elsa_"):
+            fn, extra = be._elsa_fn(name[len("elsa_"):], causal, n, b), [n] if name == "elsa_ssa" else []
+        elif name == "sdpa_flash" and device.type == "cuda":
+            fn, extra = be._sdpa_fn("flash", causal), []
+        else:
+            built.skipped[name] = "SDPA's flash backend needs CUDA"
+            continue
+        built.fns[name] = (lambda fn=fn: fn(q, k, v))
+        built.leaves[name] = [q, k, v, *extra]
+
+    def ssa_ref():
+        from nemo_ssa.ops.attention.naive import attention_naive
+
+        return attention_naive(q, k, v, n=n, b=b, causal=causal, upcast=True)
+
+    def softmax_ref():
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.float(), k.float(), v.float(), is_causal=causal, enable_gqa=shape.Hq != shape.Hkv)
+
+    built.refs.update(elsa_softmax=softmax_ref, elsa_ssa=ssa_ref)
+    return built
+
+
+ELSA = OpBench(
+    op="elsa",
+    doc="ELSA's two-pass scan (bench_elsa.py's rows), softmax and SSA transforms, vs SDPA flash",
+    entries=(
+        Entry("elsa_softmax", "kernel", "sdpa_flash"),
+        Entry("elsa_ssa", "kernel", "sdpa_flash"),
+        Entry("sdpa_flash", "baseline", None, needs_cuda=True),
+    ),
+    shapes={
+        "recipe": (Shape("recipe", 8, 24, 8, 1024, 32),),
+        "wide": (Shape("D64-N4096", 1, 16, 16, 4096, 64), Shape("D64-N16384", 1, 16, 16, 16384, 64)),
+        "long": (Shape("N4096", 1, 24, 8, 4096, 32), Shape("N16384", 1, 24, 8, 16384, 32)),
+        "tiny": (Shape("tiny", 1, 4, 2, 40, 32),),
+    },
+    build=_build_elsa,
+)
+
+REGISTRY: Dict[str, OpBench] = {o.op: o for o in (ATTENTION, NSA, NSA_SSA, ELSA)}
 
 
 def get(op: str) -> OpBench:

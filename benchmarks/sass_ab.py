@@ -11,10 +11,14 @@ SASS (addresses and encodings stripped).
     python -m benchmarks.sass_ab --op all --shape all --ab HEAD~3      # this tree vs a git ref
 
 ``--ab REF`` compiles the same rows with git ref REF's ``nemo_ssa`` (a worktree) and says,
-per kernel, whether the SASS is identical: a restructuring whose every kernel compiles to
-the same instructions cannot have changed speed or numerics on that GPU, so the device
-time goes to the rows that differ. Exit status 1 if any kernel differs (or exists on one
-side only). Static, not a timing: a row that differs still needs ``benchmarks/run.py`` on
+per kernel, whether the SASS is ``identical``, comes from the ``same IR`` (Triton's TTGIR
+without source locations: the backend was given the same program, and LLVM/ptxas still
+move a few instructions when only line numbers moved -- seen on NSA's dK/dV kernel),
+is ``reordered`` (the same instructions, loop bodies, registers and spills in another order)
+or how it ``differs``: a restructuring whose every kernel
+compiles to the same instructions cannot have changed speed or numerics on that GPU, so
+the device time goes to the rows that differ. Exit status 1 if any kernel differs (or
+exists on one side only), or the dispatcher chose otherwise. Static, not a timing: a row that differs still needs ``benchmarks/run.py`` on
 a GPU. What it cannot see: host cost per call, and kernels chosen by a real device probe
 that the stand-in answers differently (it says sm_90 with TMA and wgmma).
 """
@@ -31,6 +35,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -151,6 +156,7 @@ def sass_of(compiled) -> Tuple[str, int]:
 _INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _OPCODE = re.compile(r"^(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
 _BRANCH = re.compile(r"\bBRA\b.*?(0x[0-9a-f]+)")
+_LOC = re.compile(r"\s*loc\((?:[^()]|\([^()]*\))*\)")
 
 
 def fingerprint(compiled, dump: Optional[str] = None) -> Dict[str, object]:
@@ -169,13 +175,16 @@ def fingerprint(compiled, dump: Optional[str] = None) -> Dict[str, object]:
                    for b in [_BRANCH.search(text)] if b and int(b.group(1), 16) < addr and int(b.group(1), 16) in at)
     counts = sorted(collections.Counter(o for o in ops if o != "NOP").items())
     digest = hashlib.sha1("\n".join(instrs).encode()).hexdigest()[:12]
+    ir = "\n".join(line for line in _LOC.sub("", compiled.asm.get("ttgir", "")).splitlines()
+                   if line.strip() and not line.startswith("#loc"))
     if dump:
         os.makedirs(dump, exist_ok=True)
         with open(os.path.join(dump, f"{digest}.sass"), "w") as fh:
             fh.write("\n".join(instrs) + "\n")
     return dict(regs=regs, spills=sum(1 for o in ops if o.split(".")[0] in ("STL", "LDL")),
                 instrs=sum(1 for o in ops if o != "NOP"), loops=loops, sass=digest,
-                mix=hashlib.sha1(repr(counts).encode()).hexdigest()[:12])
+                mix=hashlib.sha1(repr(counts).encode()).hexdigest()[:12],
+                ir=hashlib.sha1(ir.encode()).hexdigest()[:12])
 
 
 def _dispatch():
@@ -257,6 +266,8 @@ def compare(here: List[Dict], ref: List[Dict]) -> Tuple[List[Dict], int]:
             row["ab"] = "same" if a.get("error") == b.get("error") else f"was: {b.get('error', 'compiled')}"
         elif a["sass"] == b["sass"]:
             row["ab"] = "identical"
+        elif a.get("ir") and a.get("ir") == b.get("ir"):
+            row["ab"] = "same IR"  # the backend got the same program; its SASS moved with line numbers alone
         elif (a.get("mix"), a["regs"], a["spills"], a.get("loops")) == (b.get("mix"), b["regs"], b["spills"],
                                                                         b.get("loops")):
             row["ab"] = "reordered"  # the same instructions and loop bodies, other order or registers
@@ -264,7 +275,7 @@ def compare(here: List[Dict], ref: List[Dict]) -> Tuple[List[Dict], int]:
             loops = "" if a.get("loops") == b.get("loops") else f", loops {b.get('loops')}->{a.get('loops')}"
             row["ab"] = (f"differs (regs {b['regs']}->{a['regs']}, instrs {b['instrs']}->{a['instrs']}, "
                          f"spills {b['spills']}->{a['spills']}{loops})")
-        bad += row["ab"] not in ("identical", "reordered", "same")
+        bad += row["ab"] not in ("identical", "same IR", "reordered", "same")
         out.append(row)
     return out, bad
 
@@ -303,8 +314,30 @@ def table(rows: List[Dict], ab: Optional[str]) -> str:
     return "\n".join(lines)
 
 
+def _pinned_run(argv: List[str]) -> Optional[int]:
+    """Run this tool again with Python's string-hash seed fixed, no line table and a fresh
+    Triton cache, or None when this is that run. Triton's compile depends on the hash seed (an iteration order:
+    NSA's dK/dV kernel compiles to one of two instruction orders by seed) and reuses a cached
+    binary whatever seed made it; a seed-0 compile into an empty cache gives the same SASS for
+    the same source in every run, so an A/B's "differs" is the source's doing."""
+    if "--pinned" in argv and os.environ.get("PYTHONHASHSEED") == "0":
+        return None
+    cache = tempfile.mkdtemp(prefix="nemo_ssa_sass_ab_cache_")
+    try:
+        # no debug line table either: ptxas schedules some kernels differently when only their
+        # source line numbers move (NSA's dK/dV kernel: +-3 instructions, its source unchanged)
+        env = dict(os.environ, PYTHONHASHSEED="0", TRITON_CACHE_DIR=cache, TRITON_DISABLE_LINE_INFO="1")
+        return subprocess.run([sys.executable, "-m", "benchmarks.sass_ab", *argv, "--pinned"], env=env,
+                              cwd=REPO).returncode
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    rc = _pinned_run(argv)
+    if rc is not None:
+        return rc
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--op", default="attention", help="registry ops, comma list, or all")
     ap.add_argument("--shape", default="recipe", help="shape sets, comma list, or all (every set but tiny)")
@@ -315,6 +348,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--dump", default=None, help="write each kernel's instructions to DIR/<hash>.sass")
     ap.add_argument("--code-root", default=None, help=argparse.SUPPRESS)  # the --ab subprocess: its nemo_ssa
+    ap.add_argument("--pinned", action="store_true", help=argparse.SUPPRESS)  # the run _pinned_run starts
     args = ap.parse_args(argv)
     ops = [registry.get(o) for o in (sorted(registry.REGISTRY) if args.op == "all" else args.op.split(","))]
     rows = collect(ops, args.shape, args.only, args.max_n, dump=args.dump)

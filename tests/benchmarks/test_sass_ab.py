@@ -4,8 +4,9 @@
   dispatcher deciding as on an H100 (the rows name the kernels and the choices the
   dispatcher made: the SSA backward's single pass, softmax's two kernels), with a
   fingerprint per kernel.
-- ``compare`` calls identical SASS identical, and counts a changed kernel, a changed
-  choice and a kernel present on one side only as differences (the exit status).
+- ``compare`` calls identical SASS identical, SASS from the same IR (without source
+  locations) same IR, the same instructions in another order reordered, and counts a changed kernel (another loop body included), a changed choice and
+  a kernel present on one side only as differences (the exit status).
 
 The compile runs in a subprocess: the suite sets TRITON_INTERPRET=1, which it must not see.
 """
@@ -47,7 +48,7 @@ def test_recipe_shape_compiles_every_kernel_as_an_h100_would(tmp_path):
     assert "attention.bwd: single-pass" in choice[("recipe-B32", "ssa_triton", "fwd+bwd")]
     assert "flash.fwd: triton-pointers" in choice[("recipe", "softmax_triton", "fwd")]
     for k in kernels:
-        assert k["regs"] > 0 and k["instrs"] > 100 and len(k["sass"]) == 12, k
+        assert k["regs"] > 0 and k["instrs"] > 100 and len(k["sass"]) == len(k["ir"]) == len(k["mix"]) == 12, k
     # one compiled kernel, one fingerprint: the same launch at B8 and B32 is the same code
     fp = {(k["shape"], k["impl"], k["mode"], k["kernel"]): k["sass"] for k in kernels}
     assert fp[("recipe", "ssa_triton", "fwd", "0:_attn_fwd_kernel")] == fp[("recipe-B32", "ssa_triton", "fwd",
@@ -62,6 +63,14 @@ def test_compare_names_what_differs():
     assert bad == 0 and same[0]["ab"] == "identical"
     rows, bad = compare([_rows(sass="bbbb", regs=130, instrs=2990)], [_rows()])
     assert bad == 1 and rows[0]["ab"] == "differs (regs 128->130, instrs 3000->2990, spills 0->0)"
+    # the same instructions in another order: not a difference; another loop body is one
+    moved = dict(sass="cccc", mix="m1", loops=[529, 1045])
+    rows, bad = compare([_rows(**moved)], [_rows(**dict(moved, sass="dddd"))])
+    assert bad == 0 and rows[0]["ab"] == "reordered"
+    rows, bad = compare([_rows(**moved, ir="i1", regs=140)], [_rows(**dict(moved, sass="dddd", ir="i1"))])
+    assert bad == 0 and rows[0]["ab"] == "same IR"
+    rows, bad = compare([_rows(**moved)], [_rows(**dict(moved, sass="dddd", loops=[531, 1045]))])
+    assert bad == 1 and rows[0]["ab"].endswith("loops [531, 1045]->[529, 1045])")
     rows, bad = compare([_rows(kernel="1:attn_bwd_kernel_dq")], [_rows()])
     assert bad == 2 and {r["ab"] for r in rows} == {"only here", "only in ref"}
     here = dict(_rows(kernel="dispatch", choice="attention.bwd: single-pass"))
