@@ -67,6 +67,7 @@ from nemo_ssa.ops.common.device import (
     load_params,
     make_rng_state,
     mask_scores,
+    online_softmax_step,
     seq_info,
     tile_ptrs,
     tma_store,
@@ -148,15 +149,7 @@ def _attn_fwd_inner(
             z2 = score_fwd_hoisted(qk, c0, c1, TRANSFORM, FAST_LOG2)
         if MASKED:
             z2 = mask_scores(z2, offs_m, cols, k_len, off_c, CAUSAL, False)
-            m_new = tl.maximum(m_i, tl.max(z2, 1))
-            # rows that have seen no key yet keep m = -inf; subtract 0 instead (p = 0)
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_new = tl.maximum(m_i, tl.max(z2, 1))
-            m_use = m_new
-        p = tl.math.exp2(z2 - m_use[:, None])  # [BLOCK_M, BLOCK_N]
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = online_softmax_step(z2, m_i, l_i, MASKED)  # p: [BLOCK_M, BLOCK_N]
         if SAVE_C:  # sum_j p smag (undropped p; masked keys have p = 0, finite smag)
             c_i = c_i * alpha + tl.sum(p * smag, 1)
         acc = acc * alpha[:, None]

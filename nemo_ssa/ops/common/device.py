@@ -26,6 +26,7 @@ __all__ = [
     "dropout_state",
     "load_kv_tile",
     "mask_scores",
+    "online_softmax_step",
     "kv_range_for_q_block",
     "q_range_for_kv_block",
     "dropout_rng_layout",
@@ -157,6 +158,31 @@ def mask_scores(z2, offs_m, offs_n, k_len, off_c, CAUSAL: tl.constexpr, TRANSPOS
         if CAUSAL:
             valid = valid & (offs_n[None, :] <= offs_m[:, None] + off_c)
     return tl.where(valid, z2, float("-inf"))
+
+
+@triton.jit
+def online_softmax_step(z2, m_i, l_i, MAY_BE_EMPTY: tl.constexpr):
+    """One key tile of the online softmax, log2 domain (ops/attention/README.md), for every
+    schedule that streams keys past a block of query rows (flash, ELSA's scan, NSA's range
+    and selected branches; the Gluon forward keeps its own copy: Gluon cannot call
+    ``@triton.jit`` helpers).
+
+    ``z2`` ``[M, N]``: the tile's transformed scores, masked ones ``-inf``; ``m_i``,
+    ``l_i`` ``[M]``: the rows' running max and normaliser. Returns ``(p, alpha, m_new,
+    l_new)``: ``p = exp2(z2 - m_new)``, ``alpha = exp2(m_i - m_new)`` (the caller rescales
+    its accumulators by it) and the updated statistics. ``MAY_BE_EMPTY`` (tiles with
+    masks): a row that has seen no key yet keeps ``m = -inf`` and gets ``p = 0``,
+    ``alpha = 0`` (0 is subtracted instead of ``-inf``: no NaN).
+    """
+    m_new = tl.maximum(m_i, tl.max(z2, 1))
+    if MAY_BE_EMPTY:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    p = tl.math.exp2(z2 - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_new = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_new
 
 
 @triton.jit

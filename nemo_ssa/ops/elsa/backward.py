@@ -18,7 +18,7 @@ from typing import Optional, Tuple
 import torch
 
 from nemo_ssa.ops.common.bwd import attention_bwd_op  # noqa: F401 -- registers nemo_ssa::attention_bwd
-from nemo_ssa.ops.common.dispatch import SINGLE, backward_plan
+from nemo_ssa.ops.common.dispatch import SINGLE, TWO_KERNEL, Choice, backward_plan, note
 from nemo_ssa.ops.common.launch import default_input_precision
 from nemo_ssa.ops.common.target import use_fast_math
 from nemo_ssa.ops.common.transforms import log2_mode
@@ -34,10 +34,17 @@ def elsa_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ``dn``/``db`` fp32 ``[1]`` (zeros for softmax). ``deterministic``: the two-kernel
     backward (else ``dispatch.backward_plan``'s choice, the flash kernels' for the shape)."""
     fast = use_fast_math(q.device)
-    # the same decision as the flash kernels' for this shape (ops.common.dispatch)
-    det = backward_plan(transform, q, k, v, varlen=False, dropout=False, fast_log2=log2_mode(fast) if transform == "ssa" else 1,
-                        scores=q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2], causal=causal,
-                        deterministic=deterministic).path != SINGLE
+    if transform == "ssa" and not deterministic:
+        # the single pass takes dn from the forward's row means C, which the scan does not write:
+        # said as such, not as the flash kernels' "single-pass" that could not run
+        key = ("attention.bwd", transform, f"D{q.shape[-1]}", q.dtype, "elsa", "causal" if causal else "full")
+        det = note(key, Choice("attention.bwd", TWO_KERNEL, "ELSA's forward writes no row means C, which the "
+                                                           "single pass's dn needs")).path != SINGLE
+    else:  # the same decision as the flash kernels' for this shape (ops.common.dispatch)
+        det = backward_plan(transform, q, k, v, varlen=False, dropout=False,
+                            fast_log2=log2_mode(fast) if transform == "ssa" else 1,
+                            scores=q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2], causal=causal,
+                            deterministic=deterministic).path != SINGLE
     prec = fp32_precision if q.dtype == torch.float32 else default_input_precision(q.dtype)
     dq, dk, dv, dn, db = torch.ops.nemo_ssa.attention_bwd(
         do, q, k, v, o, lse, n, b, None, None, None, transform, causal, scale, 0.0,

@@ -49,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nemo_ssa.ops.common.device import online_softmax_step
 from nemo_ssa.ops.common.launch import is_interpreter as kernels_interpreted
 from nemo_ssa.ops.common.target import target, use_fast_math
 from nemo_ssa.ops.common.transforms import score_fwd_hoisted, transform_consts, transform_id
@@ -123,15 +124,8 @@ def _elsa_fold(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, lo, hi, rows, o
             if CAUSAL:
                 valid = valid & (cols[None, :] <= rows[:, None] + (SK - SQ))
             z2 = tl.where(valid, z2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(z2, 1))  # [BLOCK_M]
-        if MASKED:
-            # -inf - -inf guard: a row that has seen no key yet stays the identity
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_use = m_new
-        alpha = tl.math.exp2(m_i - m_use)  # [BLOCK_M]
-        p = tl.math.exp2(z2 - m_use[:, None])  # [BLOCK_M, BLOCK_N]
-        l_i = l_i * alpha + tl.sum(p, 1)
+        # a row that has seen no key yet stays the identity
+        p, alpha, m_new, l_i = online_softmax_step(z2, m_i, l_i, MASKED)  # p: [BLOCK_M, BLOCK_N]
         v = _load_tile(v_base + v_offs, cols, SK, dmask, MASKED, EVEN_D)  # [BLOCK_N, BLOCK_D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new

@@ -57,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nemo_ssa.ops.common.device import tma_tile
+from nemo_ssa.ops.common.device import online_softmax_step, tma_tile
 from nemo_ssa.ops.common.launch import is_interpreter
 from nemo_ssa.ops.common.target import target
 from nemo_ssa.ops.common.tma import descriptor, use_tma
@@ -192,14 +192,8 @@ def _fwd_stage(acc, l_i, m_i, start, end, q, k_base, v_base, offs_m, offs_d, d_o
         if MASKED:
             ok = _visible(offs_m, offs_n, N, NK, KSTRIDE, KOFF, WINDOW, HAS_WINDOW)
             z2 = tl.where(ok, z2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(z2, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
-        else:  # every row sees every key here: m_new is finite
-            m_new = tl.maximum(m_i, tl.max(z2, 1))
-            m_safe = m_new
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(z2 - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        # unmasked tiles: every row sees every key, m_new is finite
+        p, alpha, m_new, l_i = online_softmax_step(z2, m_i, l_i, MASKED)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
         m_i = m_new
     return acc, l_i, m_i

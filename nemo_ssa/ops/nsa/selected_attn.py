@@ -57,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nemo_ssa.ops.common.device import tma_tile
+from nemo_ssa.ops.common.device import online_softmax_step, tma_tile
 from nemo_ssa.ops.common.dispatch import Choice, note
 from nemo_ssa.ops.common.launch import is_interpreter, next_pow2
 from nemo_ssa.ops.common.tma import descriptor, use_tma
@@ -150,11 +150,7 @@ def _sel_online_step(q, k, v, k_ok, acc, m_i, l_i, scale, n_ssa, b_ssa,
     keys where ``k_ok`` is false carry no weight; a row with no key yet keeps ``p = 0``."""
     qk = tl.dot(q, tl.trans(k), input_precision=PREC)  # [BLOCK_G, BLOCK_S]
     z2 = tl.where(k_ok[None, :], score_fwd(qk, scale, n_ssa, b_ssa, TRANSFORM, FAST_LOG2), float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(z2, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: p = 0, not NaN
-    p = tl.exp2(z2 - m_use[:, None])
-    alpha = tl.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = online_softmax_step(z2, m_i, l_i, True)  # no key yet: p = 0, not NaN
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
     return acc, m_new, l_i
 

@@ -45,20 +45,32 @@ def _paths(op):
 
 @pytest.mark.parametrize("tma", [False, True])
 def test_flash_and_elsa_take_the_same_backward_for_one_shape(monkeypatch, tma):
-    """SSA at D64: the single pass only where the call can take TMA (measured faster there)."""
+    """SSA at D64: the flash kernels take the single pass only where the call can take TMA
+    (measured faster there); ELSA's SSA backward is the two kernels and says why (its scan
+    writes no row means C, the single pass's dn needs them); ELSA's softmax backward is the
+    flash kernels' choice for the shape."""
     monkeypatch.setattr(dispatch, "use_tma", lambda *a, **k: tma)
     from nemo_ssa.ops.elsa.backward import elsa_bwd
 
     q, k, v = _qkv(64)
     n, b = torch.tensor([1.5], device=DEV), torch.tensor([0.8], device=DEV)
-    flash = dispatch.backward_plan("ssa", q, k, v, varlen=False, dropout=False, fast_log2=1, scores=64,
-                                   causal=True)
-    dispatch.reset()
     o = torch.zeros_like(q)
     lse = torch.zeros(1, 2, 8, device=DEV)
-    elsa_bwd(torch.ones_like(q), q, k, v, o, lse, n, b, "ssa", True, 0.125, "ieee", False)
-    assert _paths("attention.bwd") == [flash.path]
-    assert flash.path == (dispatch.SINGLE if tma else dispatch.TWO_KERNEL)
+    for transform in ("ssa", "softmax"):
+        flash = dispatch.backward_plan(transform, q, k, v, varlen=False, dropout=False, fast_log2=1, scores=64,
+                                       causal=True)
+        dispatch.reset()
+        elsa_bwd(torch.ones_like(q), q, k, v, o, lse, n, b, transform, True, 0.125, "ieee", False)
+        bwd = [c for c in dispatch.chosen() if c["op"] == "attention.bwd"]
+        if transform == "ssa":
+            assert flash.path == (dispatch.SINGLE if tma else dispatch.TWO_KERNEL)
+            assert [c["path"] for c in bwd] == [dispatch.TWO_KERNEL] and "writes no row means C" in bwd[0]["reason"]
+        else:
+            assert [c["path"] for c in bwd] == [flash.path]
+        # what ran is what was said
+        ran = [c["path"] for c in dispatch.chosen() if c["op"] == "attention.bwd.kernels"]
+        assert all(("single-pass" in r) == (bwd[0]["path"] == dispatch.SINGLE) for r in ran), (bwd, ran)
+        dispatch.reset()
 
 
 def test_a_choice_is_said_once_per_call_and_again_when_it_changes(monkeypatch, caplog):
