@@ -58,6 +58,7 @@ import triton
 import triton.language as tl
 
 from nemo_ssa.ops.common.device import online_softmax_step, tma_tile
+from nemo_ssa.ops.common.dispatch import Choice, note
 from nemo_ssa.ops.common.launch import is_interpreter
 from nemo_ssa.ops.common.target import target
 from nemo_ssa.ops.common.tma import descriptor, use_tma
@@ -500,13 +501,21 @@ TMA_MAX_HEAD_DIM = {"fwd": MAX_HEAD_DIM, "dq": 64, "dkv": MAX_HEAD_DIM}
 
 
 def _tma(kind: str, d: int, *tensors: torch.Tensor, scores: int) -> int:
-    """The ``TMA`` constexpr of kernel ``kind`` ("fwd" | "dq" | "dkv") for one call."""
-    if d > TMA_MAX_HEAD_DIM[kind]:
-        return 0
+    """The ``TMA`` constexpr of kernel ``kind`` ("fwd" | "dq" | "dkv") for one call, noted
+    through ``ops.common.dispatch`` once per distinct call."""
     forced = TILE_OVERRIDE.get("tma")
-    if forced is not None:
-        return use_tma(int(forced), False, *tensors)
-    return use_tma(RANGE_TMA, False, *tensors, scores=scores)
+    if d > TMA_MAX_HEAD_DIM[kind]:
+        tma, why = 0, f"D{d} is above the {kind} kernel's TMA limit (D{TMA_MAX_HEAD_DIM[kind]})"
+    elif forced is not None:
+        tma, why = use_tma(int(forced), False, *tensors), f"TILE_OVERRIDE['tma'] = {forced}"
+    else:
+        tma = use_tma(RANGE_TMA, False, *tensors, scores=scores)
+        why = ("sm_90+, enough scores, addressable tensors" if tma else
+               "the device, the call's size or its layout cannot take tensor descriptors")
+    op = f"nsa.range.{kind}"
+    note((op, f"D{d}", tensors[0].dtype),
+         Choice(op, "triton-tma" if tma else "triton-pointers", why))
+    return tma
 
 # dK/dV split heuristic (``_dkv_split``); the numbers are starting points for a sweep
 # (``benchmarks/bench_nsa.py --dkv-split``), not measured optima

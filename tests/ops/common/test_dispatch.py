@@ -152,3 +152,30 @@ def test_nsa_selected_branch_says_which_schedule_it_took(monkeypatch, forced):
         assert bwd["path"] == "kv-major, dq by atomics" and "group 2" in bwd["call"], bwd
     else:
         assert (fwd["path"], fwd["reason"]) == ("kv-major", f"GQA group 2 < {sel.QMAJOR_MIN_GROUP}"), fwd
+
+
+@pytest.mark.parametrize("d,forced", [(32, None), (32, 0), (128, 1)])
+def test_nsa_range_kernels_say_whether_they_took_tma(monkeypatch, d, forced):
+    """NSA's range kernels (compressed and window branches) note their TMA choice per kernel:
+    on this machine the call is too small for descriptors; ``TILE_OVERRIDE['tma']`` says so
+    when it decides; above its TMA limit the dQ kernel keeps pointers whatever is forced."""
+    from nemo_ssa.ops.nsa import range_attn as ra
+
+    if forced is not None:
+        monkeypatch.setitem(ra.TILE_OVERRIDE, "tma", forced)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2, 24, d, generator=g).to(DEV).requires_grad_()
+    k, v = (torch.randn(1, 2, 24, d, generator=g).to(DEV).requires_grad_() for _ in range(2))
+    ra.window_attention(q, k, v, window=8).sum().backward()
+    picks = {c["op"]: c for c in dispatch.chosen() if c["op"].startswith("nsa.range.")}
+    assert set(picks) == {"nsa.range.fwd", "nsa.range.dq", "nsa.range.dkv"}, picks
+    dq = picks["nsa.range.dq"]
+    if d > ra.TMA_MAX_HEAD_DIM["dq"]:
+        assert dq["path"] == "triton-pointers" and "above the dq kernel's TMA limit" in dq["reason"], dq
+    for kind in ("fwd", "dkv") if d > ra.TMA_MAX_HEAD_DIM["dq"] else ("fwd", "dq", "dkv"):
+        c = picks[f"nsa.range.{kind}"]
+        if forced is None:
+            assert c["path"] == "triton-pointers" and "cannot take tensor descriptors" in c["reason"], c
+        else:
+            assert c["reason"] == f"TILE_OVERRIDE['tma'] = {forced}", c
+            assert c["path"] == ("triton-tma" if forced else "triton-pointers"), c
