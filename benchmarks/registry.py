@@ -97,6 +97,15 @@ def _build_attention(shape: Shape, dtype, device, names) -> Built:
         if note:
             built.notes[name] = "K/V expanded outside the timed region"
 
+    ssa_ref, softmax_ref = _references(q, k, v, n, b, causal)
+    built.refs.update(softmax_triton=softmax_ref, ssa_triton=ssa_ref, ssa_reference=ssa_ref,
+                      sdpa_flash=softmax_ref, sdpa_cudnn=softmax_ref)
+    return built
+
+
+def _references(q, k, v, n, b, causal: bool):
+    """``(ssa_ref, softmax_ref)``: the fp32 torch references of one shape's inputs (GQA native)."""
+
     def ssa_ref():
         from nemo_ssa.ops.attention.naive import attention_naive
 
@@ -104,11 +113,9 @@ def _build_attention(shape: Shape, dtype, device, names) -> Built:
 
     def softmax_ref():
         return torch.nn.functional.scaled_dot_product_attention(
-            q.float(), k.float(), v.float(), is_causal=causal, enable_gqa=shape.Hq != shape.Hkv)
+            q.float(), k.float(), v.float(), is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
 
-    built.refs.update(softmax_triton=softmax_ref, ssa_triton=ssa_ref, ssa_reference=ssa_ref,
-                      sdpa_flash=softmax_ref, sdpa_cudnn=softmax_ref)
-    return built
+    return ssa_ref, softmax_ref
 
 
 ATTENTION = OpBench(
@@ -192,15 +199,7 @@ def _build_elsa(shape: Shape, dtype, device, names) -> Built:
         built.fns[name] = (lambda fn=fn: fn(q, k, v))
         built.leaves[name] = [q, k, v, *extra]
 
-    def ssa_ref():
-        from nemo_ssa.ops.attention.naive import attention_naive
-
-        return attention_naive(q, k, v, n=n, b=b, causal=causal, upcast=True)
-
-    def softmax_ref():
-        return torch.nn.functional.scaled_dot_product_attention(
-            q.float(), k.float(), v.float(), is_causal=causal, enable_gqa=shape.Hq != shape.Hkv)
-
+    ssa_ref, softmax_ref = _references(q, k, v, n, b, causal)
     built.refs.update(elsa_softmax=softmax_ref, elsa_ssa=ssa_ref)
     return built
 
