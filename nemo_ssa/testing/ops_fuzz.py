@@ -933,6 +933,10 @@ def _nan_check(s: Spec, inp: Inputs, device: str) -> str:
     return ""
 
 
+#: print a crashing case's traceback (``--only IDX``: one case re-run to be looked at)
+_PRINT_TRACEBACKS = False
+
+
 def run_case(s: Spec, time_limit: float = 60.0) -> CaseResult:
     """Build and run one case; classify it as correct / refused / failed."""
     t0 = time.time()
@@ -996,7 +1000,7 @@ def run_case(s: Spec, time_limit: float = 60.0) -> CaseResult:
     except Exception as e:  # noqa: BLE001 - the point: any other exception is a failure
         res.outcome = "failed"
         res.detail = f"crash {type(e).__name__}: {_short(e)}"
-        if os.environ.get("NEMO_SSA_FUZZ_TRACEBACK"):
+        if _PRINT_TRACEBACKS:
             traceback.print_exc()
         return res
     finally:
@@ -1109,7 +1113,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     ops = args.ops.split(",") if args.ops else None
     if args.only is not None:
-        os.environ["NEMO_SSA_FUZZ_TRACEBACK"] = "1"
+        global _PRINT_TRACEBACKS
+        _PRINT_TRACEBACKS = True  # one case re-run: its crash in full
         rng = case_rng(args.seed, args.only)
         s = gen_spec(rng, args.device, op=rng.choice(ops) if ops else None)
         print(f"[fuzz] case {args.only}: {s.op} {s.kind} -- {s.describe()}")

@@ -86,7 +86,6 @@ OUTSIDE_THE_TABLE = {
     "NEMO_SSA_DATA_DIR": "data/corpus.py: where the local corpus is cached",
     "NEMO_SSA_ALLOW_UNTESTED_STACK": "versions.py: lets an untested stack start (printed at start)",
     "NEMO_SSA_MEGATRON_SOURCES": "megatron/contracts.py: where the megatron-core sources are unpacked",
-    "NEMO_SSA_FUZZ_TRACEBACK": "testing/ops_fuzz.py: print a failing fuzz case's traceback",
 }
 
 
