@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help=f"output directory (default for a named source: "
                                                  f"{default_corpus_dir().replace('stdlib', '<source>')})")
     ap.add_argument("--source", default="stdlib", help="'stdlib', 'site-packages' (this Python's installed packages' "
-                                                       "sources, ~10x stdlib), a directory of text files, or a .jsonl file")
+                                                       "sources, 8x stdlib's tokens), a directory of text files, or a .jsonl file")
     ap.add_argument("--vocab-size", type=int, default=50_257, help="BPE vocab size (default 50257, as nemo_ssa/configs/data/stdlib.yaml; pads to 50,304)")
     ap.add_argument("--max-bytes", type=_max_bytes, default=None,
                     help="cap on total input bytes, e.g. 5000000 or 5M; 'all' (default) = no cap")

@@ -203,7 +203,7 @@ def passes_warning(run_dirs: Sequence[str]) -> Optional[str]:
     return (f"**Data: these runs read their training split up to {max(passes):.1f} times** "
             f"({sum(p > 1 for p in passes)} of {len(passes)} runs past one pass). Past the first pass the "
             "held-out loss also rewards memorizing less: a ranking or verdict read off it is not only one of "
-            "learning (more data: `data=site_packages`, ~10x the embedded corpus, `data.source=<dir>` or "
+            "learning (more data: `data=site_packages`, 8x the embedded corpus, `data.source=<dir>` or "
             "`data.prefix=...`).")
 
 

@@ -227,8 +227,8 @@ def _collect_jsonl(path: Path, max_bytes: Optional[int]) -> _Docs:
 def _collect(source: str, max_bytes: Optional[int], out_dir: Path) -> _Docs:
     if source in NAMED_SOURCES:
         # stdlib: the standard library without its tests; site-packages: the installed
-        # packages' sources (~300 MB of Python in the GPU lock's environment, ~10x stdlib),
-        # without test directories
+        # packages' sources without test directories (254 MB in the CPU lock's environment,
+        # 8x stdlib's tokens)
         key, skip = ("stdlib", _STDLIB_SKIP_DIRS) if source == "stdlib" else ("purelib", _PURELIB_SKIP_DIRS)
         root = Path(sysconfig.get_paths()[key]).resolve()
         paths = (
@@ -426,7 +426,8 @@ def build_corpus(
         out_dir: output directory (created if missing).
         source: ``"stdlib"`` (the running Python's standard-library ``*.py`` sources, test
             suites excluded), ``"site-packages"`` (the ``*.py`` sources of the packages
-            installed for the running Python, test directories excluded: ~10x stdlib), a directory (every non-hidden UTF-8 text file under it, one
+            installed for the running Python, test directories excluded: 8x stdlib's tokens
+            in the CPU lock's environment), a directory (every non-hidden UTF-8 text file under it, one
             file = one document) or a ``.jsonl`` file (one ``{"text": ...}`` per line).
         vocab_size: BPE vocabulary size requested, special tokens included. The real size can
             be smaller on a small corpus; ``CorpusInfo.vocab_size`` is the real one.
