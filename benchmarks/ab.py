@@ -1,7 +1,9 @@
 """What an A/B against a git ref needs, for the tools that offer ``--ab REF`` (``run.py``,
 ``sass_ab.py``): REF checked out beside this tree, and a process whose ``nemo_ssa`` is REF's.
 
-``git worktree add`` puts REF in a temp dir (removed afterwards); the tool re-runs itself
+``git worktree add`` puts REF in a temp dir (removed afterwards), or REF names a directory
+that already holds a tree (``git archive REF | tar -x -C DIR``: a machine with a copy of the
+checkout but no ``.git``, such as the lent GPUs); the tool re-runs itself
 there with ``--code-root DIR``, and :func:`use_code_root` puts DIR first on ``sys.path``
 *and* drops the editable install's import hook: that hook answers for any ``nemo_ssa.*``
 module the ref lacks with this checkout's copy (a module added since REF would otherwise be
@@ -32,8 +34,18 @@ def use_code_root(root: str, tool: str) -> None:
 
 @contextlib.contextmanager
 def worktree(ref: str) -> Iterator[Tuple[str, str]]:
-    """``(tmp, tree)``: git ref ``ref`` checked out at ``tree`` inside the temp dir ``tmp``."""
+    """``(tmp, tree)``: git ref ``ref`` checked out at ``tree`` inside the temp dir ``tmp``;
+    a directory ``ref`` holding ``nemo_ssa/`` is used as the tree as it is."""
     tmp = tempfile.mkdtemp(prefix="nemo_ssa_ab_")
+    if os.path.isdir(os.path.join(ref, "nemo_ssa")):
+        try:
+            yield tmp, os.path.abspath(ref)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return
+    if os.path.isdir(ref):
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise SystemExit(f"--ab {ref}: a directory, but no nemo_ssa/ package in it")
     tree = os.path.join(tmp, "tree")
     subprocess.run(["git", "-C", REPO, "worktree", "add", "--detach", "--quiet", tree, ref], check=True)
     try:

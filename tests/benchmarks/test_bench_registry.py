@@ -128,3 +128,18 @@ def test_ratios_against_the_baseline():
             dict(op="a", shape="s", impl="b", mode="fwd", baseline="", ms=2.0)]
     run._ratios(rows)
     assert rows[0]["x_base"] == 1.5 and rows[1]["x_base"] != rows[1]["x_base"]  # NaN: no baseline
+
+
+def test_ab_takes_a_directory_holding_a_tree(tmp_path):
+    """``--ab DIR`` (a tree unpacked without git, as on the lent GPUs) is used as it is and
+    left in place; a directory without ``nemo_ssa/`` is refused by name."""
+    from benchmarks.ab import worktree
+
+    tree = tmp_path / "ref"
+    (tree / "nemo_ssa").mkdir(parents=True)
+    with worktree(str(tree)) as (tmp, wt):
+        assert wt == str(tree) and os.path.isdir(tmp)
+    assert not os.path.exists(tmp) and (tree / "nemo_ssa").is_dir()
+    with pytest.raises(SystemExit, match="no nemo_ssa/ package"):
+        with worktree(str(tmp_path)):
+            pass
