@@ -1019,13 +1019,16 @@ def case_rng(seed: int, i: int) -> random.Random:
 
 
 def run_fuzz(cases: int, device: str = "cpu", seed: int = 0, time_budget: Optional[float] = None,
-             time_limit: float = 60.0, ops: Optional[List[str]] = None, progress: bool = False) -> List[CaseResult]:
-    """Run cases ``0 .. cases-1`` (or until ``time_budget`` seconds); returns their results."""
+             time_limit: float = 60.0, ops: Optional[List[str]] = None, progress: bool = False,
+             first: int = 0, on_result=None) -> List[CaseResult]:
+    """Run cases ``first .. first+cases-1`` (or until ``time_budget`` seconds); returns their
+    results. ``on_result(results)`` after each case (the CLI rewrites its report there, so a
+    command killed at a device limit still leaves what ran)."""
     torch_state = torch.random.get_rng_state()
     out: List[CaseResult] = []
     t0 = time.time()
     try:
-        for i in range(cases):
+        for i in range(first, first + cases):
             if time_budget is not None and time.time() - t0 > time_budget:
                 break
             rng = case_rng(seed, i)
@@ -1042,6 +1045,8 @@ def run_fuzz(cases: int, device: str = "cpu", seed: int = 0, time_budget: Option
                         f"first attempt over {first:.0f} s (compiling), re-run took {r.seconds:.0f} s"
             r.idx = i
             out.append(r)
+            if on_result is not None:
+                on_result(out)
             if progress and (i + 1) % 50 == 0:
                 c = summarize(out)["total"]
                 print(f"[fuzz] {i + 1} cases, {time.time() - t0:.0f} s: {c}", flush=True)
@@ -1074,7 +1079,8 @@ def markdown(results: List[CaseResult], device: str, seed: int, cmd: str, second
     dev = torch.cuda.get_device_name() if device == "cuda" and torch.cuda.is_available() else \
         "CPU (Triton interpreter)"
     lines = [f"# Ops fuzz ({dev}, {time.strftime('%Y-%m-%d')})", "",
-             f"`{cmd}` -- torch {torch.__version__}, seed {seed}, {len(results)} cases in {seconds:.0f} s", "",
+             f"`{cmd}` -- torch {torch.__version__}, seed {seed}, {len(results)} cases"
+             + (f" ({results[0].idx}..{results[-1].idx})" if results else "") + f" in {seconds:.0f} s", "",
              "| op | tried | correct | refused | failed |", "|---|---|---|---|---|"]
     for op in OPS + ["total"]:
         if op in table:
@@ -1097,6 +1103,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", type=int, default=600)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--first-case", type=int, default=0,
+                    help="start at case K of the seed's sequence (continue an earlier, time-limited call)")
     ap.add_argument("--time-budget", type=float, default=None, help="stop starting new cases after this many s")
     ap.add_argument("--time-limit", type=float, default=60.0, help="per-case limit (a case past it is a hang)")
     ap.add_argument("--ops", default=None, help="comma-separated subset of " + ",".join(OPS))
@@ -1122,15 +1130,20 @@ def main(argv=None) -> int:
         print(f"[fuzz] {r.outcome}: {r.detail} ({r.seconds:.2f} s)")
         return 0 if r.outcome != "failed" else 1
     t0 = time.time()
-    results = run_fuzz(args.cases, args.device, args.seed, args.time_budget, args.time_limit, ops, progress=True)
-    secs = time.time() - t0
     cmd = "python -m nemo_ssa.testing.ops_fuzz " + " ".join(argv if argv is not None else sys.argv[1:])
-    md = markdown(results, args.device, args.seed, cmd, secs)
-    print(md)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(md)
+
+    def write(results) -> str:
+        md = markdown(results, args.device, args.seed, cmd, time.time() - t0)
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out + ".tmp", "w") as f:
+                f.write(md)
+            os.replace(args.out + ".tmp", args.out)
+        return md
+
+    results = run_fuzz(args.cases, args.device, args.seed, args.time_budget, args.time_limit, ops, progress=True,
+                       first=args.first_case, on_result=write if args.out else None)
+    print(write(results))
     return 0 if summarize(results).get("total", {}).get("failed", 0) == 0 else 1
 
 

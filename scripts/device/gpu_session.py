@@ -7,7 +7,7 @@ Named presets (the GPU test plan; ``PRESETS`` below lists what each runs)::
     python scripts/device/gpu_session.py --preset full-2 --out $OUT --commit <sha>   # NSA, CUDA runs of the CPU op tests, ops fuzz
     python scripts/device/gpu_session.py --list-presets
 
-A preset installs the offline wheel bundle first when ``.whl/`` is present (as
+Every session (a preset or free-form steps) installs the offline wheel bundle first when ``.whl/`` is present (as
 scripts/device/gpu_proof.sh does), keeps Triton's and inductor's compile caches under
 ``.cache/`` in the checkout (a second command on a still-warm machine reuses them),
 runs pytest with pytest-xdist (``-n``, when installed: Triton compiles are CPU-bound
@@ -256,14 +256,16 @@ def main(argv=None) -> int:
     os.makedirs(out, exist_ok=True)
     t0 = time.time()
     steps, logs, commands, bundle, results_name = [], [], [], "", None
+    # free-form steps too: a step that imports the stack (or fla, a baseline) needs the bundle
+    # as much as a preset does
+    bundle = "--no-bundle" if args.no_bundle else install_bundle(out)
+    print(f"[session] bundle: {bundle}", flush=True)
+    for var, sub in (("TRITON_CACHE_DIR", "triton"), ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
+        os.environ.setdefault(var, os.path.join(REPO, ".cache", sub))
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     if args.preset:
         preset = PRESETS[args.preset]
         budget = preset["budget"] if args.budget is None else args.budget
-        bundle = "--no-bundle" if args.no_bundle else install_bundle(out)
-        print(f"[session] bundle: {bundle}", flush=True)
-        for var, sub in (("TRITON_CACHE_DIR", "triton"), ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
-            os.environ.setdefault(var, os.path.join(REPO, ".cache", sub))
-        os.environ.setdefault("PYTHONUNBUFFERED", "1")
         for step in preset["steps"]:
             if step[0] == "pytest":
                 _, name, secs, files, marker, timeout = step[:6]

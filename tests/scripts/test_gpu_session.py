@@ -21,7 +21,7 @@ def test_steps_time_limits_and_packing(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "scripts", "device", "gpu_session.py"), "--out", str(out), "--budget", "30",
-         "ok:10:echo hello; echo table > {out}/t.md", "slow:1:sleep 20", "bad:10:exit 3"],
+         "--no-bundle", "ok:10:echo hello; echo table > {out}/t.md", "slow:1:sleep 20", "bad:10:exit 3"],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     table = proc.stdout.strip().splitlines()[-3:]
@@ -31,6 +31,18 @@ def test_steps_time_limits_and_packing(tmp_path):
         names = sorted(tar.getnames())
         assert names == ["bad.log", "ok.log", "slow.log", "t.md"]
         assert b"hello" in tar.extractfile("ok.log").read()
+
+
+def test_free_form_steps_install_the_bundle_too(tmp_path, monkeypatch):
+    """A free-form step that imports the stack or fla needs the bundle as a preset does (one
+    session's A/B timed fla as 'not installed' because only presets installed it)."""
+    gs = _load_session()
+    calls = []
+    monkeypatch.setattr(gs, "install_bundle", lambda out: calls.append(out) or "installed 0 wheels (test)")
+    gs.main(["--out", str(tmp_path / "o"), "--budget", "20", "ok:10:echo hi"])
+    assert calls == [str(tmp_path / "o")]
+    gs.main(["--out", str(tmp_path / "p"), "--budget", "20", "--no-bundle", "ok:10:echo hi"])
+    assert len(calls) == 1
 
 
 def test_presets_fit_the_device_limits():

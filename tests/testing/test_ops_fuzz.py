@@ -140,6 +140,29 @@ def test_cli_writes_counts(tmp_path):
     assert rc == 0 and "| **total** | 12 |" in text and "tried | correct | refused | failed" in text
 
 
+def test_first_case_continues_the_sequence_and_the_report_is_written_as_cases_finish(monkeypatch, tmp_path):
+    """``--first-case K`` runs cases K.. of the seed (a later, time-limited device call adds
+    to an earlier one); the report is on disk after every case, so a command killed at a
+    device limit still leaves what ran (one GPU call lost its report that way)."""
+    seen = []
+    out = tmp_path / "f.md"
+
+    def fake_case(s, limit=60.0):
+        if len(seen) >= 9:  # the CLI run's second case on: the ones before it are on disk
+            assert out.exists() and f"| **total** | {len(seen) - 8} |" in out.read_text()
+        seen.append(s.describe())
+        return fuzz.CaseResult(idx=-1, op=s.op, kind=s.kind, outcome="correct", desc=s.describe())
+
+    monkeypatch.setattr(fuzz, "run_case", fake_case)
+    full = fuzz.run_fuzz(6, "cpu", seed=3)
+    assert [r.idx for r in full] == list(range(6))
+    first_six, reports = list(seen), []
+    tail = fuzz.run_fuzz(2, "cpu", seed=3, first=4, on_result=lambda rs: reports.append(len(rs)))
+    assert [r.idx for r in tail] == [4, 5] and seen[6:] == first_six[4:] and reports == [1, 2]
+    assert fuzz.main(["--cases", "3", "--device", "cpu", "--seed", "3", "--first-case", "3", "--out", str(out)]) == 0
+    assert "3 cases (3..5)" in out.read_text() and seen[8:] == first_six[3:]
+
+
 def test_flex_cpu_tensors_on_a_cuda_run_are_refused():
     """Issue 47: on a CUDA run, ``device_cpu_no_kernels`` gave ssa_flex CPU tensors that the
     builder had detached while the grad step still asked for their gradients: a crash
