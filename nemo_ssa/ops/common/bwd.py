@@ -44,7 +44,7 @@ from nemo_ssa.ops.common.bwd_kernels import (
     attn_bwd_preprocess,
 )
 from nemo_ssa.ops.common.device import dropout_rng_layout
-from nemo_ssa.ops.common.dispatch import SINGLE, Choice, backward_plan, note
+from nemo_ssa.ops.common.dispatch import SINGLE, backward_plan, note
 from nemo_ssa.ops.common.hopper_bwd import gluon_bwd_config, gluon_key_blocks, launch_gluon_bwd
 from nemo_ssa.ops.common.launch import (
     autotune_enabled,
@@ -207,16 +207,16 @@ def attention_bwd(
                                                                 dropout=has_dropout,
                                                                 fast_log2=call.meta["FAST_LOG2"])
         if gcfg is not None:  # the Gluon single pass (ops.common.hopper_bwd): D64/D128 on sm_90
-            note(key, Choice("attention.bwd.kernels", "gluon-single-pass", "sm_90 and a Gluon row for the call"))
+            note(key, "attention.bwd.kernels", "gluon-single-pass", "sm_90 and a Gluon row for the call")
             return _attention_bwd_gluon(call, do, q, k, v, o, M, cstat if dparams else None, causal, gcfg)
-        note(key, Choice("attention.bwd.kernels", "triton-single-pass",
-                         "tiles given by the caller" if config is not None else "no Gluon row or layout for the call"))
+        note(key, "attention.bwd.kernels", "triton-single-pass",
+             "tiles given by the caller" if config is not None else "no Gluon row or layout for the call")
         return _attention_bwd_single(call, do, q, k, v, o, M, cstat if dparams else None,
                                      config or single_config(d, q.dtype), table=config is None)
-    why = ("the two-kernel schedule" if deterministic else "NEMO_SSA_AUTOTUNE=1" if tune
-           else "db wanted (b learnable): the dQ kernel's row sums" if want_db
-           else "dn wanted without the forward's row statistic C")
-    note(key, Choice("attention.bwd.kernels", "triton-two-kernel", why))
+    note(key, "attention.bwd.kernels", "triton-two-kernel",
+         "the two-kernel schedule" if deterministic else "NEMO_SSA_AUTOTUNE=1" if tune
+         else "db wanted (b learnable): the dQ kernel's row sums" if want_db
+         else "dn wanted without the forward's row statistic C")
     return _attention_bwd_two_kernels(call, do, q, k, v, o, M, config or bwd_config(d, causal, q.dtype),
                                       dparams=dparams, want_db=want_db, tune=tune, table=config is None)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -46,13 +46,16 @@ class Choice:
 _SEEN: Dict[Tuple, Choice] = {}
 
 
-def note(key: Tuple, choice: Choice) -> Choice:
-    """Keep ``choice`` and log it the first time this call key takes this path (a switch
-    flipped mid-process, e.g. deterministic mode, is a new entry, not a silent change)."""
-    full = key + (choice.path,)
-    if full not in _SEEN:
-        _SEEN[full] = choice
-        logger.info("%s %s: %s (%s)", choice.op, _describe(full[:-1]), choice.path, choice.reason)
+def note(key: Tuple, op: str, path: str, reason: Union[str, Callable[[], str]]) -> Choice:
+    """Keep the choice ``(op, path, reason)`` and log it the first time this call key takes
+    this path (a switch flipped mid-process, e.g. deterministic mode, is a new entry, not a
+    silent change). ``reason`` may be a function: it is called only then, so a call whose
+    key was seen pays a tuple and a dict lookup (the recipe's attention is host-bound)."""
+    full = key + (path,)
+    choice = _SEEN.get(full)
+    if choice is None:
+        choice = _SEEN[full] = Choice(op, path, reason() if callable(reason) else reason)
+        logger.info("%s %s: %s (%s)", op, _describe(key), path, choice.reason)
     return choice
 
 
@@ -107,4 +110,4 @@ def backward_plan(transform: str, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     choice = backward_schedule(transform, d, tma=tma, gluon=gluon, deterministic=deterministic)
     key = ("attention.bwd", transform, f"D{d}", q.dtype, "varlen" if varlen else "dense",
            "causal" if causal else "full", "dropout" if dropout else "", "det" if deterministic else "")
-    return note(key, choice)
+    return note(key, choice.op, choice.path, choice.reason)

@@ -18,7 +18,7 @@ from typing import Optional, Tuple
 import torch
 
 from nemo_ssa.ops.common.bwd import attention_bwd_op  # noqa: F401 -- registers nemo_ssa::attention_bwd
-from nemo_ssa.ops.common.dispatch import SINGLE, TWO_KERNEL, Choice, backward_plan, note
+from nemo_ssa.ops.common.dispatch import SINGLE, TWO_KERNEL, backward_plan, note
 from nemo_ssa.ops.common.launch import default_input_precision
 from nemo_ssa.ops.common.target import use_fast_math
 from nemo_ssa.ops.common.transforms import log2_mode
@@ -38,8 +38,8 @@ def elsa_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         # the single pass takes dn from the forward's row means C, which the scan does not write:
         # said as such, not as the flash kernels' "single-pass" that could not run
         key = ("attention.bwd", transform, f"D{q.shape[-1]}", q.dtype, "elsa", "causal" if causal else "full")
-        det = note(key, Choice("attention.bwd", TWO_KERNEL, "ELSA's forward writes no row means C, which the "
-                                                           "single pass's dn needs")).path != SINGLE
+        det = note(key, "attention.bwd", TWO_KERNEL, "ELSA's forward writes no row means C, which the "
+                                                    "single pass's dn needs").path != SINGLE
     else:  # the same decision as the flash kernels' for this shape (ops.common.dispatch)
         det = backward_plan(transform, q, k, v, varlen=False, dropout=False,
                             fast_log2=log2_mode(fast) if transform == "ssa" else 1,

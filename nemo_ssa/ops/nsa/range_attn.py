@@ -58,7 +58,7 @@ import triton
 import triton.language as tl
 
 from nemo_ssa.ops.common.device import online_softmax_step, tma_tile
-from nemo_ssa.ops.common.dispatch import Choice, note
+from nemo_ssa.ops.common.dispatch import note
 from nemo_ssa.ops.common.launch import is_interpreter
 from nemo_ssa.ops.common.target import target
 from nemo_ssa.ops.common.tma import descriptor, use_tma
@@ -513,8 +513,7 @@ def _tma(kind: str, d: int, *tensors: torch.Tensor, scores: int) -> int:
         why = ("sm_90+, enough scores, addressable tensors" if tma else
                "the device, the call's size or its layout cannot take tensor descriptors")
     op = f"nsa.range.{kind}"
-    note((op, f"D{d}", tensors[0].dtype),
-         Choice(op, "triton-tma" if tma else "triton-pointers", why))
+    note((op, f"D{d}", tensors[0].dtype), op, "triton-tma" if tma else "triton-pointers", why)
     return tma
 
 # dK/dV split heuristic (``_dkv_split``); the numbers are starting points for a sweep

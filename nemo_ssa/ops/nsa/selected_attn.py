@@ -58,7 +58,7 @@ import triton
 import triton.language as tl
 
 from nemo_ssa.ops.common.device import online_softmax_step, tma_tile
-from nemo_ssa.ops.common.dispatch import Choice, note
+from nemo_ssa.ops.common.dispatch import note
 from nemo_ssa.ops.common.launch import is_interpreter, next_pow2
 from nemo_ssa.ops.common.tma import descriptor, use_tma
 from nemo_ssa.ops.common.transforms import grad_consts, score_bwd_parts, score_fwd, transform_consts
@@ -639,7 +639,7 @@ class _SelectedAttention(torch.autograd.Function):
         group = q.shape[1] // k.shape[1]
         qmajor = use_qmajor(group)
         note(("nsa.selected.fwd", transform, f"D{q.shape[-1]}", q.dtype, f"group {group}"),
-             Choice("nsa.selected.fwd", "query-major" if qmajor else "kv-major", _qmajor_reason(group)))
+             "nsa.selected.fwd", "query-major" if qmajor else "kv-major", lambda: _qmajor_reason(group))
         if qmajor:
             # the backward (KV-major) builds its inverted index itself, only when it runs
             o, lse = _sel_fwd_qmajor(q, k, v, block_idx, n_t, b_t, tid, scale, sblk)
@@ -662,10 +662,10 @@ class _SelectedAttention(torch.autograd.Function):
             split = use_qmajor_dq(q.shape[1] // k.shape[1], q.shape[-1])
             note(("nsa.selected.bwd", "ssa" if tid == 1 else "softmax", f"D{q.shape[-1]}", q.dtype,
                   f"group {q.shape[1] // k.shape[1]}"),
-                 Choice("nsa.selected.bwd", "dq query-major + dk/dv kv-major" if split else "kv-major, dq by atomics",
-                        "TILE_OVERRIDE['qmajor_dq']" if TILE_OVERRIDE.get("qmajor_dq") is not None else
-                        f"group >= {QMAJOR_MIN_GROUP} up to the measured head dims" if split else
-                        f"group < {QMAJOR_MIN_GROUP} or head dim beyond the measured tiles"))
+                 "nsa.selected.bwd", "dq query-major + dk/dv kv-major" if split else "kv-major, dq by atomics",
+                 lambda: "TILE_OVERRIDE['qmajor_dq']" if TILE_OVERRIDE.get("qmajor_dq") is not None else
+                 f"group >= {QMAJOR_MIN_GROUP} up to the measured head dims" if split else
+                 f"group < {QMAJOR_MIN_GROUP} or head dim beyond the measured tiles")
             if split:  # dq query-major, dk/dv KV-major
                 dq, dk, dv, dnb = _sel_bwd_split(q, k, v, o, lse, do.contiguous(), block_idx, n_t, b_t, tid,
                                                  scale, sblk, ns)
