@@ -20,7 +20,7 @@ from nemo_ssa.config.policy import (
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-PINNED_OPTIONS = {"n": 1.5, "learnable_n": True, "b": 0.8, "learnable_b": False,
+PINNED_OPTIONS = {"n": 1.5, "learnable_n": True, "n_min": None, "b": 0.8, "learnable_b": False,
                   "force_contiguous_qkv": True}
 EXPERIMENTAL = ["nsa", "nsa_ssa", "elsa", "elsa_ssa"]
 NSA_TINY = {"block_len": 4, "stride": 2, "select_block": 8, "top_n": 4, "window": 8}
@@ -59,7 +59,7 @@ def test_ssa_reference_gets_the_same_options():
 
 
 @pytest.mark.parametrize("key,value", [("n", 2.0), ("b", 0.5), ("force_contiguous_qkv", False),
-                                       ("learnable_n", False)])
+                                       ("learnable_n", False), ("n_min", 1.0)])
 def test_pinned_override_warns_and_resets(policy_log, key, value):
     r = resolve_attention("ssa", {key: value})
     assert r.options == PINNED_OPTIONS
@@ -82,7 +82,7 @@ def test_values_equal_to_the_policy_or_none_do_not_warn(policy_log):
 
 
 def test_free_policy_keeps_overrides(policy_log):
-    asked = {"n": 2.0, "b": 0.5, "learnable_b": True, "force_contiguous_qkv": False}
+    asked = {"n": 2.0, "b": 0.5, "learnable_b": True, "force_contiguous_qkv": False, "n_min": 1.0}
     r = resolve_attention("ssa", asked, policy="free")
     assert r.name == "ssa_triton" and r.policy == "free"
     assert r.options == {**PINNED_OPTIONS, **asked}

@@ -39,7 +39,7 @@ STATUSES = ("stable", "experimental", "planned")
 TRANSFORMS = ("softmax", "ssa")
 
 #: options of every attention with the SSA transform (the pinned policy's parameters)
-SSA_OPTION_KEYS = ("n", "learnable_n", "b", "learnable_b", "force_contiguous_qkv")
+SSA_OPTION_KEYS = ("n", "learnable_n", "n_min", "b", "learnable_b", "force_contiguous_qkv")
 #: NSA's sizes and structure (``nemo_ssa.ops.nsa.NSAConfig`` fields but φ's hidden width;
 #: None = the paper's)
 NSA_OPTION_KEYS = ("block_len", "stride", "select_block", "top_n", "window", "compress", "separate_kv")

@@ -48,6 +48,9 @@ logger = logging.getLogger("nemo_ssa.policy")
 class SSAPolicy:
     n: float = 1.5
     learnable_n: bool = True
+    #: a floor a learnable n is projected onto after every optimizer step (the paper's
+    #: "n >= 1" reading; the authors' code leaves n unconstrained): None = no floor
+    n_min: Optional[float] = None
     b: float = 0.8
     learnable_b: bool = False
     #: the kernel reads dense [B, H, S, D] q/k/v (met by the fused RoPE + layout pass where
@@ -185,6 +188,7 @@ def resolve_attention(
     effective = {
         "n": pinned.n,
         "learnable_n": pinned.learnable_n,
+        "n_min": pinned.n_min,
         "b": pinned.b,
         "learnable_b": pinned.learnable_b,
         "force_contiguous_qkv": pinned.force_contiguous_qkv,

@@ -453,9 +453,15 @@ class SSAScalars:
     _ssa_fp32_names = ("n", "b")
 
     def _init_ssa_scalars(self, attention_name: str, n_init: float, b_init: float,
-                          learnable_n: bool, learnable_b: bool) -> None:
+                          learnable_n: bool, learnable_b: bool, n_min: Optional[float] = None) -> None:
         if not b_init > 0:
             raise ValueError(f"attention={attention_name}: b must be > 0, got {b_init}")
+        if n_min is not None and not (math.isfinite(float(n_min)) and float(n_init) >= float(n_min)):
+            raise ValueError(f"attention={attention_name}: n_min must be finite and at most the initial n; "
+                             f"got n_min={n_min}, n={n_init}")
+        # a learnable n is projected onto [n_min, inf) before each use (_project_n); a fixed
+        # n only has to start there
+        self._n_min = float(n_min) if n_min is not None and learnable_n else None
         n = torch.full((1,), float(n_init), dtype=torch.float32)
         b = torch.full((1,), float(b_init), dtype=torch.float32)
         if learnable_n:
@@ -471,6 +477,16 @@ class SSAScalars:
             if isinstance(p, torch.nn.Parameter):
                 setattr(p, "sequence_parallel", False)
                 tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
+
+    def _project_n(self) -> None:
+        """Projected gradient descent for ``n >= n_min``: n moves only in the optimizer step,
+        so clamping it before the step's first use is the projection after the previous
+        step. On ``.data``: autograd neither records it nor counts it as an in-place change
+        of a tensor an earlier micro-batch saved (the value only moves at the first forward
+        after a step, before any micro-batch of that step saved it). Identical on every
+        rank (n is replicated), one tiny kernel per layer, and only with ``n_min``."""
+        if getattr(self, "_n_min", None) is not None:
+            self.n.data.clamp_(min=self._n_min)
 
     def _apply(self, fn, recurse=True):
         # Keep n and b fp32 and exact through Megatron's bf16/fp16 cast (Float16Module
@@ -513,13 +529,14 @@ class SSACoreAttention(SSAScalars, _TransformedSoftmaxAttention):
         learnable_b: bool = False,
         kernel_options: Optional[dict] = None,
         fused_rope_layout: Optional[bool] = None,
+        n_min: Optional[float] = None,
     ):
         super().__init__(
             config, layer_number, attn_mask_type, attention_type, attention_dropout,
             softmax_scale, cp_comm_type, pg_collection, force_contiguous_qkv, kernel_options,
             fused_rope_layout,
         )
-        self._init_ssa_scalars(self.attention_name, n_init, b_init, learnable_n, learnable_b)
+        self._init_ssa_scalars(self.attention_name, n_init, b_init, learnable_n, learnable_b, n_min)
 
     def _call_op(self, q, k, v, *, causal, keep_mask, dropout_p, **out):
         n, b = self._op_args()
@@ -532,6 +549,7 @@ class SSACoreAttention(SSAScalars, _TransformedSoftmaxAttention):
         # TP: each rank sees its own heads, so d(loss)/dn here is a partial sum; the
         # identity-forward / all-reduce-backward copy makes it the full sum on every TP
         # rank (n stays identical). No-op with one TP rank.
+        self._project_n()
         return replicate_over_tp(self.n, self.tp_group), replicate_over_tp(self.b, self.tp_group)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):

@@ -133,7 +133,7 @@ class NSASelfAttention(SSAScalars, MegatronModule):
         impl: ``nemo_ssa.ops.nsa.nsa_attention``'s ``impl`` (``auto``: Triton on CUDA).
         transform: ``softmax`` (``attention=nsa``) or ``ssa`` (``attention=nsa_ssa``: the
             SSA score transform in every branch).
-        n_init, b_init, learnable_n, learnable_b: the SSA scalars, exactly as the SSA
+        n_init, b_init, learnable_n, learnable_b, n_min: the SSA scalars, exactly as the SSA
             core attentions take them (:class:`~nemo_ssa.megatron.core_attention.SSAScalars`;
             the policy pins n=1.5 learnable, b=0.8 fixed). ``transform="ssa"`` only:
             ``transform="softmax"`` has no ``n`` / ``b`` (both ``None``).
@@ -159,6 +159,7 @@ class NSASelfAttention(SSAScalars, MegatronModule):
         learnable_n: bool = True,
         learnable_b: bool = False,
         force_contiguous_qkv: bool = True,
+        n_min: Optional[float] = None,
     ):
         super().__init__(config=config)
         submodules = submodules or NSASelfAttentionSubmodules()
@@ -252,7 +253,7 @@ class NSASelfAttention(SSAScalars, MegatronModule):
             self.phi_k = self.phi_v = None
         if transform == "ssa":
             # the SSA core attentions' n / b: shapes, names, dtype rules (SSAScalars)
-            self._init_ssa_scalars(name, n_init, b_init, learnable_n, learnable_b)
+            self._init_ssa_scalars(name, n_init, b_init, learnable_n, learnable_b, n_min)
         else:
             self.n = None
             self.b = None
@@ -324,6 +325,7 @@ class NSASelfAttention(SSAScalars, MegatronModule):
             phi = dict(phi_k=self.phi_k.params(), phi_v=self.phi_v.params())
         ssa = {}
         if self.transform == "ssa":
+            self._project_n()
             ssa = dict(n=self.n, b=self.b)
         out = self._attend(q, kvs[0], kvs[1], gates, self.nsa, **branch, **phi, transform=self.transform,
                             **ssa, softmax_scale=self.softmax_scale, impl=self.impl)
@@ -333,7 +335,7 @@ class NSASelfAttention(SSAScalars, MegatronModule):
 
 # ------------------------------------------------------------------------------ specs
 #: SSA options (the policy's ``SSA_OPTION_KEYS``) -> NSASelfAttention keywords
-_SSA_KWARGS = {"n": "n_init", "b": "b_init", "learnable_n": "learnable_n", "learnable_b": "learnable_b",
+_SSA_KWARGS = {"n": "n_init", "b": "b_init", "learnable_n": "learnable_n", "n_min": "n_min", "learnable_b": "learnable_b",
                "force_contiguous_qkv": "force_contiguous_qkv"}
 
 

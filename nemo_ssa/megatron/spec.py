@@ -74,6 +74,8 @@ def core_attention_spec(attention: str, options: Optional[Dict[str, Any]] = None
             learnable_n=options.get("learnable_n", PINNED.learnable_n),
             learnable_b=options.get("learnable_b", PINNED.learnable_b),
         )
+        if options.get("n_min", PINNED.n_min) is not None:  # policy=free only (the pinned n has no floor)
+            params["n_min"] = float(options.get("n_min", PINNED.n_min))
     return ModuleSpec(module=CORE_ATTENTIONS[attention], params=params)
 
 
@@ -117,7 +119,7 @@ def layer_spec(
     Args:
         config: the megatron/NeMo TransformerConfig (``GPTConfig``) being built.
         attention: ``attention=<name>`` as users write it (``ssa`` is resolved by the policy).
-        attention_options: SSA options (n, b, learnable_n, learnable_b,
+        attention_options: SSA options (n, learnable_n, n_min, b, learnable_b,
             force_contiguous_qkv; for attentions with the SSA transform) and the
             attention's ``KERNEL_OPTION_KEYS`` (e.g. NSA's sizes); the pinned policy resets
             SSA overrides with a warning.

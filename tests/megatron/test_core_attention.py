@@ -208,6 +208,36 @@ def test_ssa_n_and_b_defaults():
     assert isinstance(lb.b, torch.nn.Parameter) and lb.b.shape == (1,)
 
 
+def test_n_min_projects_a_learnable_n_before_each_use():
+    """policy=free's ``n_min`` (the paper's "n >= 1"): an optimizer step that takes n below
+    the floor is undone at the next forward (projected gradient descent), in place, with n
+    still the same Parameter and its gradient still flowing; no floor, no projection."""
+    mod = build(SSAReferenceCoreAttention, n_init=1.2, n_min=1.0).eval()  # eval: no dropout RNG
+    n_obj = mod.n
+    opt = torch.optim.SGD([mod.n], lr=1.0)
+    q, k, v = megatron_qkv()
+    seen = []
+    for _ in range(3):
+        opt.zero_grad()
+        out = mod(q, k, v, None)
+        seen.append(mod.n.item())
+        (out.float().sum() + 5.0 * mod.n.sum()).backward()  # pushes n down by ~5 per step
+        assert mod.n.grad is not None and mod.n.grad.item() > 0
+        opt.step()
+    assert mod.n.item() < 1.0  # the step itself is unconstrained...
+    assert seen[0] == pytest.approx(1.2) and seen[1:] == [1.0, 1.0]  # ...every use is projected
+    assert mod.n is n_obj and isinstance(mod.n, torch.nn.Parameter)
+
+    free = build(SSAReferenceCoreAttention, n_init=1.2).eval()
+    free.n.data.fill_(0.5)
+    free(q, k, v, None)
+    assert free.n.item() == 0.5
+    with pytest.raises(ValueError, match="n_min must be finite and at most the initial n"):
+        build(SSAReferenceCoreAttention, n_init=0.9, n_min=1.0)
+    fixed = build(SSAReferenceCoreAttention, n_init=1.3, n_min=1.0, learnable_n=False)
+    assert fixed._n_min is None  # a fixed n only has to start above the floor
+
+
 @pytest.mark.parametrize("cast", ["bfloat16", "half"])
 @pytest.mark.parametrize("learnable_b", [False, True])
 def test_ssa_scalars_stay_fp32_and_exact_through_the_half_cast(cast, learnable_b):

@@ -248,6 +248,19 @@ def test_nsa_ssa_learnable_options(megatron_cpu):
         assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().item() > 0
 
 
+def test_nsa_ssa_n_min_projects_n_at_the_forward(megatron_cpu):
+    """policy=free's ``n_min`` reaches NSA's SSA scalars through the spec, as the core
+    attentions': n below the floor is projected back when the layer next runs."""
+    mod = build(transform="ssa", ssa=dict(n=1.2, n_min=1.0))
+    mod.n.data.fill_(0.7)  # as an optimizer step could leave it
+    mod(hidden(), None)
+    assert mod.n.item() == 1.0
+    plain = build(transform="ssa")
+    plain.n.data.fill_(0.7)
+    plain(hidden(), None)
+    assert plain.n.item() == pytest.approx(0.7)
+
+
 def test_nsa_ssa_refuses_unsupported_combos(megatron_cpu):
     with pytest.raises(ValueError, match="b must be > 0"):
         nsa_self_attention_spec(TINY, transform="ssa", ssa=dict(b=0.0))
