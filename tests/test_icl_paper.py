@@ -284,3 +284,135 @@ def test_a_checkpoint_of_another_configuration_is_not_resumed(tmp_path, megatron
     assert P.main(common + ["--steps", "9", "--stop-after-steps", "1"]) == P.EXIT_UNFINISHED
     assert "another configuration's checkpoint; starting afresh" in capsys.readouterr().out
     assert torch.load(tmp_path / "ckpt" / "linear-softmax-s1.pt", weights_only=True)["step"] == 1
+
+
+# ----------------------------------------------------------------------------- speed options
+def _results(out):
+    runs = {}
+    for path in sorted((out / "runs").glob("*.json")):
+        r = json.loads(path.read_text())["result"]
+        r.pop("train_seconds"), r.pop("eval_seconds")
+        runs[path.name] = r
+    return runs
+
+
+def test_concurrent_runs_equal_one_at_a_time_bitwise_and_resume(linear_smoke, tmp_path, megatron_cpu):
+    """--concurrent trains the runs of a call in turns in one process: each run is what it is
+    alone, bit for bit, also when the call stops them and a later one resumes them."""
+    common = ["--cpu-smoke", "--task", "linear", "--attentions", "softmax,ssa", "--seeds", "2", "--steps", "6",
+              "--concurrent", "3", "--out", str(tmp_path)]
+    assert P.main(common + ["--stop-after-steps", "4"]) == P.EXIT_UNFINISHED
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == \
+        ["linear-softmax-s1.pt", "linear-softmax-s2.pt", "linear-ssa-s1.pt", "linear-ssa-s2.pt"]
+    assert torch.load(tmp_path / "ckpt" / "linear-ssa-s2.pt", weights_only=True)["step"] == 4
+    assert P.main(common) == 0
+    alone = _results(linear_smoke)
+    assert len(alone) == 4 and _results(tmp_path) == alone
+    assert not list((tmp_path / "ckpt").iterdir())
+
+
+def _smoke_trainer(attention="softmax", seed=1, **kw):
+    return P._Trainer(P.CPU_SMOKE, attention, seed, ckpt_path=None, dev=torch.device("cpu"), log=kw.pop("log", print), **kw)
+
+
+def test_graph_steps_replay_the_eager_step_with_each_prompt_length(megatron_cpu, monkeypatch):
+    """The CUDA-graph bookkeeping, driven on CPU with a stand-in graph that replays the eager
+    step on the static buffer: GRAPH_WARMUP eager steps at each new prompt length, then one
+    capture, then replays fed that step's batch; the weights and the loss curve come out as
+    in the eager loop, bit for bit."""
+    from nemo_ssa.megatron.cpu import cpu_device_shims
+
+    cfg = P.CPU_SMOKE  # points 5, 7, 9: a new length every 5 steps
+    steps = 14
+    captures = []
+
+    class StandIn:
+        def __init__(self, tr):
+            self.tr = tr
+
+        def replay(self):
+            self.tr._eager_step(self.tr.static_xy[0], self.tr.static_xy[1])
+
+    def capture(tr, points):
+        captures.append((tr.step, points))
+        tr.graph, tr.static_xy = StandIn(tr), torch.full((2, cfg.batch, points), float("nan"))
+
+    monkeypatch.setattr(P, "GRAPH_WARMUP", 2)
+    monkeypatch.setattr(P._Trainer, "_capture", capture)
+    with cpu_device_shims():
+        eager, graphed = _smoke_trainer(), _smoke_trainer()
+        graphed.graphs = True  # on a CPU only the stand-in can replay
+        for _ in range(steps):
+            eager.advance()
+            graphed.advance()
+        assert captures == [(2, 5), (7, 7), (12, 9)]  # after 2 eager steps at each length
+        for (n, a), (_, b) in zip(eager.model.named_parameters(), graphed.model.named_parameters()):
+            assert torch.equal(a, b), n
+        eager._read_curve(), graphed._read_curve()
+        assert graphed.curve == eager.curve and torch.equal(graphed.acc, eager.acc)
+
+
+def test_a_failed_graph_capture_falls_back_to_the_eager_step(megatron_cpu):
+    from nemo_ssa.megatron.cpu import cpu_device_shims
+
+    logs = []
+    with cpu_device_shims():
+        eager, graphed = _smoke_trainer("ssa"), _smoke_trainer("ssa", log=logs.append)
+        graphed.graphs = True  # capture fails on a CPU: the run must go on eagerly, unchanged
+        for _ in range(P.GRAPH_WARMUP + 3):
+            eager.advance()
+            graphed.advance()
+        assert not graphed.graphs and graphed.graph is None
+        assert len(logs) == 1 and "CUDA graph capture failed" in logs[0]
+        for (n, a), (_, b) in zip(eager.model.named_parameters(), graphed.model.named_parameters()):
+            assert torch.equal(a, b), n
+
+
+def test_cuda_only_options_are_refused_on_a_cpu_and_tf32_is_part_of_the_identity(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU refusals")
+    for flag in ("--cuda-graphs", "--tf32"):
+        with pytest.raises(ValueError, match="need CUDA"):
+            P.main(["--cpu-smoke", "--attentions", "softmax", flag, "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="concurrent"):
+        P.main(["--cpu-smoke", "--attentions", "softmax", "--concurrent", "0", "--out", str(tmp_path)])
+    assert "tf32" not in P.PAPER.identity()  # fp32 runs keep the identity they had before the option
+    assert replace(P.PAPER, tf32=True).identity() == {**P.PAPER.identity(), "tf32": True}
+
+
+def test_bench_times_steps_and_writes_nothing(tmp_path, megatron_cpu, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    before = torch.get_num_threads()
+    try:
+        assert P.main(["--cpu-smoke", "--attentions", "softmax,ssa", "--seeds", "1", "--bench-steps", "2",
+                       "--bench-at", "0,10", "--threads", "1"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    lines = [m for m in capsys.readouterr().out.splitlines() if m.startswith("[icl_paper] bench")]
+    assert len(lines) == 2 and "(5 points, graphs off)" in lines[0] and "(9 points, graphs off)" in lines[1]
+    assert "steps/s per run" in lines[0] and "ms per run-step" in lines[0]
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(ValueError, match="must fit"):
+        P.bench(P.CPU_SMOKE, [("softmax", 1)], steps=10, at=[15])
+    rows = P.bench(P.CPU_SMOKE, [("softmax", 1)], steps=3, at=[0])
+    assert rows[0]["runs"] == 1 and rows[0]["steps"] == 3 and rows[0]["graphs"] == [False]
+    assert rows[0]["steps_per_s_all"] > 0 and rows[0]["host_ms_per_step"] > 0
+
+
+def test_least_squares_shares_pseudo_inverses_between_equal_prompts_bit_for_bit():
+    """Computed once per distinct x, the floor equals the per-prompt pseudo-inverse exactly."""
+    def per_prompt(x, y):
+        x, y = x.double(), y.double()
+        pred = torch.zeros_like(y)
+        design = torch.stack((x, torch.ones_like(x)), dim=-1)
+        for i in range(1, x.shape[1]):
+            pred[:, i] = (design[:, i:i + 1] @ (torch.linalg.pinv(design[:, :i]) @ y[:, :i, None]))[:, 0, 0]
+        return pred
+
+    cfg = replace(P.PAPER, functions=7, eval_prompts=5)
+    for outlier in (False, True):
+        x, y = P.linear_eval_prompts(cfg, 2, 3.0, 4.0, outlier=outlier)  # 7 functions on the same 5 prompts
+        assert torch.equal(P.least_squares_affine(x, y), per_prompt(x, y))
+    x, y = torch.randn(40, 6, generator=_g(9)), torch.randn(40, 6, generator=_g(10))  # all distinct
+    assert torch.equal(P.least_squares_affine(x, y), per_prompt(x, y))

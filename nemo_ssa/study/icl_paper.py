@@ -4,6 +4,9 @@ the model built from our layer spec (any ``attention=`` name, the same kernels a
     python -m nemo_ssa.study.icl_paper --task linear --attentions softmax,ssa --seeds 3 --steps 50000 --out runs/icl_paper/linear
     python -m nemo_ssa.study.icl_paper --task every  --attentions softmax,ssa --seeds 3 --steps 50000 --out runs/icl_paper/every
     python -m nemo_ssa.study.icl_paper --task linear --cpu-smoke --out /tmp/icl_paper          # CPU: seconds
+    # GPU: the runs of a call in one process, each step one CUDA graph (docs/icl-paper-setup.md, "Running it")
+    python -m nemo_ssa.study.icl_paper --task linear --steps 50000 --concurrent 6 --cuda-graphs --budget-s 450 --out /tmp/icl/linear
+    python -m nemo_ssa.study.icl_paper --task linear --steps 50000 --cuda-graphs --bench-steps 200   # steps/s, writes nothing
 
 What the authors' code does, item by item with the file and function it comes from, and
 how this module matches each item: docs/icl-paper-setup.md. In short:
@@ -40,6 +43,14 @@ call) and resumes from there, bit for bit on CPU. Exit status 3: some run is unf
 (``heatmaps/``): each attention's error over the grid, the seed-paired difference of the
 first attention minus each other one with its seed spread, and the error above the
 least-squares floor. Use one ``--out`` per task.
+
+Speed (GPU): ``--concurrent N`` trains N runs of the call in one process, in turns step by
+step, each on its own CUDA stream; ``--cuda-graphs`` makes each run's whole step (forward,
+backward, fused Adam, the loss sum) one CUDA graph per prompt length; the host never waits
+for the GPU inside the loop (pinned, non-blocking batch copies; losses read back only at
+log lines, checkpoints and the end). ``--tf32`` (a different configuration: its runs are
+kept apart) lets cuBLAS use TF32. ``--bench-steps N`` times N steps of the call's runs
+together and writes nothing. None of this changes the CPU loop.
 """
 
 from __future__ import annotations
@@ -64,7 +75,7 @@ __all__ = [
     "TASKS", "PaperConfig", "PAPER", "CPU_SMOKE", "curriculum_points", "sample_linear", "sample_every",
     "every_labels", "to_tokens", "task_loss", "training_batch", "least_squares_affine", "linear_eval_functions",
     "linear_eval_prompts", "every_eval_prompts", "evaluate_linear", "evaluate_every", "PaperModel",
-    "check_attentions", "train_run", "main",
+    "check_attentions", "train_run", "train_runs", "bench", "main",
 ]
 
 TASKS = ("linear", "every")
@@ -110,6 +121,8 @@ class PaperConfig:
     every_lengths: Tuple[int, ...] = tuple(range(10, 201, 10))
     every_sigma: Tuple[float, ...] = tuple(float(s) for s in range(1, 30))
     every_from: int = 3
+    # precision: TF32 matrix products on CUDA (--tf32); off = IEEE fp32 everywhere (the default)
+    tf32: bool = False
 
     def __post_init__(self):
         if self.task not in TASKS:
@@ -130,6 +143,8 @@ class PaperConfig:
         """What makes two runs the same (JSON-normalised): every field but the other task's grid."""
         other = {"linear": _EVERY_FIELDS, "every": _LINEAR_FIELDS}[self.task]
         d = {k: v for k, v in asdict(self).items() if k not in other}
+        if not self.tf32:
+            del d["tf32"]  # fp32 runs keep the identity they had before the field existed
         return json.loads(json.dumps(d))
 
 
@@ -208,13 +223,18 @@ def training_batch(cfg: PaperConfig, seed: int, step: int) -> Tuple[torch.Tensor
 # ----------------------------------------------------------------------------- evaluation
 def least_squares_affine(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Predict each ``y_i`` from the points before it by least squares on ``(x, 1)`` (the
-    minimum-norm fit with one point, 0 with none), in float64: ``[N, k]`` -> ``[N, k]``."""
+    minimum-norm fit with one point, 0 with none), in float64: ``[N, k]`` -> ``[N, k]``.
+
+    Prompts with the same ``x`` share their pseudo-inverses, which are computed once per
+    distinct ``x`` (a linear grid cell is 100 functions on the same 64 prompts: 100x fewer
+    SVDs, the same numbers bit for bit)."""
     x, y = x.double(), y.double()
     pred = torch.zeros_like(y)
-    design = torch.stack((x, torch.ones_like(x)), dim=-1)            # [N, k, 2]
+    ux, inv = torch.unique(x, dim=0, return_inverse=True)
+    design = torch.stack((ux, torch.ones_like(ux)), dim=-1)          # [U, k, 2]
     for i in range(1, x.shape[1]):
-        w = torch.linalg.pinv(design[:, :i]) @ y[:, :i, None]          # [N, 2, 1]
-        pred[:, i] = (design[:, i:i + 1] @ w)[:, 0, 0]
+        w = torch.linalg.pinv(design[:, :i])[inv] @ y[:, :i, None]     # [N, 2, 1]
+        pred[:, i] = (design[inv, i:i + 1] @ w)[:, 0, 0]
     return pred
 
 
@@ -394,93 +414,332 @@ def _save_atomic(obj, path: str, torch_save: bool = False) -> None:
     os.replace(tmp, path)
 
 
+#: eager steps at each new prompt length before its CUDA graph is captured (cuBLAS's
+#: per-stream workspace, autograd's and Adam's lazily built state all exist by then)
+GRAPH_WARMUP = 3
+
+
+def _evaluate(model: "PaperModel", cfg: PaperConfig, seed: int, dev: torch.device) -> Dict:
+    """The grids of the run's task (testoverxandy.py / testoverlandx.py, testcross.py's probe)."""
+    model.eval()
+    predict = model_predictor(model, cfg, dev)
+    if cfg.task == "linear":
+        ev = {"sigma_x": list(cfg.sigma_x), "sigma": list(cfg.sigma),
+              "positions": list(range(cfg.eval_from, cfg.eval_points)),
+              "outlier_at": {"position": cfg.outlier_position, "value": cfg.outlier_value}}
+        for kind in ("clean", "outlier"):
+            ev[kind] = {"model": evaluate_linear(predict, cfg, seed, outlier=kind == "outlier"),
+                        "least_squares": evaluate_linear(least_squares_affine, cfg, seed, outlier=kind == "outlier")}
+    else:
+        ev = {"lengths": list(cfg.every_lengths), "sigma": list(cfg.every_sigma), "from": cfg.every_from,
+              **evaluate_every(predict, cfg, seed)}
+        probe = torch.tensor([CROSS_PROBE_X])
+        labels = every_labels(probe)
+        logits = predict(probe, labels)[0]
+        ev["cross_probe"] = {"x": list(CROSS_PROBE_X), "labels": labels[0].tolist(), "logits": logits.tolist(),
+                             "correct": ((logits > 0) == (labels[0] > 0)).tolist()}
+    return ev
+
+
+class _Trainer:
+    """One run in progress: its model, optimizer, step and loss window, advanced one step at
+    a time by :func:`train_runs` (several of these can take turns in one process).
+
+    On CUDA every piece of a run's work (building, steps, checkpoints, evaluation) is
+    enqueued on the run's own stream, so the runs of one process overlap on the GPU, and a
+    step makes the host wait for nothing: the batch is drawn on the CPU (the same draws as
+    ever) and copied from pinned memory without blocking, and the loss stays on the device
+    (window sums are read back at checkpoints, log lines and the end). With ``graphs`` the
+    whole step (forward, backward, Adam, the loss sum) is one CUDA graph per prompt length,
+    captured after ``GRAPH_WARMUP`` eager steps at that length and replayed from then on;
+    Adam then runs fused with its step count on the device (``capturable``): the same update
+    rule, one launch for all parameters. On CPU a step is exactly the loop it always was."""
+
+    def __init__(self, cfg: PaperConfig, attention: str, seed: int, *, ckpt_path: Optional[str],
+                 dev: torch.device, graphs: bool = False, log: Callable[[str], None] = print):
+        from nemo_ssa.megatron.single import init_single_process
+
+        init_single_process(seed)  # the model's initialisation is a function of the seed
+        self.cfg, self.attention, self.seed, self.ckpt_path = cfg, attention, seed, ckpt_path
+        self.dev, self.log = dev, log
+        self.name = run_name(cfg, attention, seed)
+        self.cuda = dev.type == "cuda"
+        self.graphs = bool(graphs) and self.cuda
+        self.stream = torch.cuda.Stream(device=dev) if self.cuda else None
+        with self._on_stream():
+            self.model = PaperModel(cfg, attention).to(dev)
+            self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.lr,
+                                        **({"capturable": True, "fused": True} if self.graphs else {}))
+            self.start, self.curve, window, self.seconds = 0, [], [0.0, 0], 0.0
+            if ckpt_path is not None and os.path.isfile(ckpt_path):
+                state = torch.load(ckpt_path, map_location=dev, weights_only=True)
+                if state.get("config") == cfg.identity() and state.get("attention") == attention:
+                    self.model.load_state_dict(state["model"])
+                    self.opt.load_state_dict(state["optimizer"])
+                    self.start, self.curve, window, self.seconds = (state["step"], state["curve"], state["window"],
+                                                                    state["seconds"])
+                    log(f"[icl_paper] {self.name}: resumed at step {self.start}/{cfg.steps} from {ckpt_path}")
+                else:
+                    log(f"[icl_paper] {self.name}: {ckpt_path} is another configuration's checkpoint; starting afresh")
+            # the window's loss sum stays on the device: reading a loss every step would make
+            # the host wait for the GPU every step
+            self.acc = torch.tensor(float(window[0]), dtype=torch.float64, device=dev)
+        self.count = window[1]
+        self.step = self.start
+        self.every = max(1, cfg.steps // CURVE_POINTS)  # the loss curve: means over windows of `every` steps
+        self.pending: List[list] = []  # finished windows not read back yet: [step, sum on the device, count]
+        self.graph = self.static_xy = self.last_loss = None
+        self.graph_points, self.warm = None, 0
+        self.t0 = self.t_log = time.time()
+        self.s_log = self.start
+
+    def _on_stream(self):
+        return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.cfg.steps
+
+    def advance(self) -> None:
+        """Train step ``self.step`` (on CUDA: enqueue it) and close the loss window if it ends there."""
+        cfg = self.cfg
+        with self._on_stream():
+            x, y = training_batch(cfg, self.seed, self.step)
+            xy = torch.stack((x, y))
+            if self.cuda:
+                xy = xy.pin_memory()  # copied without blocking (a copy from pageable memory waits for the GPU)
+            if self.graphs and self._graph_ready():
+                self.static_xy.copy_(xy, non_blocking=True)
+                self.graph.replay()
+            elif self.cuda:
+                xy = xy.to(self.dev, non_blocking=True)
+                self._eager_step(xy[0], xy[1])
+            else:
+                self._eager_step(x, y)
+            self.count += 1
+            self.step += 1
+            if self.step % self.every == 0 or self.step == cfg.steps:
+                self.pending.append([self.step, self.acc.clone(), self.count])
+                self.acc.zero_()
+                self.count = 0
+
+    def _eager_step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = task_loss(self.model(to_tokens(x, y)), y, self.cfg.task)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        self.acc += loss.detach().double()
+        self.last_loss = loss.detach()
+
+    def _graph_ready(self) -> bool:
+        """Whether this step replays a graph: a new prompt length drops the old one, and the
+        new one is captured after ``GRAPH_WARMUP`` eager steps at that length."""
+        points = curriculum_points(self.cfg, self.step)
+        if points != self.graph_points:
+            self.graph = self.static_xy = None
+            self.graph_points, self.warm = points, 0
+        if self.graph is None:
+            if self.warm < GRAPH_WARMUP:
+                self.warm += 1
+                return False
+            self._capture(points)
+        return self.graph is not None
+
+    def _capture(self, points: int) -> None:
+        cfg = self.cfg
+        static_xy = torch.zeros((2, cfg.batch, points), device=self.dev)
+        self.opt.zero_grad(set_to_none=True)  # .grad is then allocated in the graph: each replay writes it
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=self.stream):
+                x, y = static_xy[0], static_xy[1]
+                loss = task_loss(self.model(to_tokens(x, y)), y, cfg.task)
+                loss.backward()
+                self.opt.step()
+                self.acc += loss.detach().double()
+        except Exception as e:  # capture runs nothing: the weights are untouched, the step runs eagerly
+            self.graphs = False
+            self.opt.zero_grad(set_to_none=True)
+            self.log(f"[icl_paper] {self.name}: CUDA graph capture failed at {points} points "
+                     f"({type(e).__name__}: {e}); this run continues without graphs")
+            return
+        self.graph, self.static_xy, self.last_loss = graph, static_xy, loss.detach()
+
+    def maybe_log(self, log_every: int) -> None:
+        done = self.step
+        if log_every and done % log_every == 0:
+            rate = (done - self.s_log) / max(time.time() - self.t_log, 1e-9)
+            with self._on_stream():
+                loss = float(self.last_loss)
+            self.log(f"[icl_paper] {self.name} step {done}/{self.cfg.steps} points "
+                     f"{curriculum_points(self.cfg, done - 1)} loss {loss:.4g} ({rate:.1f} steps/s)")
+            self.t_log, self.s_log = time.time(), done
+
+    def _read_curve(self) -> None:
+        """The finished windows' means, read back (a host sync on CUDA)."""
+        for step, total, count in self.pending:
+            self.curve.append([step, float(total) / count])
+        self.pending.clear()
+
+    def checkpoint(self) -> None:
+        with self._on_stream():
+            self._read_curve()
+            _save_atomic({"config": self.cfg.identity(), "attention": self.attention, "seed": self.seed,
+                          "step": self.step, "model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
+                          "curve": self.curve, "window": [float(self.acc), self.count],
+                          "seconds": self.seconds + time.time() - self.t0},
+                         self.ckpt_path, torch_save=True)
+
+    def finish(self) -> Dict:
+        """Evaluate the trained model: the run's result."""
+        self.seconds += time.time() - self.t0
+        self.graph = self.static_xy = None
+        with self._on_stream():
+            self._read_curve()
+            t_eval = time.time()
+            ev = _evaluate(self.model, self.cfg, self.seed, self.dev)
+        return {"task": self.cfg.task, "attention": self.attention, "seed": self.seed, "steps": self.cfg.steps,
+                "loss_curve": self.curve, "eval": ev, "train_seconds": self.seconds,
+                "eval_seconds": time.time() - t_eval}
+
+
+def _training_device() -> Tuple[torch.device, Callable]:
+    """The device runs train on, and the context they train in (megatron's CUDA placements
+    redirected to the CPU where there is no CUDA)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda"), contextlib.nullcontext
+    from nemo_ssa.megatron.cpu import cpu_device_shims
+
+    return torch.device("cpu"), cpu_device_shims
+
+
+def train_runs(cfg: PaperConfig, jobs: Sequence[Tuple[str, int]], *, ckpt_dir: str, concurrent: int = 1,
+               graphs: bool = False, checkpoint_every: int = 1000, stop_after: Optional[int] = None,
+               deadline: Optional[float] = None, log_every: int = 0, log: Callable[[str], None] = print,
+               on_result: Optional[Callable[[str, int, Optional[Dict]], None]] = None,
+               ckpt_paths: Optional[Dict[Tuple[str, int], str]] = None) -> Dict[Tuple[str, int], Optional[Dict]]:
+    """Train (or resume) the runs ``jobs`` (``(attention, seed)`` pairs), up to ``concurrent``
+    of them at once in this process, taking turns step by step (each on its own CUDA stream,
+    see :class:`_Trainer`); a finished run makes room for the next. Each run is exactly what
+    it is when trained alone: its own seed, batches and steps. Returns ``{job: result}``,
+    None for a run the call ended early (``stop_after`` steps trained in this call, or
+    ``deadline`` passed: the run's checkpoint in ``ckpt_dir`` then holds everything a later
+    call resumes from) or never started (``deadline`` passed first). ``on_result(attention,
+    seed, result)`` is called as each run ends. A run's checkpoint is
+    ``<ckpt_dir>/<task>-<attention>-s<seed>.pt`` unless ``ckpt_paths[job]`` names another."""
+    if concurrent < 1:
+        raise ValueError(f"concurrent must be >= 1 (got {concurrent})")
+    dev, context = _training_device()
+    if graphs and dev.type != "cuda":
+        raise ValueError("CUDA graphs need a CUDA device (run without --cuda-graphs on a CPU)")
+    if cfg.tf32 and dev.type != "cuda":
+        raise ValueError("tf32 is a CUDA matmul mode; on a CPU, run without --tf32")
+    if dev.type == "cuda":
+        # the run's precision is part of its configuration (PaperConfig.tf32), set for the whole process
+        torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+    results: Dict[Tuple[str, int], Optional[Dict]] = {}
+    pending = list(dict.fromkeys((a, int(s)) for a, s in jobs))
+
+    def end(job: Tuple[str, int], r: Optional[Dict]) -> None:
+        results[job] = r
+        if on_result is not None:
+            on_result(job[0], job[1], r)
+
+    with context():
+        active: List[_Trainer] = []
+        while pending or active:
+            while pending and len(active) < concurrent and (deadline is None or time.time() < deadline):
+                attention, seed = pending.pop(0)
+                path = (ckpt_paths or {}).get((attention, seed)) or \
+                    os.path.join(ckpt_dir, run_name(cfg, attention, seed) + ".pt")
+                tr = _Trainer(cfg, attention, seed, ckpt_path=path, dev=dev, graphs=graphs, log=log)
+                if tr.done:
+                    end((attention, seed), tr.finish())
+                else:
+                    active.append(tr)
+            if not active:
+                if pending:  # the deadline passed before these started
+                    for job in pending:
+                        end(job, None)
+                    pending = []
+                continue
+            for tr in list(active):
+                tr.advance()
+                tr.maybe_log(log_every)
+                done, job = tr.step, (tr.attention, tr.seed)
+                if done >= cfg.steps:
+                    active.remove(tr)
+                    end(job, tr.finish())
+                elif (stop_after is not None and done - tr.start >= stop_after) or \
+                        (deadline is not None and time.time() > deadline):
+                    tr.checkpoint()
+                    log(f"[icl_paper] {tr.name}: stopped at step {done}/{cfg.steps}; checkpoint {tr.ckpt_path}")
+                    active.remove(tr)
+                    end(job, None)
+                elif checkpoint_every and done % checkpoint_every == 0:
+                    tr.checkpoint()
+    return results
+
+
 def train_run(cfg: PaperConfig, attention: str, seed: int, *, ckpt_path: str, checkpoint_every: int = 1000,
               stop_after: Optional[int] = None, deadline: Optional[float] = None, log_every: int = 0,
-              log: Callable[[str], None] = print) -> Optional[Dict]:
+              log: Callable[[str], None] = print, graphs: bool = False) -> Optional[Dict]:
     """Train (or resume) one run and evaluate it. Returns the result, or None when the call
     ended it early (``stop_after`` steps trained in this call, or ``deadline`` passed): the
     checkpoint at ``ckpt_path`` then holds everything a later call resumes from."""
-    from nemo_ssa.megatron.single import init_single_process
+    job = (attention, int(seed))
+    return train_runs(cfg, [job], ckpt_dir=os.path.dirname(ckpt_path), ckpt_paths={job: ckpt_path}, graphs=graphs,
+                      checkpoint_every=checkpoint_every, stop_after=stop_after, deadline=deadline,
+                      log_every=log_every, log=log)[job]
 
-    init_single_process(seed)  # the model's initialisation is a function of the seed
-    cuda = torch.cuda.is_available()
-    dev = torch.device("cuda" if cuda else "cpu")
-    from nemo_ssa.megatron.cpu import cpu_device_shims
 
-    name = run_name(cfg, attention, seed)
-    with contextlib.nullcontext() if cuda else cpu_device_shims():
-        model = PaperModel(cfg, attention).to(dev)
-        opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-        start, curve, window, seconds = 0, [], [0.0, 0], 0.0
-        if os.path.isfile(ckpt_path):
-            state = torch.load(ckpt_path, map_location=dev, weights_only=True)
-            if state.get("config") == cfg.identity() and state.get("attention") == attention:
-                model.load_state_dict(state["model"])
-                opt.load_state_dict(state["optimizer"])
-                start, curve, window, seconds = state["step"], state["curve"], state["window"], state["seconds"]
-                log(f"[icl_paper] {name}: resumed at step {start}/{cfg.steps} from {ckpt_path}")
-            else:
-                log(f"[icl_paper] {name}: {ckpt_path} is another configuration's checkpoint; starting afresh")
-        every = max(1, cfg.steps // CURVE_POINTS)  # the loss curve: means over windows of `every` steps
-        # the window's loss sum stays on the device: reading a loss every step would make the
-        # host wait for the GPU every step
-        acc = torch.tensor(float(window[0]), dtype=torch.float64, device=dev)
-
-        def checkpoint(step: int) -> None:
-            _save_atomic({"config": cfg.identity(), "attention": attention, "seed": seed, "step": step,
-                          "model": model.state_dict(), "optimizer": opt.state_dict(), "curve": curve,
-                          "window": [float(acc), window[1]], "seconds": seconds + time.time() - t0},
-                         ckpt_path, torch_save=True)
-
-        model.train()
-        t0, t_log, s_log = time.time(), time.time(), start
-        for step in range(start, cfg.steps):
-            x, y = training_batch(cfg, seed, step)
-            loss = task_loss(model(to_tokens(x, y).to(dev)), y.to(dev), cfg.task)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            acc += loss.detach().double()
-            window[1] += 1
-            if (step + 1) % every == 0 or step + 1 == cfg.steps:
-                curve.append([step + 1, float(acc) / window[1]])
-                acc.zero_()
-                window[1] = 0
-            done = step + 1
-            if log_every and done % log_every == 0:
-                rate = (done - s_log) / max(time.time() - t_log, 1e-9)
-                log(f"[icl_paper] {name} step {done}/{cfg.steps} points {curriculum_points(cfg, step)} "
-                    f"loss {float(loss):.4g} ({rate:.1f} steps/s)")
-                t_log, s_log = time.time(), done
-            if done == cfg.steps:
-                break
-            if (stop_after is not None and done - start >= stop_after) or (deadline is not None and time.time() > deadline):
-                checkpoint(done)
-                log(f"[icl_paper] {name}: stopped at step {done}/{cfg.steps}; checkpoint {ckpt_path}")
-                return None
-            if checkpoint_every and done % checkpoint_every == 0:
-                checkpoint(done)
-        seconds += time.time() - t0
-        model.eval()
-        predict = model_predictor(model, cfg, dev)
-        t_eval = time.time()
-        if cfg.task == "linear":
-            ev = {"sigma_x": list(cfg.sigma_x), "sigma": list(cfg.sigma),
-                  "positions": list(range(cfg.eval_from, cfg.eval_points)),
-                  "outlier_at": {"position": cfg.outlier_position, "value": cfg.outlier_value}}
-            for kind in ("clean", "outlier"):
-                ev[kind] = {"model": evaluate_linear(predict, cfg, seed, outlier=kind == "outlier"),
-                            "least_squares": evaluate_linear(least_squares_affine, cfg, seed, outlier=kind == "outlier")}
-        else:
-            ev = {"lengths": list(cfg.every_lengths), "sigma": list(cfg.every_sigma), "from": cfg.every_from,
-                  **evaluate_every(predict, cfg, seed)}
-            probe = torch.tensor([CROSS_PROBE_X])
-            labels = every_labels(probe)
-            logits = predict(probe, labels)[0]
-            ev["cross_probe"] = {"x": list(CROSS_PROBE_X), "labels": labels[0].tolist(), "logits": logits.tolist(),
-                                 "correct": ((logits > 0) == (labels[0] > 0)).tolist()}
-    return {"task": cfg.task, "attention": attention, "seed": seed, "steps": cfg.steps, "loss_curve": curve,
-            "eval": ev, "train_seconds": seconds, "eval_seconds": time.time() - t_eval}
+def bench(cfg: PaperConfig, jobs: Sequence[Tuple[str, int]], *, steps: int, at: Sequence[int], graphs: bool = False,
+          log: Callable[[str], None] = print) -> List[Dict]:
+    """Time ``steps`` training steps of all ``jobs`` together (as ``--concurrent len(jobs)``
+    trains them: one process, taking turns, each on its own stream) from each step in ``at``
+    (the prompt length of that step), after warm-up (graphs captured). Fresh models, nothing
+    read or written. Per start step: wall seconds, steps/s per run and in all, and the host's
+    seconds per run-step (the time to enqueue, before waiting for the device)."""
+    dev, context = _training_device()
+    if graphs and dev.type != "cuda":
+        raise ValueError("CUDA graphs need a CUDA device (run without --cuda-graphs on a CPU)")
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    rows = []
+    with context():
+        for start in at:
+            if not 0 <= start < cfg.steps - steps - GRAPH_WARMUP - 1:
+                raise ValueError(f"bench at step {start}: {steps} steps and the warm-up must fit in {cfg.steps} steps")
+            trainers = [_Trainer(cfg, a, s, ckpt_path=None, dev=dev, graphs=graphs, log=log) for a, s in jobs]
+            for tr in trainers:
+                tr.step = tr.start = start
+            t_warm = time.perf_counter()
+            for _ in range(GRAPH_WARMUP + 1):  # the eager steps and the capture
+                for tr in trainers:
+                    tr.advance()
+            sync()
+            t_warm = time.perf_counter() - t_warm
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                for tr in trainers:
+                    tr.advance()
+            host = time.perf_counter() - t0
+            sync()
+            wall = time.perf_counter() - t0
+            row = {"step": start, "points": curriculum_points(cfg, start), "runs": len(trainers), "steps": steps,
+                   "graphs": [tr.graph is not None for tr in trainers], "warmup_s": t_warm, "wall_s": wall,
+                   "steps_per_s_per_run": steps / wall, "steps_per_s_all": steps * len(trainers) / wall,
+                   "host_ms_per_step": 1e3 * host / (steps * len(trainers))}
+            rows.append(row)
+            on = "on" if all(row["graphs"]) else "off" if not any(row["graphs"]) else "partly"
+            log(f"[icl_paper] bench {cfg.task} {','.join(f'{a}-s{s}' for a, s in jobs)} at step {start} "
+                f"({row['points']} points, graphs {on}"
+                f"{', tf32' if cfg.tf32 else ''}): {row['steps_per_s_per_run']:.3g} steps/s per run, "
+                f"{row['steps_per_s_all']:.3g} in all; host {row['host_ms_per_step']:.2f} ms per run-step; "
+                f"warm-up {t_warm:.1f} s")
+            del trainers
+    return rows
 
 
 # ----------------------------------------------------------------------------- runs on disk
@@ -589,7 +848,8 @@ def summarize(out: str, cfg: PaperConfig, results: List[Dict], names: List[str],
     os.makedirs(hm, exist_ok=True)
     names = [n for n in names if any(r["attention"] == n for r in results)]
     lines = [f"# The SSA paper's in-context experiment: task `{cfg.task}`", "",
-             f"Model: {cfg.layers} layers, {cfg.heads} heads, width {cfg.hidden}, {cfg.positions} positions, fp32; "
+             f"Model: {cfg.layers} layers, {cfg.heads} heads, width {cfg.hidden}, {cfg.positions} positions, "
+             f"{'fp32 with TF32 matrix products' if cfg.tf32 else 'fp32'}; "
              f"Adam lr {cfg.lr:g}, batch {cfg.batch}, {cfg.steps} steps; prompts of {cfg.points_start} points "
              f"+{cfg.points_inc} every {cfg.points_interval} steps up to {cfg.points_end}. "
              "The setup and how it follows the authors' code: docs/icl-paper-setup.md in the repository.", ""]
@@ -713,8 +973,10 @@ def main(argv=None) -> int:
                     help="seeds first..first+seeds-1 (one process per attention/seed can share an --out)")
     ap.add_argument("--steps", type=int, default=None, help="training steps per run (the authors': 500001)")
     ap.add_argument("--positions", choices=POSITIONS, default=None, help="learned (GPT-2's, default) or rope")
+    ap.add_argument("--tf32", action="store_true",
+                    help="TF32 matrix products (CUDA only; part of the run's configuration: fp32 runs are not reused)")
     ap.add_argument("--cpu-smoke", action="store_true", help="a tiny model and grid (seconds on CPU)")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default=None, help="where runs, checkpoints and the summary go (required but with --bench-steps)")
     ap.add_argument("--ckpt-dir", default=None, help="where runs in progress checkpoint (default <out>/ckpt)")
     ap.add_argument("--checkpoint-every", type=int, default=1000)
     ap.add_argument("--budget-s", type=float, default=None,
@@ -723,48 +985,90 @@ def main(argv=None) -> int:
                     help="train at most this many steps per run in this call, then checkpoint and stop")
     ap.add_argument("--log-every", type=int, default=None, help="progress line every N steps (default steps/10)")
     ap.add_argument("--summary-only", action="store_true", help="write the summary from the finished runs only")
+    ap.add_argument("--concurrent", type=int, default=1,
+                    help="train up to N of this call's runs at once in this process, taking turns step by step "
+                         "(each on its own CUDA stream; pays with --cuda-graphs). Default 1: one after another")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="CUDA only: each run's whole training step (forward, backward, fused Adam) as one CUDA graph "
+                         "per prompt length, replayed")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads (default: 1 with CUDA or --cpu-smoke, where the host's tensors are "
+                         "tiny; else torch's default)")
+    ap.add_argument("--bench-steps", type=int, default=None,
+                    help="time N steps of the runs together (as --concurrent <all>) at each --bench-at step, "
+                         "print steps/s and host ms per step, write nothing")
+    ap.add_argument("--bench-at", default="0,14000,30000",
+                    help="steps --bench-steps starts at (their prompt lengths: 11, 25 and 41 points)")
     args = ap.parse_args(argv)
 
     cfg = replace(CPU_SMOKE if args.cpu_smoke else PAPER, task=args.task)
-    overrides = {k: v for k, v in (("steps", args.steps), ("positions", args.positions))
+    overrides = {k: v for k, v in (("steps", args.steps), ("positions", args.positions), ("tf32", args.tf32 or None))
                  if v is not None}
     if overrides:
         cfg = replace(cfg, **overrides)
     names = check_attentions(args.attentions.split(","))
     if args.seeds < 1:
         raise ValueError(f"--seeds must be >= 1 (got {args.seeds})")
+    if args.concurrent < 1:
+        raise ValueError(f"--concurrent must be >= 1 (got {args.concurrent})")
+    cuda = torch.cuda.is_available()
+    if (args.cuda_graphs or cfg.tf32) and not cuda:
+        raise ValueError("--cuda-graphs and --tf32 need CUDA; on a CPU run without them")
+    threads = args.threads if args.threads is not None else (1 if cuda or args.cpu_smoke else None)
+    if threads is not None:
+        # CPU-only: matrices this small run ~50x slower when two threads fight over busy cores; with CUDA the
+        # host only draws [64, 41] batches and enqueues work, and N processes x all cores oversubscribe
+        torch.set_num_threads(max(1, threads))
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
+    jobs = [(a, s) for s in seeds for a in names]
+    if args.bench_steps is not None:
+        at = [int(v) for v in args.bench_at.split(",") if v.strip()]
+        bench(cfg, jobs, steps=args.bench_steps, at=at, graphs=args.cuda_graphs, log=lambda m: print(m, flush=True))
+        return 0
+    if args.out is None:
+        ap.error("--out is required (except with --bench-steps)")
     ckpt_dir = args.ckpt_dir or os.path.join(args.out, "ckpt")
     os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
     os.makedirs(ckpt_dir, exist_ok=True)
     t0 = time.time()
     deadline = t0 + args.budget_s if args.budget_s is not None else None
     log_every = args.log_every if args.log_every is not None else max(cfg.steps // 10, 1)
-    if args.cpu_smoke and not torch.cuda.is_available():
-        torch.set_num_threads(1)  # matrices this small run ~50x slower when two threads fight over busy cores
-    seeds = range(args.first_seed, args.first_seed + args.seeds)
-    jobs = [(a, s) for s in seeds for a in names]
-    results, missing, trained = [], [], 0
-    for i, (attention, seed) in enumerate(jobs):
+    done: Dict[Tuple[str, int], Optional[Dict]] = {}
+    for attention, seed in jobs:
         r = load_run(args.out, cfg, attention, seed)
         if r is not None:
             print(f"[icl_paper] {run_name(cfg, attention, seed)}: reused {run_path(args.out, cfg, attention, seed)}",
                   flush=True)
-        elif not args.summary_only and (deadline is None or time.time() < deadline):
+            done[(attention, seed)] = r
+    to_train = [j for j in jobs if j not in done]
+
+    def save(attention: str, seed: int, r: Optional[Dict]) -> None:
+        done[(attention, seed)] = r
+        if r is not None:
+            _save_atomic({"config": cfg.identity(), "result": r}, run_path(args.out, cfg, attention, seed))
             ckpt = os.path.join(ckpt_dir, run_name(cfg, attention, seed) + ".pt")
-            r = train_run(cfg, attention, seed, ckpt_path=ckpt, checkpoint_every=args.checkpoint_every,
-                          stop_after=args.stop_after_steps, deadline=deadline, log_every=log_every,
-                          log=lambda m: print(m, flush=True))
-            if r is not None:
-                _save_atomic({"config": cfg.identity(), "result": r}, run_path(args.out, cfg, attention, seed))
-                if os.path.isfile(ckpt):
-                    os.remove(ckpt)
-                trained += 1
-        if r is None:
-            missing.append(run_name(cfg, attention, seed))
-        else:
-            results.append(r)
-        print(f"[icl_paper] {i + 1}/{len(jobs)} runs looked at, {len(results)} finished, {time.time() - t0:.0f} s",
+            if os.path.isfile(ckpt):
+                os.remove(ckpt)
+        print(f"[icl_paper] {run_name(cfg, attention, seed)}: {'finished' if r is not None else 'unfinished'}; "
+              f"{sum(v is not None for v in done.values())}/{len(jobs)} runs finished, {time.time() - t0:.0f} s",
               flush=True)
+
+    if to_train and not args.summary_only and (deadline is None or time.time() < deadline):
+        if args.concurrent == 1 and not args.cuda_graphs:
+            for attention, seed in to_train:  # one at a time, as ever
+                r = None
+                if deadline is None or time.time() < deadline:
+                    r = train_run(cfg, attention, seed,
+                                  ckpt_path=os.path.join(ckpt_dir, run_name(cfg, attention, seed) + ".pt"),
+                                  checkpoint_every=args.checkpoint_every, stop_after=args.stop_after_steps,
+                                  deadline=deadline, log_every=log_every, log=lambda m: print(m, flush=True))
+                save(attention, seed, r)
+        else:
+            train_runs(cfg, to_train, ckpt_dir=ckpt_dir, concurrent=args.concurrent, graphs=args.cuda_graphs,
+                       checkpoint_every=args.checkpoint_every, stop_after=args.stop_after_steps, deadline=deadline,
+                       log_every=log_every, log=lambda m: print(m, flush=True), on_result=save)
+    results = [done[j] for j in jobs if done.get(j) is not None]
+    missing = [run_name(cfg, a, s) for a, s in jobs if done.get((a, s)) is None]
     summarize(args.out, cfg, results, names, missing)
     print(f"[icl_paper] summary: {os.path.join(args.out, 'icl_paper.md')}"
           + (f"; unfinished: {', '.join(missing)} (call again to continue)" if missing else ""), flush=True)
