@@ -317,3 +317,40 @@ def test_for_lengths_takes_a_length_generic_twin_only_for_length_one(monkeypatch
     assert not any(v for k, v in flags.items() if k not in L.LENGTH_ARGS)  # nothing else changes
     monkeypatch.setattr(L, "_INTERPRETED", True)  # the interpreter never specialises: the kernel itself
     assert L.for_lengths(attn_bwd_kernel_dq, 1, 1) is attn_bwd_kernel_dq
+
+
+def _calls(fn, attr: str):
+    """``ast.unparse`` of every call to ``*.{attr}(...)`` in the source of ``fn``."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    return [ast.unparse(n) for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == attr]
+
+
+def test_the_installed_triton_launches_the_way_the_cached_launch_replays():
+    """The cached launch's hit path (``launch._cache_entry``) replays, argument for argument,
+    what the installed Triton's ``JITFunction.run`` passes to ``CompiledKernel.run`` and what
+    the NVIDIA driver's ``CudaLauncher.__call__`` passes to its C ``launch`` -- Triton
+    internals. Read here from the installed Triton's source, so a Triton version that moves
+    them fails this CPU test before a GPU run launches a kernel with misplaced arguments
+    (update ``_cache_entry`` and the stand-ins above together, then this test)."""
+    from triton.backends.nvidia import driver
+    from triton.runtime import jit
+
+    run_calls = _calls(jit.JITFunction.run, "run")
+    assert run_calls == [
+        "kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, launch_metadata, "
+        "knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *bound_args.values())"], run_calls
+    launch_calls = _calls(driver.CudaLauncher.__call__, "launch")
+    assert launch_calls == [
+        "self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl, "
+        "global_scratch, profile_scratch, *args)"], launch_calls
+    import inspect
+
+    src = inspect.getsource(driver.CudaLauncher.__init__)
+    for attr in ("self.launch =", "self.global_scratch_size =", "self.profile_scratch_size =",
+                 "self.launch_cooperative_grid =", "self.launch_pdl ="):
+        assert attr in src, f"CudaLauncher no longer sets {attr.split()[0]}: launch._cache_entry reads it"
