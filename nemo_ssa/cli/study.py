@@ -6,7 +6,14 @@
     python scripts/study.py --lrs 3e-4,6e-4,1.2e-3,2.4e-3 --seeds 2 --gpus 0,1,2,3 -- train.max_steps=1000
                                                                      # learning-rate sweep, one run per GPU
     python scripts/study.py --lr softmax=6e-4,ssa=1.2e-3 -- train.max_steps=3000   # each at its own rate
+    python scripts/study.py --attentions ssa,ssa_nb \
+        --variant "ssa_nb=ssa policy=free attention.options.learnable_b=true attention.options.n_min=1.0"
+                                                                     # an ablation beside the pinned policy
     python -m nemo_ssa study ...                                     # the same (an installed package)
+
+A variant (``--variant "LABEL=ATTENTION OVERRIDE ..."``, repeatable) is a study axis of its
+own: ``LABEL`` in ``--attentions`` trains ``attention=ATTENTION`` with its overrides after the
+study's (so they win), in ``<out>/<LABEL>-s<seed>``; the verdicts and plots name it LABEL.
 
 A sweep (``--lrs``) trains every (attention, rate, seed) in ``<out>/<attention>-lr<rate>-s<seed>``
 (``train.lr``, and ``train.min_lr`` at a tenth of it) and writes ``lr_sweep.md``: per attention
@@ -43,6 +50,7 @@ import argparse
 import csv
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -69,15 +77,48 @@ def lr_overrides(lr: Optional[float]) -> List[str]:
     return [] if lr is None else [f"train.lr={lr:g}", f"train.min_lr={lr / 10:g}"]
 
 
-def command(out: str, attention: str, seed: int, overrides: Sequence[str], lr: Optional[float] = None) -> List[str]:
+#: a study label -> (the attention it trains, its own overrides); ``parse_variant``
+Variants = Dict[str, Tuple[str, List[str]]]
+
+_LABEL_OK = re.compile(r"^[A-Za-z0-9_.+-]+$")
+
+
+def parse_variant(spec: str, variants: Variants) -> None:
+    """``"LABEL=ATTENTION OVERRIDE ..."`` into ``variants`` (SystemExit naming what is wrong)."""
+    from nemo_ssa.config.policy import known_names
+
+    head, _, rest = spec.strip().partition(" ")
+    label, eq, attention = head.partition("=")
+    if not eq or not _LABEL_OK.match(label) or not attention:
+        raise SystemExit(f"[study] --variant {spec!r}: give \"LABEL=ATTENTION OVERRIDE ...\", LABEL of letters, "
+                         "digits and _.+- (it names the run directories)")
+    if label in known_names():
+        raise SystemExit(f"[study] --variant {spec!r}: LABEL {label!r} is an attention's name; choose another")
+    if attention not in known_names():
+        raise SystemExit(f"[study] --variant {spec!r}: unknown attention {attention!r}; known: "
+                         f"{', '.join(known_names())}")
+    if label in variants:
+        raise SystemExit(f"[study] --variant {label!r} given twice")
+    extra = rest.split()
+    bad = [o for o in extra if "=" not in o]
+    if bad:
+        raise SystemExit(f"[study] --variant {spec!r}: overrides are key=value, got {bad}")
+    variants[label] = (attention, extra)
+
+
+def command(out: str, attention: str, seed: int, overrides: Sequence[str], lr: Optional[float] = None,
+            variants: Optional[Variants] = None) -> List[str]:
     """The launcher for one run: reused if it finished with this configuration, resumed if it
-    started and did not finish (metrics.csv without complete.json), else trained."""
+    started and did not finish (metrics.csv without complete.json), else trained.
+    ``attention`` is a study label: a variant's (``variants``) trains its attention with its
+    overrides after ``overrides``."""
     run_dir = run_dir_of(out, attention, seed, lr)
     started = os.path.isfile(os.path.join(run_dir, "metrics.csv"))
     finished = os.path.isfile(os.path.join(run_dir, "complete.json"))
-    return pretrain_command(f"attention={attention}", f"seed={seed}", f"run_dir={run_dir}", "compare_to=[]",
+    name, extra = (variants or {}).get(attention, (attention, []))
+    return pretrain_command(f"attention={name}", f"seed={seed}", f"run_dir={run_dir}", "compare_to=[]",
                             "reuse_if_complete=true", f"resume={'true' if started and not finished else 'false'}",
-                            *overrides, *lr_overrides(lr))
+                            *overrides, *extra, *lr_overrides(lr))
 
 
 def read_curve(run_dir: str, name: str = "metrics.csv", column: str = "loss") -> Optional[Curve]:
@@ -110,7 +151,8 @@ NOT_STARTED = -1
 def train_all(out: str, attentions: Sequence[str], seeds: Sequence[int], overrides: Sequence[str],
               launch: Optional[Callable[..., int]] = None, parallel: int = 1,
               lrs: Optional[Sequence[float]] = None, lr_of: Optional[Dict[str, float]] = None,
-              gpus: Optional[Sequence[str]] = None, stop_launching_after: Optional[float] = None) -> Dict[str, int]:
+              gpus: Optional[Sequence[str]] = None, stop_launching_after: Optional[float] = None,
+              variants: Optional[Variants] = None) -> Dict[str, int]:
     """Every (attention, seed) run -- every (attention, rate, seed) with ``lrs``; each attention
     at ``lr_of[attention]`` with ``lr_of`` -- seed-major, ``parallel`` at a time per GPU of
     ``gpus`` (``CUDA_VISIBLE_DEVICES`` of each run; unset: the runs share what the process
@@ -146,7 +188,7 @@ def train_all(out: str, attentions: Sequence[str], seeds: Sequence[int], overrid
             env = None if gpu is None else dict(os.environ, CUDA_VISIBLE_DEVICES=gpu)
             print(f"[study] run {i}/{len(jobs)}: {name}" + (f" on GPU {gpu}" if gpu is not None else ""), flush=True)
             t = time.time()
-            cmd = command(out, attention, seed, overrides, lr)
+            cmd = command(out, attention, seed, overrides, lr, variants)
             if launch is not None:
                 codes[name] = launch(cmd) if env is None else launch(cmd, env=env)
             elif workers > 1:
@@ -437,12 +479,21 @@ def main(argv=None) -> int:
                                                  "per GPU x --parallel)")
     ap.add_argument("--lrs", default=None, help="comma list of learning rates: a sweep, then lr_sweep.md")
     ap.add_argument("--lr", default=None, help="each attention at its own rate: softmax=6e-4,ssa=1.2e-3")
+    ap.add_argument("--variant", action="append", default=[], metavar='"LABEL=ATTENTION OVERRIDE ..."',
+                    help="a study label training ATTENTION with its own overrides (repeatable); name it in "
+                         "--attentions")
     ap.add_argument("--stop-launching-after", type=float, default=None,
                     help="seconds after which no run starts (the next invocation goes on)")
     args = ap.parse_args(argv)
     attentions = [a for a in args.attentions.split(",") if a]
     if len(attentions) < 2:
         raise SystemExit("[study] --attentions needs at least two names (the first is the baseline)")
+    variants: Variants = {}
+    for spec in args.variant:
+        parse_variant(spec, variants)
+    unused = sorted(set(variants) - set(attentions))
+    if unused:
+        raise SystemExit(f"[study] --variant {unused} not in --attentions {attentions}")
     seeds = [args.first_seed + i for i in range(args.seeds)]
     lrs = [float(x) for x in args.lrs.split(",") if x] if args.lrs else None
     lr_of = parse_lr_of(args.lr, attentions) if args.lr else None
@@ -457,7 +508,7 @@ def main(argv=None) -> int:
         if args.parallel > 1:
             prepare_corpus(overrides)
         codes = train_all(args.out, attentions, seeds, overrides, parallel=args.parallel, lrs=lrs, lr_of=lr_of,
-                          gpus=gpus, stop_launching_after=args.stop_launching_after)
+                          gpus=gpus, stop_launching_after=args.stop_launching_after, variants=variants)
         failed = [k for k, v in codes.items() if v not in (0, NOT_STARTED)]
         if failed:
             print(f"[study] runs that failed (run the study again to resume them): {failed}", flush=True)

@@ -247,3 +247,44 @@ def test_reports_say_when_runs_read_their_data_more_than_once(tmp_path, passes):
     text = study.summarize(out, ["softmax", "ssa"], [1, 2], plot=False)
     assert ("read their training split up to 4.2 times" in text) == (passes == 4.2), text[:400]
     assert ("4 of 4 runs past one pass" in text) == (passes == 4.2)
+
+
+def test_a_variant_trains_its_attention_with_its_overrides_under_its_own_label(tmp_path):
+    """``--variant "ssa_nb=ssa policy=free ..."``: the ablation beside the pinned policy (issue
+    44 item 3) is a study axis of its own -- its run directories and verdicts say ssa_nb, its
+    launcher says attention=ssa with the variant's overrides after the study's."""
+    variants = {}
+    study.parse_variant("ssa_nb=ssa policy=free attention.options.learnable_b=true attention.options.n_min=1.0",
+                        variants)
+    assert variants == {"ssa_nb": ("ssa", ["policy=free", "attention.options.learnable_b=true",
+                                           "attention.options.n_min=1.0"])}
+    calls = []
+
+    def launch(cmd):
+        calls.append(cmd)
+        args = dict(a.split("=", 1) for a in cmd[2:] if "=" in a)
+        label = os.path.basename(args["run_dir"]).rsplit("-s", 1)[0]
+        _write_run(args["run_dir"], int(args["seed"]), {"ssa": 0.0, "ssa_nb": 0.2}[label])
+        return 0
+
+    codes = study.train_all(str(tmp_path), ["ssa", "ssa_nb"], [1, 2], ["policy=pinned"], launch=launch,
+                            variants=variants)
+    assert list(codes) == ["ssa-s1", "ssa_nb-s1", "ssa-s2", "ssa_nb-s2"]
+    nb = [c for c in calls if any(a.startswith("run_dir=") and "ssa_nb-s" in a for a in c)]
+    assert len(nb) == 2 and all("attention=ssa" in c for c in calls)
+    for c in nb:  # the variant's overrides come after the study's, so they win
+        assert c.index("policy=free") > c.index("policy=pinned") and "attention.options.n_min=1.0" in c
+    plain = [c for c in calls if c not in nb]
+    assert all("policy=free" not in c for c in plain)
+    text = study.summarize(str(tmp_path), ["ssa", "ssa_nb"], [1, 2], plot=False)
+    assert "ssa_nb" in text
+
+
+@pytest.mark.parametrize("spec,msg", [("nb ssa", "give"), ("ssa=softmax x=1", "an attention's name"),
+                                      ("nb=nope x=1", "unknown attention"), ("nb=ssa policy", "key=value"),
+                                      ("n/b=ssa", "give")])
+def test_bad_variants_are_refused_by_name(spec, msg):
+    with pytest.raises(SystemExit, match=msg):
+        study.parse_variant(spec, {})
+    with pytest.raises(SystemExit, match="not in --attentions"):
+        study.main(["--summarize-only", "--variant", "nb=ssa policy=free", "--attentions", "softmax,ssa"])
