@@ -160,6 +160,30 @@ def test_least_squares_floor_is_exact_from_two_points():
     assert P.evaluate_linear(lambda x, y: torch.zeros_like(y), cfg, 1)[1][1] > 50  # predicting 0 is not free
 
 
+def test_outlier_after_grid_scores_only_the_points_after_the_outlier():
+    """A model that misses only the outlier's own y: the every-point outlier grid charges it
+    (a·20000)² / 6, the after-outlier grid nothing; one that misses a point after it is charged."""
+    cfg = replace(P.PAPER, sigma_x=(1.0, 3.0), sigma=(2.0,))
+    pos = cfg.outlier_position
+
+    def miss(at):
+        def predict(x, y):
+            p = y.clone()
+            p[:, at] = 0.0
+            return p
+        return predict
+
+    at_outlier = P.evaluate_linear(miss(pos), cfg, 1, outlier=True)
+    assert min(v for row in at_outlier for v in row) > 1e6
+    assert P.evaluate_linear(miss(pos), cfg, 1, outlier=True, after_outlier=True) == [[0.0], [0.0]]
+    after = P.evaluate_linear(miss(pos + 1), cfg, 1, outlier=True, after_outlier=True)
+    x, y = P.linear_eval_prompts(cfg, 1, 3.0, 2.0, outlier=True)
+    expected = y.double()[:, pos + 1].pow(2).sum() / (y.shape[0] * (cfg.eval_points - pos - 1))
+    assert after[1][0] == pytest.approx(float(expected), rel=1e-12) and after[1][0] > 0
+    with pytest.raises(ValueError, match="needs outlier=True"):
+        P.evaluate_linear(miss(pos), cfg, 1, after_outlier=True)
+
+
 def test_every_grid_cells_and_draws():
     cfg = replace(P.PAPER, task="every")
     assert cfg.every_lengths == tuple(range(10, 201, 10)) and cfg.every_sigma == tuple(float(s) for s in range(1, 30))
@@ -217,6 +241,8 @@ def test_cli_smoke_writes_runs_summary_and_heatmaps(linear_smoke):
     assert not list((out / "ckpt").iterdir())  # finished runs leave no checkpoint
     md = (out / "icl_paper.md").read_text()
     assert "| softmax | clean |" in md and "| ssa | outlier |" in md and "softmax − ssa, clean" in md
+    assert "| ssa | outlier_after |" in md and "softmax − ssa, outlier_after" in md
+    assert all(len(r["eval"]["outlier_after"]["model"]) == len(cfg.sigma_x) for r in runs.values())
     summary = json.loads((out / "icl_paper.json").read_text())
     assert len(summary["results"]) == 4 and summary["config"]["task"] == "linear"
     for name in ("linear-softmax-clean", "linear-ssa-outlier", "linear-softmax-minus-ssa-clean",
@@ -241,6 +267,37 @@ def test_cli_reuses_finished_runs(linear_smoke, monkeypatch, capsys):
                    "--out", str(linear_smoke)]) == 0
     assert capsys.readouterr().out.count(": reused ") == 4
     assert (linear_smoke / "runs" / "linear-ssa-s2.json").read_text() == before
+
+
+def test_tf32_runs_from_a_gpu_are_summarised_on_a_cpu(linear_smoke, tmp_path, monkeypatch):
+    """--summary-only trains nothing, so runs a GPU trained under --tf32 are summarised here under
+    their own identity; fp32 runs in the same directory are not mixed in."""
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU path")
+
+    def no_training(*a, **k):
+        raise AssertionError("--summary-only trained a run")
+
+    monkeypatch.setattr(P, "train_run", no_training)
+    monkeypatch.setattr(P, "train_runs", no_training)
+    (tmp_path / "runs").mkdir()
+    tf32 = replace(P.CPU_SMOKE, task="linear", steps=6, tf32=True)
+    for name in ("softmax-s1", "ssa-s1", "softmax-s2"):
+        saved = json.loads((linear_smoke / "runs" / f"linear-{name}.json").read_text())
+        if name != "softmax-s2":  # this one stays an fp32 run: not part of the TF32 summary
+            saved["config"] = tf32.identity()
+        if name == "ssa-s1":  # a run evaluated before the after-outlier grid: summarised without it
+            del saved["result"]["eval"]["outlier_after"]
+        (tmp_path / "runs" / f"linear-{name}.json").write_text(json.dumps(saved))
+    args = ["--cpu-smoke", "--task", "linear", "--attentions", "softmax,ssa", "--seeds", "2", "--steps", "6",
+            "--tf32", "--out", str(tmp_path)]
+    with pytest.raises(ValueError, match="need CUDA"):
+        P.main(args)
+    assert P.main(args + ["--summary-only"]) == P.EXIT_UNFINISHED
+    md = (tmp_path / "icl_paper.md").read_text()
+    assert "TF32" in md and "Finished runs: 2 (softmax, ssa; seeds [1])" in md
+    assert "| ssa | outlier |" in md and "| ssa | outlier_after |" not in md and "not in these runs" in md
+    assert json.loads((tmp_path / "icl_paper.json").read_text())["config"]["tf32"] is True
 
 
 def test_cli_every_task(tmp_path, megatron_cpu):

@@ -274,15 +274,24 @@ def every_eval_prompts(cfg: PaperConfig, seed: int, length: int, sigma: float) -
 Predict = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def evaluate_linear(predict: Predict, cfg: PaperConfig, seed: int, outlier: bool = False) -> List[List[float]]:
+def evaluate_linear(predict: Predict, cfg: PaperConfig, seed: int, outlier: bool = False,
+                    after_outlier: bool = False) -> List[List[float]]:
     """Mean squared error over the scored points, every function and prompt, per cell:
-    ``[len(sigma_x)][len(sigma)]``. ``predict(x, y)`` returns the prediction of every ``y``."""
+    ``[len(sigma_x)][len(sigma)]``. ``predict(x, y)`` returns the prediction of every ``y``.
+
+    ``after_outlier`` (with ``outlier``) scores only the points after the outlier: over every
+    scored point the outlier's own ``y = a·20000 + b`` dominates (a model whose outputs pass a
+    LayerNorm cannot reach it), so that grid is ~``(a·20000)² / 6`` for any model; the points
+    after it say whether the model recovers from the outlier in its context."""
+    if after_outlier and not outlier:
+        raise ValueError("after_outlier scores the points after the outlier: it needs outlier=True")
+    first = cfg.outlier_position + 1 if after_outlier else cfg.eval_from
     grid = []
     for sx in cfg.sigma_x:
         row = []
         for s in cfg.sigma:
             x, y = linear_eval_prompts(cfg, seed, sx, s, outlier)
-            err = (predict(x, y).double() - y.double())[:, cfg.eval_from:].pow(2).mean()
+            err = (predict(x, y).double() - y.double())[:, first:].pow(2).mean()
             row.append(float(err))
         grid.append(row)
     return grid
@@ -414,6 +423,10 @@ def _save_atomic(obj, path: str, torch_save: bool = False) -> None:
     os.replace(tmp, path)
 
 
+#: the linear task's grids: every scored point of clean prompts, of prompts with the outlier,
+#: and only the points after the outlier (runs evaluated before that grid existed lack it)
+LINEAR_GRIDS = ("clean", "outlier", "outlier_after")
+
 #: eager steps at each new prompt length before its CUDA graph is captured (cuBLAS's
 #: per-stream workspace, autograd's and Adam's lazily built state all exist by then)
 GRAPH_WARMUP = 3
@@ -427,9 +440,10 @@ def _evaluate(model: "PaperModel", cfg: PaperConfig, seed: int, dev: torch.devic
         ev = {"sigma_x": list(cfg.sigma_x), "sigma": list(cfg.sigma),
               "positions": list(range(cfg.eval_from, cfg.eval_points)),
               "outlier_at": {"position": cfg.outlier_position, "value": cfg.outlier_value}}
-        for kind in ("clean", "outlier"):
-            ev[kind] = {"model": evaluate_linear(predict, cfg, seed, outlier=kind == "outlier"),
-                        "least_squares": evaluate_linear(least_squares_affine, cfg, seed, outlier=kind == "outlier")}
+        for kind in LINEAR_GRIDS:
+            how = {"outlier": kind != "clean", "after_outlier": kind == "outlier_after"}
+            ev[kind] = {"model": evaluate_linear(predict, cfg, seed, **how),
+                        "least_squares": evaluate_linear(least_squares_affine, cfg, seed, **how)}
     else:
         ev = {"lengths": list(cfg.every_lengths), "sigma": list(cfg.every_sigma), "from": cfg.every_from,
               **evaluate_every(predict, cfg, seed)}
@@ -865,13 +879,17 @@ def summarize(out: str, cfg: PaperConfig, results: List[Dict], names: List[str],
     base = names[0]
     if cfg.task == "linear":
         rows, cols = cfg.sigma_x, cfg.sigma
+        kinds = [k for k in LINEAR_GRIDS if all(k in r["eval"] for r in results)]
         ls = {kind: _cellwise([r["eval"][kind]["least_squares"] for r in results], statistics.fmean)
-              for kind in ("clean", "outlier")}
+              for kind in kinds}
         lines += [f"Squared error over points {cfg.eval_from}…{cfg.eval_points - 1} of {cfg.eval_points}-point prompts, "
                   f"{cfg.functions} functions × {cfg.eval_prompts} prompts per cell; x ~ N(0, σx²), a, b ~ N(0, σ²); "
-                  f"outlier: x at point {cfg.outlier_position} = {cfg.outlier_value:g}. Mean ± sd over seeds.", "",
+                  f"outlier: x at point {cfg.outlier_position} = {cfg.outlier_value:g} (`outlier_after`: only the "
+                  f"points after it, {cfg.outlier_position + 1}…{cfg.eval_points - 1}"
+                  + ("" if "outlier_after" in kinds else "; not in these runs, evaluated before that grid existed")
+                  + "). Mean ± sd over seeds.", "",
                   "| attention | grid | σx=σ=1 | grid mean | worst cell | least squares (max cell) |", "|---|---|---|---|---|---|"]
-        for kind in ("clean", "outlier"):
+        for kind in kinds:
             files += _write_heatmap(os.path.join(hm, f"linear-least-squares-{kind}"), ls[kind], rows, cols, "sigma_x",
                                     "sigma", f"least squares, {kind}")
             for n in names:
@@ -891,7 +909,7 @@ def summarize(out: str, cfg: PaperConfig, results: List[Dict], names: List[str],
                              f"{max(v for row in ls[kind] for v in row):.2g} |")
         lines.append("")
         for other in names[1:]:
-            for kind in ("clean", "outlier"):
+            for kind in kinds:
                 ga = _grids(results, base, lambda r: r["eval"][kind]["model"])
                 gb = _grids(results, other, lambda r: r["eval"][kind]["model"])
                 paired = [s for s in ga if s in gb]
@@ -1012,8 +1030,9 @@ def main(argv=None) -> int:
     if args.concurrent < 1:
         raise ValueError(f"--concurrent must be >= 1 (got {args.concurrent})")
     cuda = torch.cuda.is_available()
-    if (args.cuda_graphs or cfg.tf32) and not cuda:
-        raise ValueError("--cuda-graphs and --tf32 need CUDA; on a CPU run without them")
+    if (args.cuda_graphs or cfg.tf32) and not cuda and not args.summary_only:
+        # a summary trains nothing: TF32 runs brought back from a GPU are summarised here under their own identity
+        raise ValueError("--cuda-graphs and --tf32 need CUDA; on a CPU run without them (or with --summary-only)")
     threads = args.threads if args.threads is not None else (1 if cuda or args.cpu_smoke else None)
     if threads is not None:
         # CPU-only: matrices this small run ~50x slower when two threads fight over busy cores; with CUDA the
