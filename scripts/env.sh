@@ -2,7 +2,7 @@
 # Run a command inside the project's environment, creating it first if it is missing.
 #
 #   bash scripts/env.sh python scripts/pretrain.py      # the main job
-#   bash scripts/env.sh python -m pytest -q             # the tests
+#   bash scripts/env.sh python -m pytest -q -n 2 --dist loadgroup   # the tests
 #   bash scripts/env.sh --which-lock                    # print the lock it would use, do nothing
 #
 # The environment is .venv/ (override with NEMO_SSA_VENV). It is built from a fully pinned

@@ -85,20 +85,23 @@ def test_preset_writes_results_even_when_killed(tmp_path, monkeypatch):
     tests.write_text("import time\n"
                      "def test_a(): pass\n"
                      "def test_b(): assert 1 == 2, 'boom'\n"
-                     "def test_c(): time.sleep(60)\n"
+                     "def test_c(): time.sleep(600)\n"
                      "def test_d(): pass\n")
     (tmp_path / "conftest.py").write_text(open(os.path.join(REPO, "tests", "conftest.py")).read())
     # the inner pytest inherits the environment: an order override (the suite run
     # reversed, NEMO_SSA_TEST_ORDER) would reverse the tiny file too
     monkeypatch.delenv("NEMO_SSA_TEST_ORDER", raising=False)
-    monkeypatch.setitem(gs.PRESETS, "quick", dict(about="tiny", expect=5, budget=60,
-                                                  steps=[("pytest", "tests-quick", 20, [str(tests)], None, 0)]))
+    # the step's limit covers the inner pytest's start-up (torch's import through the copied
+    # conftest) with room for a loaded 2-core machine: at 20 s it was killed before test_a ran
+    # while another xdist worker trained beside it
+    monkeypatch.setitem(gs.PRESETS, "quick", dict(about="tiny", expect=5, budget=120,
+                                                  steps=[("pytest", "tests-quick", 60, [str(tests)], None, 0)]))
     out = tmp_path / "out"
     rc = gs.main(["--preset", "quick", "--out", str(out), "--no-bundle", "--workers", "1", "--commit", "abc123"])
     assert rc == 1
     assert sorted(os.listdir(out)) == ["gpu-tests-quick.md", "session.tgz"]
     md = (out / "gpu-tests-quick.md").read_text()
-    assert "commit: `abc123`" in md and "killed at 20 s" in md
+    assert "commit: `abc123`" in md and "killed at 60 s" in md
     rows = {ln.split("|")[1].strip().strip("`").split("::")[-1]: ln.split("|")[2].strip()
             for ln in md.splitlines() if ln.startswith("| `")}
     assert rows == {"test_a": "passed", "test_b": "failed", "test_c": "not run (time limit)",

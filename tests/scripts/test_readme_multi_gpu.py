@@ -24,7 +24,9 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-pytestmark = pytest.mark.slow
+# the single-node lines run as printed, so torchrun's static rendezvous takes its default port
+# 29500: under pytest-xdist these tests share one worker (--dist loadgroup) and never overlap
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("torchrun_default_port")]
 
 # CPU speed only: the model, the data and the length of the run
 CPU_SIZE = ["train.max_steps=3", "train.warmup_steps=1", "train.seq_length=32", "train.log_every_n_steps=1",
