@@ -300,6 +300,51 @@ def test_tf32_runs_from_a_gpu_are_summarised_on_a_cpu(linear_smoke, tmp_path, mo
     assert json.loads((tmp_path / "icl_paper.json").read_text())["config"]["tf32"] is True
 
 
+def test_variants_parse_and_refuse_by_name():
+    v = P.parse_variant("ssa_nb=ssa policy=free learnable_b=true attention.options.n_min=1.0")
+    assert (v.label, v.attention, v.policy, dict(v.options)) == ("ssa_nb", "ssa", "free",
+                                                                 {"learnable_b": True, "n_min": 1.0})
+    assert P.parse_variant("ssa_n2=ssa policy=free n=2").options == (("n", 2.0),)
+    for spec, want in [("ssa", "LABEL=ATTENTION"), ("a b=ssa", "LABEL=ATTENTION"),
+                       ("softmax=ssa", "an attention's name"), ("x=nope", "unknown attention"),
+                       ("x=ssa policy=free speed=3", "not KEY=VALUE"), ("x=ssa policy=free n=big", "not true/false"),
+                       ("x=ssa learnable_b=true", "need policy=free")]:
+        with pytest.raises(ValueError, match=want):
+            P.parse_variant(spec)
+    with pytest.raises(ValueError, match="takes no"):  # the spec would drop them with a warning
+        P.parse_variant("x=softmax policy=free learnable_b=true")
+
+
+def test_a_variant_trains_under_its_own_options_and_identity(tmp_path, megatron_cpu, monkeypatch):
+    """The paper's "trainable b, n >= 1" beside the pinned ssa: b learns, n stays >= n_min, the
+    run's identity carries the definition (another definition retrains), the summary names it."""
+    spec = "ssa_nb=ssa policy=free learnable_b=true n_min=1.4"
+    base = ["--cpu-smoke", "--task", "linear", "--seeds", "1", "--steps", "6", "--out", str(tmp_path)]
+    with pytest.raises(ValueError, match="not in --attentions"):
+        P.main(base + ["--attentions", "ssa", "--variant", spec])
+    assert P.main(base + ["--attentions", "ssa,ssa_nb", "--variant", spec]) == 0
+    plain = json.loads((tmp_path / "runs" / "linear-ssa-s1.json").read_text())
+    nb = json.loads((tmp_path / "runs" / "linear-ssa_nb-s1.json").read_text())
+    assert "variant" not in plain["config"]
+    assert nb["config"]["variant"] == {"attention": "ssa", "policy": "free",
+                                       "options": {"learnable_b": True, "n_min": 1.4}}
+    sp, sn = plain["result"]["ssa_scalars"], nb["result"]["ssa_scalars"]
+    assert len(sp["n"]) == len(sn["n"]) == P.CPU_SMOKE.layers
+    assert all(b == pytest.approx(0.8) for b in sp["b"])  # pinned: b fixed
+    assert any(abs(b - 0.8) > 1e-6 for b in sn["b"])      # learnable b moved
+    assert min(sn["n"]) >= 1.4 - 1e-6
+    md = (tmp_path / "icl_paper.md").read_text()
+    assert "`ssa_nb` = `ssa` under policy=free, learnable_b=True n_min=1.4" in md
+    assert "| ssa_nb | 1 |" in md and "softmax" not in md.split("Finished runs")[1].split("\n")[0]
+
+    trained = []
+    real = P.train_runs
+    monkeypatch.setattr(P, "train_runs", lambda cfg, jobs, **k: trained.extend(jobs) or real(cfg, jobs, **k))
+    monkeypatch.setattr(P, "train_run", lambda cfg, a, s, **k: trained.append((a, s)) or None)
+    P.main(base + ["--attentions", "ssa,ssa_nb", "--variant", "ssa_nb=ssa policy=free learnable_b=true n_min=1.2"])
+    assert trained == [("ssa_nb", 1)]  # the plain run is reused, the redefined variant is not
+
+
 def test_cli_every_task(tmp_path, megatron_cpu):
     assert P.main(["--cpu-smoke", "--task", "every", "--attentions", "softmax", "--seeds", "1", "--steps", "4",
                    "--out", str(tmp_path)]) == 0

@@ -88,6 +88,21 @@ CURVE_POINTS = 500
 
 
 @dataclass(frozen=True)
+class Variant:
+    """``--variant "LABEL=ATTENTION KEY=VALUE ..."``: one attention under its own policy and SSA
+    options, trained and summarised under LABEL beside the plain attentions (the paper's
+    "trainable b, n >= 1": ``ssa_nb=ssa policy=free learnable_b=true n_min=1.0``)."""
+
+    label: str
+    attention: str
+    policy: str = "pinned"
+    options: Tuple[Tuple[str, object], ...] = ()
+
+    def identity(self) -> Dict:
+        return {"attention": self.attention, "policy": self.policy, "options": dict(self.options)}
+
+
+@dataclass(frozen=True)
 class PaperConfig:
     """One experiment: the task, the model, the schedule and the evaluation grids. Defaults
     are the authors' (conf/polynomial_regression.yaml with its inherited base.yaml and
@@ -123,6 +138,8 @@ class PaperConfig:
     every_from: int = 3
     # precision: TF32 matrix products on CUDA (--tf32); off = IEEE fp32 everywhere (the default)
     tf32: bool = False
+    # the labels --variant defines (not part of a plain run's identity: see run_identity)
+    variants: Tuple[Variant, ...] = ()
 
     def __post_init__(self):
         if self.task not in TASKS:
@@ -142,10 +159,79 @@ class PaperConfig:
     def identity(self) -> Dict:
         """What makes two runs the same (JSON-normalised): every field but the other task's grid."""
         other = {"linear": _EVERY_FIELDS, "every": _LINEAR_FIELDS}[self.task]
-        d = {k: v for k, v in asdict(self).items() if k not in other}
+        d = {k: v for k, v in asdict(self).items() if k not in other and k != "variants"}
         if not self.tf32:
             del d["tf32"]  # fp32 runs keep the identity they had before the field existed
         return json.loads(json.dumps(d))
+
+
+    def variant(self, name: str) -> Optional[Variant]:
+        return next((v for v in self.variants if v.label == name), None)
+
+    def build(self, name: str) -> Tuple[str, Optional[Dict], str]:
+        """``(attention, SSA options or None, policy)`` that ``name`` (an attention or a label) builds."""
+        v = self.variant(name)
+        return (v.attention, dict(v.options), v.policy) if v else (name, None, "pinned")
+
+
+def run_identity(cfg: PaperConfig, name: str) -> Dict:
+    """What makes a saved run or checkpoint of ``name`` reusable: the configuration, and for a
+    variant its definition (a changed definition retrains; plain runs keep their identity)."""
+    d = cfg.identity()
+    v = cfg.variant(name)
+    if v is not None:
+        d["variant"] = json.loads(json.dumps(v.identity()))
+    return d
+
+
+_VARIANT_VALUES = {"true": True, "false": False, "null": None, "none": None}
+
+
+def parse_variant(spec: str) -> Variant:
+    """``"LABEL=ATTENTION KEY=VALUE ..."`` -> :class:`Variant`; KEY is ``policy`` or an SSA option
+    (``attention.options.`` may prefix it, as the study and the launcher spell it). ValueError
+    naming what is wrong."""
+    import re
+
+    from nemo_ssa.config.attentions import SSA_OPTION_KEYS, option_keys
+    from nemo_ssa.config.policy import known_names
+    from nemo_ssa.megatron.spec import gpt_layer_spec
+
+    head, *rest = spec.split()
+    label, eq, attention = head.partition("=")
+    if not eq or not re.fullmatch(r"[A-Za-z0-9_.+-]+", label) or not attention:
+        raise ValueError(f"--variant {spec!r}: give \"LABEL=ATTENTION KEY=VALUE ...\", LABEL of letters, digits "
+                         "and _.+- (it names the runs)")
+    if label in known_names():
+        raise ValueError(f"--variant {spec!r}: LABEL {label!r} is an attention's name; choose another")
+    if attention not in known_names():
+        raise ValueError(f"--variant {spec!r}: unknown attention {attention!r}; known: {', '.join(known_names())}")
+    policy, options = "pinned", {}
+    for item in rest:
+        key, eq, raw = item.partition("=")
+        key = key[len("attention.options."):] if key.startswith("attention.options.") else key
+        if not eq or (key != "policy" and key not in SSA_OPTION_KEYS):
+            raise ValueError(f"--variant {spec!r}: {item!r} is not KEY=VALUE with KEY policy or one of "
+                             f"{', '.join(SSA_OPTION_KEYS)}")
+        if key == "policy":
+            policy = raw
+            continue
+        value = _VARIANT_VALUES.get(raw.lower(), raw)
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                raise ValueError(f"--variant {spec!r}: {key}={raw!r} is not true/false/null or a number") from None
+        options[key] = value
+    if options and policy != "free":
+        raise ValueError(f"--variant {spec!r}: SSA options need policy=free (the pinned policy resets them)")
+    takes = option_keys(attention)
+    if any(k not in takes for k in options):
+        # the layer spec would only warn and drop them: an ablation that silently is not one
+        raise ValueError(f"--variant {spec!r}: attention={attention} takes no {sorted(set(options) - set(takes))} "
+                         f"(its options: {', '.join(takes) or 'none'})")
+    gpt_layer_spec(attention, options or None, policy)  # the spec builds: values it refuses fail here
+    return Variant(label, attention, policy, tuple(sorted(options.items())))
 
 
 # eval_prompts (64 in both scripts) belongs to both grids
@@ -352,7 +438,9 @@ class PaperModel(torch.nn.Module):
             from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
             self.rope = RotaryEmbedding(kv_channels=cfg.hidden // cfg.heads, rotary_percent=1.0)
-        self.block = TransformerBlock(self.config, layer_spec(self.config, attention, fused_mlp=False))
+        name, options, policy = cfg.build(attention)
+        self.block = TransformerBlock(self.config, layer_spec(self.config, name, attention_options=options,
+                                                              policy=policy, fused_mlp=False))
         self.read_out = torch.nn.Linear(cfg.hidden, 1)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -384,14 +472,17 @@ def model_predictor(model: PaperModel, cfg: PaperConfig, device: torch.device, c
 
 
 # ----------------------------------------------------------------------------- attentions
-def check_attentions(names: Sequence[str], cuda: Optional[bool] = None) -> List[str]:
-    """The requested names, refused with the known ones listed if any is not in the attention
-    table; on a CPU, refused if it needs Triton kernels and the interpreter is off."""
+def check_attentions(names: Sequence[str], cuda: Optional[bool] = None,
+                     variants: Sequence[Variant] = ()) -> List[str]:
+    """The requested names, refused with the known ones listed if any is neither in the
+    attention table nor a ``--variant`` label; on a CPU, refused if it needs Triton kernels and
+    the interpreter is off."""
     from nemo_ssa.config.attentions import ALIASES, ATTENTIONS
     from nemo_ssa.config.policy import resolve_attention
 
     names = [n.strip() for n in names if n.strip()]
-    known = sorted(ATTENTIONS) + sorted(ALIASES)
+    labels = {v.label: v.attention for v in variants}
+    known = sorted(ATTENTIONS) + sorted(ALIASES) + sorted(labels)
     bad = [n for n in names if n not in known]
     if bad or not names:
         raise ValueError(f"unknown attention(s) {bad or names}; known: {', '.join(known)}")
@@ -401,7 +492,7 @@ def check_attentions(names: Sequence[str], cuda: Optional[bool] = None) -> List[
 
         runs_kernels = target(torch.device("cpu")).runs_kernels
         for n in names:
-            impl = resolve_attention(n, device="cpu").name
+            impl = resolve_attention(labels.get(n, n), device="cpu").name
             if ATTENTIONS[impl].op_key[-1:] in (("triton",), ("elsa",)) and not runs_kernels:
                 raise ValueError(f"attention={n} runs Triton kernels: on a CPU they run only under "
                                  f"TRITON_INTERPRET=1 (slow); softmax and ssa (ssa_reference on CPU) run without it")
@@ -487,7 +578,7 @@ class _Trainer:
             self.start, self.curve, window, self.seconds = 0, [], [0.0, 0], 0.0
             if ckpt_path is not None and os.path.isfile(ckpt_path):
                 state = torch.load(ckpt_path, map_location=dev, weights_only=True)
-                if state.get("config") == cfg.identity() and state.get("attention") == attention:
+                if state.get("config") == run_identity(cfg, attention) and state.get("attention") == attention:
                     self.model.load_state_dict(state["model"])
                     self.opt.load_state_dict(state["optimizer"])
                     self.start, self.curve, window, self.seconds = (state["step"], state["curve"], state["window"],
@@ -598,7 +689,8 @@ class _Trainer:
     def checkpoint(self) -> None:
         with self._on_stream():
             self._read_curve()
-            _save_atomic({"config": self.cfg.identity(), "attention": self.attention, "seed": self.seed,
+            _save_atomic({"config": run_identity(self.cfg, self.attention), "attention": self.attention,
+                          "seed": self.seed,
                           "step": self.step, "model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
                           "curve": self.curve, "window": [float(self.acc), self.count],
                           "seconds": self.seconds + time.time() - self.t0},
@@ -614,7 +706,16 @@ class _Trainer:
             ev = _evaluate(self.model, self.cfg, self.seed, self.dev)
         return {"task": self.cfg.task, "attention": self.attention, "seed": self.seed, "steps": self.cfg.steps,
                 "loss_curve": self.curve, "eval": ev, "train_seconds": self.seconds,
-                "eval_seconds": time.time() - t_eval}
+                "eval_seconds": time.time() - t_eval, "ssa_scalars": ssa_scalars(self.model)}
+
+
+def ssa_scalars(model: torch.nn.Module) -> Optional[Dict[str, List[float]]]:
+    """n and b of every SSA layer at the end of training (layer order), None without SSA."""
+    layers = [m for m in model.modules()
+              if isinstance(getattr(m, "n", None), torch.Tensor) and isinstance(getattr(m, "b", None), torch.Tensor)]
+    if not layers:
+        return None
+    return {k: [float(getattr(m, k).detach().float().mean()) for m in layers] for k in ("n", "b")}
 
 
 def _training_device() -> Tuple[torch.device, Callable]:
@@ -768,7 +869,7 @@ def load_run(out: str, cfg: PaperConfig, attention: str, seed: int) -> Optional[
         return None
     with open(path) as f:
         saved = json.load(f)
-    return saved["result"] if saved.get("config") == cfg.identity() else None
+    return saved["result"] if saved.get("config") == run_identity(cfg, attention) else None
 
 
 # ----------------------------------------------------------------------------- summary
@@ -870,6 +971,10 @@ def summarize(out: str, cfg: PaperConfig, results: List[Dict], names: List[str],
     seeds = sorted({r["seed"] for r in results})
     lines.append(f"Finished runs: {len(results)} ({', '.join(names) or 'none'}; seeds {seeds})."
                  + (f" Unfinished or missing: {', '.join(missing)}." if missing else ""))
+    for v in cfg.variants:
+        if v.label in names:
+            opts = " ".join(f"{k}={val}" for k, val in v.options)
+            lines.append(f"`{v.label}` = `{v.attention}` under policy={v.policy}" + (f", {opts}" if opts else "") + ".")
     lines.append("")
     files: List[str] = []
     if not results:
@@ -965,6 +1070,16 @@ def summarize(out: str, cfg: PaperConfig, results: List[Dict], names: List[str],
                          f"{_fmt([statistics.fmean(v for row in d for v in row) for d in diffs])}; cells by the "
                          "study's verdict rule: " + ", ".join(f"{k} {v}" for k, v in counts.items()) + ".")
             lines.append("")
+    scalars = [(n, [r["ssa_scalars"] for r in results if r["attention"] == n and r.get("ssa_scalars")]) for n in names]
+    scalars = [(n, rs) for n, rs in scalars if rs]
+    if scalars:
+        lines += ["n and b per layer at the end of training (mean over seeds; layer 1 first):", "",
+                  "| run | seeds | n | b |", "|---|---|---|---|"]
+        for n, rs in scalars:
+            per = {k: [statistics.fmean(r[k][i] for r in rs) for i in range(len(rs[0][k]))] for k in ("n", "b")}
+            lines.append(f"| {n} | {len(rs)} | {' '.join(f'{v:.3f}' for v in per['n'])} | "
+                         f"{' '.join(f'{v:.3f}' for v in per['b'])} |")
+        lines.append("")
     lines += ["Heat maps (rows first in each name, CSV with the row values in the first column):", ""]
     lines += [f"- [{os.path.basename(p)}](heatmaps/{os.path.basename(p)})" for p in files if p.endswith(".csv")]
     text = "\n".join(lines) + "\n"
@@ -1006,6 +1121,9 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrent", type=int, default=1,
                     help="train up to N of this call's runs at once in this process, taking turns step by step "
                          "(each on its own CUDA stream; pays with --cuda-graphs). Default 1: one after another")
+    ap.add_argument("--variant", action="append", default=[], metavar='"LABEL=ATTENTION KEY=VALUE ..."',
+                    help="an attention under its own policy and SSA options, run under LABEL (name it in "
+                         "--attentions), e.g. \"ssa_nb=ssa policy=free learnable_b=true n_min=1.0\"; repeatable")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="CUDA only: each run's whole training step (forward, backward, fused Adam) as one CUDA graph "
                          "per prompt length, replayed")
@@ -1024,7 +1142,15 @@ def main(argv=None) -> int:
                  if v is not None}
     if overrides:
         cfg = replace(cfg, **overrides)
-    names = check_attentions(args.attentions.split(","))
+    variants = [parse_variant(v) for v in args.variant]
+    labels = [v.label for v in variants]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"--variant labels given twice: {labels}")
+    cfg = replace(cfg, variants=tuple(variants))
+    names = check_attentions(args.attentions.split(","), variants=variants)
+    unused = [v for v in labels if v not in names]
+    if unused:
+        raise ValueError(f"--variant {', '.join(unused)}: not in --attentions {args.attentions!r} (name it there)")
     if args.seeds < 1:
         raise ValueError(f"--seeds must be >= 1 (got {args.seeds})")
     if args.concurrent < 1:
@@ -1064,7 +1190,8 @@ def main(argv=None) -> int:
     def save(attention: str, seed: int, r: Optional[Dict]) -> None:
         done[(attention, seed)] = r
         if r is not None:
-            _save_atomic({"config": cfg.identity(), "result": r}, run_path(args.out, cfg, attention, seed))
+            _save_atomic({"config": run_identity(cfg, attention), "result": r},
+                         run_path(args.out, cfg, attention, seed))
             ckpt = os.path.join(ckpt_dir, run_name(cfg, attention, seed) + ".pt")
             if os.path.isfile(ckpt):
                 os.remove(ckpt)
