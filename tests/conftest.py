@@ -38,7 +38,14 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 
+_XDIST_WORKER = False  # this process is a pytest-xdist worker (set in pytest_configure)
+
+
 def pytest_configure(config):
+    global _XDIST_WORKER
+    # the worker's own config says so; PYTEST_XDIST_WORKER does not: a pytest that a test
+    # starts as a subprocess inherits it and would then write nothing to the test log
+    _XDIST_WORKER = hasattr(config, "workerinput")
     torch.set_num_threads(1)
     # registered here, not in pyproject.toml: a pyproject change makes scripts/env.sh reinstall
     config.addinivalue_line("markers", "network: needs the package registry (skipped, with the reason, when it is not reachable)")
@@ -116,7 +123,7 @@ _PHASES: dict = {}
 def pytest_runtest_logreport(report):
     if not os.environ.get("NEMO_SSA_TEST_LOG"):
         return
-    if os.environ.get("PYTEST_XDIST_WORKER"):
+    if _XDIST_WORKER:
         return  # under xdist the controller receives every report: write there only
     acc = _PHASES.setdefault(report.nodeid, {"seconds": 0.0, "outcome": None, "message": ""})
     acc["seconds"] += getattr(report, "duration", 0.0) or 0.0
