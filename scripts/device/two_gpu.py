@@ -312,7 +312,10 @@ def run(args) -> int:
     staging = os.path.join(scratch, "_returned")
     os.makedirs(staging)
     data_dir = args.data_dir or (os.path.join(scratch, "corpus") if args.cpu_smoke else None)
-    stages = plan(args.part, scratch, args.cpu_smoke, [f"data.dir={data_dir}"] if data_dir else [])
+    # another seed (init and data order) of the same jobs: the check keeps its runs apart and
+    # gates each run only against references of its own seed
+    extra = ([f"data.dir={data_dir}"] if data_dir else []) + ([f"seed={args.seed}"] if args.seed != SEED else [])
+    stages = plan(args.part, scratch, args.cpu_smoke, extra)
     if args.only:
         keep = set(args.only.split(","))
         stages = [st for st in ([j for j in stage if j.label in keep] for stage in stages) if st]
@@ -357,7 +360,7 @@ def run(args) -> int:
         logs = [os.path.join(staging, f"{j.label}.log") for stage in stages for j in stage if j.run == run_label]
         _collect(os.path.join(scratch, run_label), os.path.join(staging, run_label), logs)
     with open(os.path.join(staging, "runs.json"), "w") as f:
-        json.dump({"part": args.part, "cpu_smoke": args.cpu_smoke, "seconds": time.time() - t_start,
+        json.dump({"part": args.part, "seed": args.seed, "cpu_smoke": args.cpu_smoke, "seconds": time.time() - t_start,
                    "max_steps": CPU_STEPS if args.cpu_smoke else STEPS,
                    "ckpt_every": CPU_STOP if args.cpu_smoke else STOP,
                    "jobs": table,
@@ -539,14 +542,18 @@ def _unpack(paths: Sequence[str], into: str) -> Dict[str, str]:
                 tar.extractall(dest)
             path = dest
         meta = os.path.join(path, "runs.json")
-        part = json.load(open(meta))["part"] if os.path.isfile(meta) else f"part{i}"
-        # a later archive of the same part (a re-run of some of its jobs) adds to it
+        m = json.load(open(meta)) if os.path.isfile(meta) else {}
+        seed = int(m.get("seed", SEED))  # archives before --seed ran the default
+        part = m.get("part", f"part{i}") + ("" if seed == SEED else f"-s{seed}")
+        # a later archive of the same part (a re-run of some of its jobs) adds to it, and its
+        # record of a re-run job replaces the earlier one
         runs.setdefault(part, {}).update({d: os.path.join(path, d) for d in sorted(os.listdir(path))
                                           if os.path.isfile(os.path.join(path, d, "metrics.csv"))})
-        m = json.load(open(meta)) if os.path.isfile(meta) else {}
         prev = _META.setdefault(part, {})
         prev.update({k: v for k, v in m.items() if k not in ("jobs", "beside")})
-        prev["jobs"] = prev.get("jobs", []) + m.get("jobs", [])
+        prev["seed"] = seed
+        rerun = {j.get("label") for j in m.get("jobs", [])}
+        prev["jobs"] = [j for j in prev.get("jobs", []) if j.get("label") not in rerun] + m.get("jobs", [])
         prev.setdefault("beside", {}).update(_beside(m))
     return runs
 
@@ -667,18 +674,19 @@ def check(args) -> int:
         ok &= bool(passed)
         rows.append((name, "PASS" if passed else "FAIL", detail))
 
-    def find(runs, label):
-        """This part's run, else the same run of another part (one 1-GPU reference serves all)."""
+    def find(runs, label, seed):
+        """This part's run, else the same run of another part of the same seed (one 1-GPU
+        reference serves all parts; a reference of another seed is another run)."""
         if label in runs:
             return runs[label]
-        return next((r[label] for r in parts.values() if label in r), None)
+        return next((r[label] for p, r in parts.items() if label in r and _META[p]["seed"] == seed), None)
 
     for part, own in parts.items():
         runs = dict(own)
         for label in (set(REFERENCE_OF.values()) | set(RESUMED.values()) | set(SPEED_REF_OF.values())
                       | set(IMPLEMENTATION_GAP_OF.values())):
-            if label not in runs and find(own, label):
-                runs[label] = find(own, label)
+            if label not in runs and find(own, label, _META[part]["seed"]):
+                runs[label] = find(own, label, _META[part]["seed"])
         for run_label, ref_label in REFERENCE_OF.items():
             if run_label not in runs:
                 continue
@@ -777,6 +785,9 @@ def main(argv=None) -> int:
     r.add_argument("--cpu-smoke", action="store_true", help="the same plan on CPU: tiny model, gloo, few steps")
     r.add_argument("--only", default=None, help="comma-separated job labels: run just these (a re-run of a part)")
     r.add_argument("--data-dir", default=None, help="corpus directory (default: the config's; --cpu-smoke: in scratch)")
+    r.add_argument("--seed", type=int, default=SEED,
+                   help=f"seed of every job (default {SEED}); the check gates a run only against references "
+                        "of its own seed")
     p = sub.add_parser("plan", help="print the commands of every part, run nothing")
     p.add_argument("--cpu-smoke", action="store_true")
     c = sub.add_parser("check", help="gate the returned logs")

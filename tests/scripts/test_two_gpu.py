@@ -286,3 +286,33 @@ def test_tp_is_gated_on_its_own_implementation_and_the_fused_gap_reported(tmp_pa
         assert rc == 0 and not failed, md
     else:
         assert rc == 1 and len(failed) == 1 and "ssa-tp2-g128 loss vs ssa-1gpu-g128-unfused" in failed[0], md
+
+
+@pytest.mark.parametrize("own_reference", [True, False])
+def test_a_second_seed_is_gated_only_against_references_of_its_seed(tmp_path, own_reference):
+    # `run --seed 4321` repeats jobs at another init and data order: its archive is a part of
+    # its own, and a reference of seed 1234 (here 0.3 away) never stands in for a missing one
+    first = _part(tmp_path, "s1234", part="layouts4")
+    _run_dir(first, "softmax_triton-1gpu-g128-unfused", offset=0.3)
+    _run_dir(first, "softmax_triton-tp2dp2", world=4, offset=0.3)
+    second = tmp_path / "s4321"
+    second.mkdir()
+    (second / "runs.json").write_text(json.dumps({"part": "layouts4", "seed": 4321, "jobs": []}))
+    _run_dir(second, "softmax_triton-tp2dp2", world=4, offset=0.004)
+    if own_reference:
+        _run_dir(second, "softmax_triton-1gpu-g128-unfused")
+    out = tmp_path / "out"
+    rc = two_gpu.main(["check", str(first), str(second), "--out", str(out), "--no-plot"])
+    md = (out / "two_gpu.md").read_text()
+    row = next(x for x in md.splitlines() if x.startswith("| layouts4-s4321: softmax_triton-tp2dp2 loss"))
+    if own_reference:
+        assert rc == 0 and "| PASS |" in row, md
+    else:
+        assert rc == 1 and "| FAIL |" in row and "no softmax_triton-1gpu-g128-unfused in any part" in row, md
+    assert "| layouts4: softmax_triton-tp2dp2 loss vs softmax_triton-1gpu-g128-unfused | PASS |" in md, md
+
+
+def test_plan_takes_another_seed_for_every_job():
+    stages = two_gpu.plan("layouts4", "/s", cpu=False, extra=["seed=4321"])
+    launches = [cmd for stage in stages for job in stage for cmd in job.launches]
+    assert launches and all(cmd.index("seed=4321") > cmd.index(f"seed={two_gpu.SEED}") for cmd in launches)
