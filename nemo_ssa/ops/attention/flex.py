@@ -106,7 +106,7 @@ import torch
 from torch.nn.attention import flex_attention as _fa
 from torch.nn.attention.flex_attention import and_masks, create_block_mask, create_mask, flex_attention
 
-from nemo_ssa.ops.common.validate import Capabilities
+from nemo_ssa.ops.common.validate import MAX_HEAD_DIM, Capabilities
 from nemo_ssa.ops.attention.naive import _validate
 
 try:  # triton (and the shared transform helpers) are needed only for dn_mode="triton"
@@ -650,6 +650,10 @@ def resolve_compile(compile, device: torch.device, head_dim: int, needs_autograd
         reason = _cpu_microgemm_overrun(head_dim)
     elif device.type == "cuda" and head_dim < 16:
         reason = f"compiled FlexAttention needs head dim >= 16 on CUDA (got {head_dim})"
+    elif device.type == "cuda" and head_dim > MAX_HEAD_DIM:
+        # inductor pads D to a power of two: past 256 its fp32 tiles need more shared memory
+        # than an H100/H200 has (D 291 asked for 512 KiB of 227 in the GPU ops fuzz)
+        reason = f"compiled FlexAttention needs head dim <= {MAX_HEAD_DIM} on CUDA (got {head_dim})"
     elif device.type not in ("cuda", "cpu"):
         reason = f"compiled FlexAttention is untested on device {device.type!r} here"
     elif not torch._dynamo.is_dynamo_supported():
@@ -839,21 +843,31 @@ def _ssa_score_mod_rows(n_rows: torch.Tensor, b_rows: torch.Tensor):
     return score_mod
 
 
-def resolve_dn_mode(dn_mode: str, device: torch.device, dtype: torch.dtype, has_user_mask: bool) -> str:
+def resolve_dn_mode(dn_mode: str, device: torch.device, dtype: torch.dtype, has_user_mask: bool,
+                    head_dim: Optional[int] = None) -> str:
     """Pick the dn/db strategy ("auto" -> triton | flex | chunked); validate explicit ones."""
     if dn_mode not in DN_MODES:
         raise ValueError(f"unknown dn_mode {dn_mode!r}; expected one of {DN_MODES}")
+    too_wide = head_dim is not None and head_dim > MAX_HEAD_DIM
     if dn_mode == "triton":
         if has_user_mask:
             raise ValueError("dn_mode='triton' handles causal/full masks only; with mask_mod or "
                              "keep_mask use dn_mode='flex' (or 'chunked')")
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dn_mode='triton' supports fp32/bf16/fp16, got {dtype}")
+        if too_wide:
+            raise ValueError(f"dn_mode='triton' supports head dim <= {MAX_HEAD_DIM}, got {head_dim}; "
+                             "use dn_mode='chunked'")
         return dn_mode
     if dn_mode != "auto":
         return dn_mode
     if device.type != "cuda":
         return "chunked"  # CPU: exact, and flex has no CPU backward anyway
+    if too_wide:
+        # neither the dn kernel's tiles nor compiled flex's fit a GPU's shared memory there
+        _log_once(logging.WARNING, f"dn:wide{head_dim}",
+                  f"ssa_flex: dn_mode 'auto' uses 'chunked' at head dim {head_dim} (> {MAX_HEAD_DIM})")
+        return "chunked"
     if has_user_mask:
         return "flex"
     if dtype == torch.float64:
@@ -925,7 +939,7 @@ def ssa_attention_flex(
             "backward); supported: CUDA tensors, or CPU inputs without requires_grad (n/b gradients "
             "work). To train on CPU use attention=ssa_reference")
     has_user_mask = mask_mod is not None or keep_mask is not None
-    mode = resolve_dn_mode(dn_mode, q.device, q.dtype, has_user_mask) if need_param else "none"
+    mode = resolve_dn_mode(dn_mode, q.device, q.dtype, has_user_mask, q.shape[-1]) if need_param else "none"
     needs_lse = need_param and mode in _INJECT_MODES
     compiled, _ = resolve_compile(compile, q.device, q.shape[-1], need_qkv or need_param or needs_lse)
     if kernel_options is not None and not compiled and not torch.compiler.is_compiling():

@@ -436,6 +436,12 @@ def test_dn_mode_resolution():
         resolve_dn_mode("triton", cuda, torch.bfloat16, True)
     with pytest.raises(ValueError, match="unknown dn_mode"):
         resolve_dn_mode("atomic", cpu, torch.float32, False)
+    # past the kernels' head dim (the GPU ops fuzz: D 291 ran out of shared memory on an H200)
+    assert resolve_dn_mode("auto", cuda, torch.float32, False, 291) == "chunked"
+    assert resolve_dn_mode("auto", cuda, torch.float32, True, 291) == "chunked"
+    assert resolve_dn_mode("auto", cuda, torch.float32, False, 256) == expect
+    with pytest.raises(ValueError, match="head dim <= 256, got 291"):
+        resolve_dn_mode("triton", cuda, torch.float32, False, 291)
 
 
 def _spy_flex(monkeypatch):
@@ -504,6 +510,9 @@ def test_compile_gating_decisions_and_logs(caplog):
         assert not use and "CPU is inference-only" in reason
         use, reason = resolve_compile("auto", cuda, 8, True)
         assert not use and "head dim >= 16" in reason
+        use, reason = resolve_compile("auto", cuda, 291, True)
+        assert not use and "head dim <= 256" in reason
+        assert resolve_compile("auto", cuda, 256, True) == (True, None)
     text = caplog.text
     assert "CPU is inference-only" in text and "head dim >= 16" in text
     assert text.count("CPU is inference-only") == 1  # logged once per reason, not per call
