@@ -45,6 +45,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -112,10 +113,17 @@ def pytest_command(files, marker, timeout, workers: int, log: str, extra: str = 
 
 
 def install_bundle(out: str) -> str:
-    """Install ``.whl/*.whl`` (offline bundle) to a site dir on PYTHONPATH; '' when absent."""
+    """Install ``.whl/*.whl`` (offline bundle) to a site dir on PYTHONPATH, or the wheels of
+    ``.bundle/bundle.tar.xz`` (scripts/device/pack_bundle.py) where there is no ``.whl/``."""
     wheels = sorted(glob.glob(os.path.join(REPO, ".whl", "*.whl")))
+    packed = os.path.join(REPO, ".bundle", "bundle.tar.xz")
+    if not wheels and os.path.isfile(packed):
+        unpacked = tempfile.mkdtemp(prefix="nemo-ssa-wheels-")
+        with tarfile.open(packed) as tar:
+            tar.extractall(unpacked)
+        wheels = sorted(glob.glob(os.path.join(unpacked, "*.whl")))
     if not wheels:
-        return "no .whl/ bundle: skipped"
+        return "no .whl/ or .bundle/ bundle: skipped"
     site = "/tmp/nemo-ssa-site"
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",

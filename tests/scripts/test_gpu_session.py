@@ -123,3 +123,39 @@ def test_model_grad_parity_needs_cuda():
     proc = subprocess.run([sys.executable, "-m", "benchmarks.checks.model_grad_parity", "--steps", "1"],
                           capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode != 0 and "needs CUDA" in proc.stderr
+
+
+def test_a_packed_bundle_is_installed_where_there_is_no_whl_dir(tmp_path, monkeypatch):
+    """.bundle/bundle.tar.xz (scripts/device/pack_bundle.py: what fits a call's carry) installs
+    the wheels it holds, as .whl/ would."""
+    import zipfile
+
+    sys.path.insert(0, os.path.join(REPO, "scripts", "device"))
+    import pack_bundle
+
+    gs = _load_session()
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("a-1.0-py3-none-any.whl", "b-2.0-py3-none-any.whl"):
+        with zipfile.ZipFile(src / name, "w", zipfile.ZIP_DEFLATED) as z:
+            z.writestr("x.py", "print(1)\n" * 50)
+    repo = tmp_path / "repo"
+    pack_bundle.pack(str(src), str(repo / ".bundle" / "bundle.tar.xz"))
+    monkeypatch.setattr(gs, "REPO", str(repo))
+    monkeypatch.setenv("PYTHONPATH", "")
+    seen = []
+
+    class Done:
+        returncode, stdout, stderr = 0, "", ""
+
+    def fake_run(cmd, **kw):
+        seen.append([os.path.basename(c) for c in cmd if c.endswith(".whl")])
+        return Done()
+
+    monkeypatch.setattr(gs.subprocess, "run", fake_run)
+    (tmp_path / "out").mkdir()
+    msg = gs.install_bundle(str(tmp_path / "out"))
+    assert msg.startswith("installed 2 wheels"), msg
+    assert seen == [["a-1.0-py3-none-any.whl", "b-2.0-py3-none-any.whl"]]
+    os.rename(repo / ".bundle", repo / "gone")
+    assert gs.install_bundle(str(tmp_path / "out")).startswith("no .whl/ or .bundle/ bundle")
