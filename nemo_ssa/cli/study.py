@@ -18,8 +18,10 @@ study's (so they win), in ``<out>/<LABEL>-s<seed>``; the verdicts and plots name
 A sweep (``--lrs``) trains every (attention, rate, seed) in ``<out>/<attention>-lr<rate>-s<seed>``
 (``train.lr``, and ``train.min_lr`` at a tenth of it) and writes ``lr_sweep.md``: per attention
 and rate the held-out loss at the last validation (the last quarter's training loss where no
-run recorded one), mean ± sd over seeds, each attention's best rate, and the command that runs
-the study at those rates (``--lr``). ``--gpus`` spreads the runs over those GPUs, ``--parallel``
+run recorded one), mean ± sd over seeds, beside the last quarter's training loss (below one pass
+over the data, also a loss on tokens no step trained on), each attention's best rate -- marked
+when it is the grid's largest or smallest rate, or when rates had different seed counts -- and
+the command that runs the study at those rates (``--lr``). ``--gpus`` spreads the runs over those GPUs, ``--parallel``
 runs per GPU; ``--stop-launching-after S`` starts no run after S seconds, so a run of the
 study fits a time-limited call and the next call carries on (finished runs are reused,
 interrupted ones resumed from their checkpoints).
@@ -218,11 +220,33 @@ def final_value(run_dir: str) -> Optional[Tuple[float, str]]:
     held = read_curve(run_dir, "heldout.csv", "val_loss")
     if held:
         return held[1][-1], "held-out"
+    tail = last_quarter_loss(run_dir)
+    return None if tail is None else (tail, "training, last quarter")
+
+
+def last_quarter_loss(run_dir: str) -> Optional[float]:
+    """Mean training loss over the last quarter of a run's steps (None without metrics.csv).
+    Below one pass over the data every step's loss is on tokens the model has not trained on,
+    so it is a held-out figure on the training distribution -- beside the held-out split's."""
     train = read_curve(run_dir)
     if not train:
         return None
-    tail = train[1][-max(1, len(train[1]) // 4):]
-    return statistics.fmean(tail), "training, last quarter"
+    return statistics.fmean(train[1][-max(1, len(train[1]) // 4):])
+
+
+def sweep_notes(attention: str, best: float, lrs: Sequence[float], counts: Dict[float, int]) -> List[str]:
+    """What a reader must know before trusting ``attention``'s best rate: it lies on the
+    grid's edge (the optimum may be beyond it), or the rates were scored over different
+    numbers of seeds."""
+    notes, grid = [], sorted(lrs)
+    if len(grid) > 1 and best in (grid[0], grid[-1]):
+        side, nxt = ("largest", best * 2) if best == grid[-1] else ("smallest", best / 2)
+        notes.append(f"**{attention}: its best rate {best:g} is the grid's {side}** -- the optimum may lie beyond "
+                     f"it; add {nxt:g} to --lrs before choosing.")
+    if len(set(counts.values())) > 1:
+        notes.append(f"{attention}: the rates were scored over different numbers of seeds "
+                     f"({', '.join(f'{lr:g}: {n}' for lr, n in sorted(counts.items()))}); run the missing ones.")
+    return notes
 
 
 def passes_warning(run_dirs: Sequence[str]) -> Optional[str]:
@@ -256,25 +280,34 @@ def lr_sweep(out: str, attentions: Sequence[str], seeds: Sequence[int], lrs: Seq
     those rates. Returns (text, {attention: best rate})."""
     lines = [f"# Learning-rate sweep: {', '.join(attentions)} x rates {', '.join(f'{lr:g}' for lr in lrs)} "
              f"x seeds {', '.join(map(str, seeds))}", "", f"`{out}`; lower is better.", "",
-             "| attention | rate | seeds | score (mean ± sd) | measured on |", "|---|---|---|---|---|"]
+             "| attention | rate | seeds | score (mean ± sd) | measured on | training loss, last quarter |",
+             "|---|---|---|---|---|---|"]
     best: Dict[str, float] = {}
+    notes: List[str] = []
     for a in attentions:
-        means = {}
+        means, counts = {}, {}
         for lr in lrs:
-            vals = [v for s in seeds if (v := final_value(run_dir_of(out, a, s, lr)))]
+            dirs = [run_dir_of(out, a, s, lr) for s in seeds]
+            vals = [v for d in dirs if (v := final_value(d))]
             if not vals:
-                lines.append(f"| {a} | {lr:g} | 0 | - | - |")
+                lines.append(f"| {a} | {lr:g} | 0 | - | - | - |")
                 continue
             xs = [v for v, _ in vals]
-            means[lr] = statistics.fmean(xs)
+            means[lr], counts[lr] = statistics.fmean(xs), len(xs)
             sd = f" ± {statistics.stdev(xs):.4f}" if len(xs) > 1 else ""
-            lines.append(f"| {a} | {lr:g} | {len(xs)} | {means[lr]:.4f}{sd} | {', '.join(sorted({w for _, w in vals}))} |")
+            tails = [t for d in dirs if (t := last_quarter_loss(d)) is not None]
+            tail = (f"{statistics.fmean(tails):.4f}" + (f" ± {statistics.stdev(tails):.4f}" if len(tails) > 1 else "")
+                    if tails else "-")
+            lines.append(f"| {a} | {lr:g} | {len(xs)} | {means[lr]:.4f}{sd} | "
+                         f"{', '.join(sorted({w for _, w in vals}))} | {tail} |")
         if means:
             best[a] = min(means, key=means.get)
+            notes += sweep_notes(a, best[a], lrs, counts)
     warn = passes_warning([run_dir_of(out, a, s, lr) for a in attentions for s in seeds for lr in lrs])
     if warn:
         lines += ["", warn]
     lines += ["", "Best rate per attention: " + (", ".join(f"{a} {lr:g}" for a, lr in best.items()) or "none yet")]
+    lines += [f"- {n}" for n in notes]
     if len(best) == len(attentions):
         extra = " ".join(o for o in overrides if o.split("=", 1)[0] not in ("train.max_steps",))
         lines += ["", "The study at each attention's own rate:", "",

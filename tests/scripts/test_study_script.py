@@ -200,6 +200,26 @@ def test_lr_sweep_picks_each_attentions_rate_and_says_how_to_go_on(tmp_path):
     assert os.path.isfile(os.path.join(out, "lr_sweep.md"))
 
 
+@pytest.mark.parametrize("best_ssa", [3e-4, 1.2e-3, 2.4e-3])
+def test_a_best_rate_on_the_grids_edge_is_marked(tmp_path, best_ssa):
+    # the one-GPU sweep of 2026-11-28 chose 2.4e-3, its grid's largest rate, for both attentions:
+    # a reader must be told the optimum may lie beyond, and which rates had fewer seeds
+    out, lrs = str(tmp_path), [3e-4, 6e-4, 1.2e-3, 2.4e-3]
+    best = {"softmax": 6e-4, "ssa": best_ssa}
+    study.train_all(out, ["softmax", "ssa"], [1], [], lrs=lrs, launch=_lr_launcher(best, []))
+    study.train_all(out, ["softmax", "ssa"], [2], [], lrs=[6e-4], launch=_lr_launcher(best, []))
+    text, chosen = study.lr_sweep(out, ["softmax", "ssa"], [1, 2], lrs)
+    assert chosen == best
+    edge = {3e-4: "the grid's smallest** -- the optimum may lie beyond it; add 0.00015",
+            2.4e-3: "the grid's largest** -- the optimum may lie beyond it; add 0.0048"}.get(best_ssa)
+    assert ("ssa: its best rate" in text) == (edge is not None) and (edge is None or edge in text), text
+    assert "softmax: its best rate" not in text  # 6e-4 is inside the grid
+    assert "softmax: the rates were scored over different numbers of seeds (0.0003: 1, 0.0006: 2" in text
+    # the training loss of the last quarter stands beside the held-out score (the launcher writes 0.0 offsets)
+    row = next(line for line in text.splitlines() if line.startswith("| softmax | 0.0006 | 2 |"))
+    assert row.count("|") == 7 and row.rstrip(" |").split("|")[-1].strip() != "-"
+
+
 def test_each_attention_at_its_own_rate_is_summarised_from_its_runs(tmp_path):
     out, calls = str(tmp_path), []
     lr_of = study.parse_lr_of("softmax=6e-4,ssa=1.2e-3", ["softmax", "ssa"])
