@@ -4,6 +4,7 @@
     python benchmarks/run.py --op attention --shape recipe         # time, ratios vs the baseline
     python benchmarks/run.py --op attention,nsa --shape recipe,long --out $OUT/ops   # + .csv/.md
     python benchmarks/run.py --op attention --shape recipe --ab main    # this tree vs git ref main
+    python benchmarks/run.py --op attention --shape recipe --timer host --ab main   # host cost per call
     python benchmarks/run.py --dry-run [--op nsa --only window]    # CPU: tiny shapes, outputs vs reference
 
 Timing (CUDA only): every entry of an op at a shape on the same inputs, forward (no grad)
@@ -11,6 +12,9 @@ and forward+backward (``autograd.grad`` of the output against the entry's leaves
 fixed output gradient), with ``benchmarks/timing.median_ms`` (do_bench median, call-count
 floors), plus the peak extra memory of one fwd+bwd. ``x_base`` = ms / the entry's
 baseline's ms at the same shape and mode (> 1: slower than the baseline).
+``--timer host``: instead, the median CPU time of one call started on an idle, synchronized
+device (``timing.host_ms``) -- the host cost of a host-bound row, which do_bench's wall time
+hides under a spread of up to 1.4x between runs of one process; no peak memory.
 
 ``--ab REF``: the same entries, shapes and timer, run a second time in a subprocess whose
 ``nemo_ssa`` is git ref REF's (``git worktree add`` into a temp dir, put first on
@@ -56,6 +60,10 @@ def parse_args(argv=None):
     p.add_argument("--modes", default="fwd,fwd+bwd", help="comma list of fwd, fwd+bwd")
     p.add_argument("--warmup-ms", type=float, default=25)
     p.add_argument("--rep-ms", type=float, default=100)
+    p.add_argument("--timer", default="wall", choices=("wall", "host"),
+                   help="wall: do_bench median (kernels + launch gaps); host: median CPU time of one call "
+                        "started on an idle device (timing.host_ms), for host-bound shapes")
+    p.add_argument("--host-calls", type=int, default=200, help="calls per row of --timer host")
     p.add_argument("--out", default=None, help="x.csv, x.md, or a directory (gets ops.csv and ops.md)")
     p.add_argument("--list", action="store_true", help="print the registry and exit (CPU)")
     p.add_argument("--dry-run", action="store_true", help="CPU agreement check at tiny shapes (Triton interpreter)")
@@ -130,7 +138,7 @@ def dry_run(ops: List[registry.OpBench], only: str = "") -> List[Dict]:
 
 # ---------------------------------------------------------------------------------- timing
 def time_ops(ops: List[registry.OpBench], args) -> List[Dict]:
-    from benchmarks.timing import median_ms, peak_mib
+    from benchmarks.timing import host_ms, median_ms, peak_mib
 
     dtype, dev = DTYPES[args.dtype], torch.device("cuda")
     modes = [m for m in args.modes.split(",") if m]
@@ -166,8 +174,11 @@ def time_ops(ops: List[registry.OpBench], args) -> List[Dict]:
                             def call(fn=fn, leaves=leaves):
                                 torch.autograd.grad(fn(), leaves, built.grad_out, allow_unused=True)
                         try:
-                            row["ms"] = median_ms(call, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
-                            if mode == "fwd+bwd":
+                            if args.timer == "host":
+                                row["ms"] = host_ms(call, n=args.host_calls)
+                            else:
+                                row["ms"] = median_ms(call, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+                            if mode == "fwd+bwd" and args.timer == "wall":
                                 row["peak_mib"] = peak_mib(call)
                         except torch.cuda.OutOfMemoryError:
                             row["note"] = "OOM"
@@ -304,7 +315,7 @@ def main(argv=None) -> int:
     code = os.path.dirname(os.path.dirname(os.path.abspath(nemo_ssa.__file__)))
     where = "CPU dry run (Triton interpreter, fp32, tiny shapes)" if args.dry_run else torch.cuda.get_device_name()
     header = (f"# benchmarks/run.py: {where} | torch {torch.__version__} | nemo_ssa from {code}"
-              + ("" if args.dry_run else f" | {args.dtype}"))
+              + ("" if args.dry_run else f" | {args.dtype} | timer {args.timer}"))
     print(header, flush=True)
     rows = dry_run(ops, args.only) if args.dry_run else time_ops(ops, args)
     failed = any(r.get("status") == "FAIL" for r in rows)

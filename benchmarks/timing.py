@@ -54,6 +54,28 @@ def median_ms(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 1
                                          return_mode="median"))
 
 
+def host_ms(fn: Callable[[], object], n: int = 200, warmup: int = 20,
+            sync: Optional[Callable[[], None]] = None) -> float:
+    """Median milliseconds of CPU time of ONE call of ``fn``, each started on an idle,
+    synchronized device: the host cost alone (Python, dispatch, validation, allocation,
+    launch), whatever the kernels take -- what a host-bound row's wall time hides under its
+    process-to-process spread (docs/results/2026-11-28-consolidation-gpu: do_bench read the
+    same SDPA call 1.4x apart within one process at micro batch 8). ``sync`` defaults to
+    ``torch.cuda.synchronize`` (a no-op without CUDA)."""
+    sync = sync or (torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None))
+    for _ in range(max(1, warmup)):
+        fn()
+    times = []
+    for _ in range(max(1, n)):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    sync()
+    times.sort()
+    return times[len(times) // 2] * 1e3
+
+
 def graph_ms(fn: Callable[[], None], n: int = 30) -> float:
     """Milliseconds per call of ``fn`` replayed as a CUDA graph: kernel time without host
     cost or launch gaps (no L2 flush between replays)."""

@@ -1,6 +1,6 @@
 """benchmarks/registry.py and benchmarks/run.py on CPU: the registry's entries and shapes,
 ``--list``, the dry run's agreement check (and that it fails on a wrong callable), ``--ab``
-against a worktree of HEAD, and the no-CUDA refusal of a timing run."""
+against a worktree of HEAD, the no-CUDA refusal of a timing run, and the host timer."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -143,3 +144,29 @@ def test_ab_takes_a_directory_holding_a_tree(tmp_path):
     with pytest.raises(SystemExit, match="no nemo_ssa/ package"):
         with worktree(str(tmp_path)):
             pass
+
+
+def test_host_timer_is_the_median_of_single_synchronized_calls():
+    # --timer host: each call starts after a sync and only its own CPU time counts; a call
+    # that is slow once in a while must not move the median, and every call is synced first
+    from benchmarks import timing
+
+    syncs, calls = [], []
+
+    def fn():
+        calls.append(1)
+        time.sleep(0.02 if len(calls) % 7 == 0 else 0.001)
+
+    ms = timing.host_ms(fn, n=21, warmup=2, sync=lambda: syncs.append(len(calls)))
+    assert len(calls) == 23 and len(syncs) == 22  # one sync before each timed call, one at the end
+    assert syncs[:21] == list(range(2, 23))
+    assert 0.9 <= ms < 10, ms
+
+
+def test_run_takes_the_host_timer_and_refuses_an_unknown_one():
+    from benchmarks import run
+
+    assert run.parse_args(["--timer", "host"]).timer == "host"
+    assert run.parse_args([]).timer == "wall"
+    with pytest.raises(SystemExit):
+        run.parse_args(["--timer", "gpu"])
