@@ -41,13 +41,16 @@ def main(argv=None) -> int:
                     help="cap on total input bytes, e.g. 5000000 or 5M; 'all' (default) = no cap")
     ap.add_argument("--name", default="corpus", help="dataset name: <out>/<name>_text_document.{bin,idx}")
     ap.add_argument("--force", action="store_true", help="rebuild even if the manifest matches")
+    ap.add_argument("--tokenizer-from", default=None, metavar="PATH",
+                    help="use this trained tokenizer (tokenizer.json or a directory holding one, e.g. an earlier "
+                         "build's tokenizer/) instead of training one")
     ap.add_argument("--quiet", action="store_true", help="print only the final prefix and tokenizer dir")
     args = ap.parse_args(argv)
 
     try:
         out = args.out or default_corpus_dir(args.source)
         info = build_corpus(out, source=args.source, vocab_size=args.vocab_size, max_bytes=args.max_bytes,
-                            name=args.name, force=args.force, quiet=args.quiet)
+                            name=args.name, force=args.force, quiet=args.quiet, tokenizer_from=args.tokenizer_from)
     except CorpusError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -129,7 +129,8 @@ def _data(cfg: DictConfig):
     from nemo_ssa.data import build_corpus_locked, default_corpus_dir
 
     info = build_corpus_locked(data.get("dir") or default_corpus_dir(data.source), source=data.source,
-                               vocab_size=int(data.vocab_size), max_bytes=data.get("max_bytes"))
+                               vocab_size=int(data.vocab_size), max_bytes=data.get("max_bytes"),
+                               tokenizer_from=data.get("tokenizer_from"))
     return info.prefix, info.tokenizer_dir
 
 

@@ -490,7 +490,8 @@ def prepare_corpus(overrides: Sequence[str]) -> None:
     data = OmegaConf.merge(OmegaConf.load(config_file("data", f"{group}.yaml")),
                            OmegaConf.from_dotlist([o[len("data."):] for o in overrides if o.startswith("data.")]))
     info = build_corpus(data.get("dir") or default_corpus_dir(data.source), source=data.source,
-                        vocab_size=int(data.vocab_size), max_bytes=data.get("max_bytes"))
+                        vocab_size=int(data.vocab_size), max_bytes=data.get("max_bytes"),
+                        tokenizer_from=data.get("tokenizer_from"))
     print(f"[study] corpus {info.prefix} ({info.num_tokens:,} tokens{', reused' if info.reused else ''})", flush=True)
 
 

@@ -378,6 +378,36 @@ def _train_tokenizer(texts: List[str], vocab_size: int):
     return tok
 
 
+def _tokenizer_file(path) -> Path:
+    """``path`` (a tokenizer.json or a directory holding one) as the file, or CorpusError."""
+    p = Path(os.path.abspath(os.path.expanduser(str(path))))
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    if not p.is_file():
+        raise CorpusError(f"tokenizer_from={path!r}: no tokenizer.json there (give the file, or the directory "
+                          f"holding it, e.g. an earlier build's tokenizer/)")
+    return p
+
+
+def _load_tokenizer(path: Path, vocab_size: int):
+    """A trained tokenizer from ``path``; CorpusError when it is unreadable, lacks the special
+    tokens the dataset and the model rely on, or is larger than ``vocab_size``."""
+    from tokenizers import Tokenizer
+
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers library raises its own Exception types
+        raise CorpusError(f"tokenizer_from: {path} is not a tokenizers JSON file ({type(e).__name__}: {e})") from None
+    missing = [t for t in SPECIAL_TOKENS if tok.token_to_id(t) is None]
+    if missing:
+        raise CorpusError(f"tokenizer_from: {path} lacks the special token(s) {missing}; the dataset ends documents "
+                          f"with {EOD_TOKEN!r} and pads with {PAD_TOKEN!r}")
+    size = tok.get_vocab_size(with_added_tokens=True)
+    if size > vocab_size:
+        raise CorpusError(f"tokenizer_from: {path} has {size} tokens, more than vocab_size={vocab_size}")
+    return tok
+
+
 def _save_tokenizer(tok, tok_dir: Path) -> None:
     """Save what ``PreTrainedTokenizerFast.save_pretrained`` would, without importing transformers."""
     tok_dir.mkdir(parents=True, exist_ok=True)
@@ -419,6 +449,7 @@ def build_corpus(
     name="corpus",
     force=False,
     quiet=False,
+    tokenizer_from=None,
 ) -> CorpusInfo:
     """Build (or reuse) a tokenized Megatron indexed dataset plus its tokenizer in ``out_dir``.
 
@@ -436,6 +467,14 @@ def build_corpus(
         name: dataset name; files are ``<out_dir>/<name>_text_document.{bin,idx}``.
         force: rebuild even when ``<out_dir>/manifest.json`` matches.
         quiet: print nothing.
+        tokenizer_from: a trained tokenizer to use instead of training one: a
+            ``tokenizer.json`` (HF tokenizers) or a directory holding one, e.g. an earlier
+            build's ``tokenizer/``. It must hold the special tokens (``<|endoftext|>``,
+            ``<|pad|>``). The tokens then depend on it: the manifest records its sha256, and
+            an earlier build's own tokenizer gives that build's tokens byte for byte -- which
+            is what it is for: the tokenizer's training is the single-threaded part of a
+            build (98 of 173 s for the device image's site-packages), and a machine that
+            builds the corpus afresh for every job can carry the 2-3 MB file instead.
 
     Raises:
         CorpusError (a ``ValueError``): missing path, unsupported file, no usable documents,
@@ -463,6 +502,10 @@ def build_corpus(
         + (f" (skipped {', '.join(f'{k}={v}' for k, v in docs.skipped.items() if v)})" if any(docs.skipped.values()) else "")
     )
     options = _options(source, vocab_size, max_bytes, name)
+    given_tok = None
+    if tokenizer_from is not None:
+        given_tok = _tokenizer_file(tokenizer_from)
+        options["tokenizer_from_sha256"] = _sha256_file(str(given_tok))
 
     if not force:
         m = _try_reuse(out, options, docs.sha256)
@@ -479,9 +522,13 @@ def build_corpus(
         mpath.unlink()  # the manifest is written last: its presence marks a complete build
 
     # 1. tokenizer
-    log(f"training byte-level BPE tokenizer (vocab_size={vocab_size}, single-threaded) ...")
     t_tok = time.perf_counter()
-    tok = _train_tokenizer(docs.texts, vocab_size)
+    if given_tok is not None:
+        tok = _load_tokenizer(given_tok, vocab_size)
+        log(f"tokenizer from {given_tok} (sha256 {options['tokenizer_from_sha256'][:12]}), not trained")
+    else:
+        log(f"training byte-level BPE tokenizer (vocab_size={vocab_size}, single-threaded) ...")
+        tok = _train_tokenizer(docs.texts, vocab_size)
     real_vocab = tok.get_vocab_size(with_added_tokens=True)
     eod_id = tok.token_to_id(EOD_TOKEN)
     pad_id = tok.token_to_id(PAD_TOKEN)

@@ -156,6 +156,58 @@ def test_cache_reused_and_force_rebuilds(src, tmp_path, capsys):
     assert not d.reused
 
 
+def test_an_earlier_builds_tokenizer_gives_its_tokens_byte_for_byte(built, src, tmp_path, capsys):
+    """tokenizer_from: the sweep's device calls build the corpus afresh on every machine, and the
+    tokenizer's training is the single-threaded part; carrying an earlier build's tokenizer must
+    give that build's dataset exactly, and the manifest must say which tokenizer was used."""
+    out = tmp_path / "from_tok"
+    info = build_corpus(out, source=str(src), vocab_size=VOCAB, tokenizer_from=built.tokenizer_dir)
+    log = capsys.readouterr().out
+    assert "not trained" in log and "training byte-level BPE" not in log
+    assert _hashes(info) == _hashes(built)  # .bin, .idx and the saved tokenizer.json
+    m = json.loads(Path(info.manifest_path).read_text())
+    assert m["options"]["tokenizer_from_sha256"] == _hashes(built)["tokenizer_json"]
+    assert "tokenizer_from_sha256" not in json.loads(Path(built.manifest_path).read_text())["options"]
+    # the file itself works as well as its directory, and the second call reuses the build
+    again = build_corpus(out, source=str(src), vocab_size=VOCAB, quiet=True,
+                         tokenizer_from=os.path.join(built.tokenizer_dir, "tokenizer.json"))
+    assert again.reused
+    # a different tokenizer gives different tokens (the tokens depend on it, not on the inputs alone)
+    other = build_corpus(tmp_path / "other_tok", source=str(src), vocab_size=512, quiet=True)
+    diff = build_corpus(tmp_path / "from_other", source=str(src), vocab_size=VOCAB, quiet=True,
+                        tokenizer_from=other.tokenizer_dir)
+    assert _hashes(diff)["bin"] != _hashes(built)["bin"] and diff.vocab_size == other.vocab_size
+
+
+def test_a_bad_tokenizer_from_is_refused_by_name(built, src, tmp_path):
+    with pytest.raises(CorpusError, match="no tokenizer.json there"):
+        build_corpus(tmp_path / "a", source=str(src), vocab_size=VOCAB, quiet=True, tokenizer_from=tmp_path)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(CorpusError, match="not a tokenizers JSON file"):
+        build_corpus(tmp_path / "b", source=str(src), vocab_size=VOCAB, quiet=True, tokenizer_from=bad)
+    from tokenizers import Tokenizer, models
+
+    plain = Tokenizer(models.BPE())  # no special tokens
+    plain.save(str(tmp_path / "plain.json"))
+    with pytest.raises(CorpusError, match="lacks the special token"):
+        build_corpus(tmp_path / "c", source=str(src), vocab_size=VOCAB, quiet=True,
+                     tokenizer_from=tmp_path / "plain.json")
+    with pytest.raises(CorpusError, match="more than vocab_size=300"):
+        build_corpus(tmp_path / "d", source=str(src), vocab_size=300, quiet=True, tokenizer_from=built.tokenizer_dir)
+
+
+def test_cli_takes_tokenizer_from(built, src, tmp_path):
+    out = tmp_path / "cli"
+    r = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "build_corpus.py"), "--out", str(out), "--source", str(src),
+         "--vocab-size", str(VOCAB), "--tokenizer-from", built.tokenizer_dir],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads((out / "manifest.json").read_text())["outputs"]["sha256"] == _hashes(built)
+
+
 def test_jsonl_source(tmp_path):
     from megatron.core.datasets.indexed_dataset import IndexedDataset
     from tokenizers import Tokenizer
