@@ -96,7 +96,9 @@ def run_rows(attentions: List[str], seqs: List[int], warmup: int, iters: int) ->
             torch.cuda.reset_peak_memory_stats()
             row = {"attention": attention, "seq": seq, "cp": cp, "device": torch.cuda.get_device_name()}
             try:
-                cfg, model = build(attention, seq, {"context_parallel_size": cp})
+                # megatron's loss, as every CP record so far ran it (bench_model's default is now the
+                # fused loss NeMo trains with); the attention's CP scaling is what this measures
+                cfg, model = build(attention, seq, {"context_parallel_size": cp}, fused_ce="false")
                 tokens, pos, labels, mask = batch(1, seq)
                 local = get_batch_on_this_cp_rank({"tokens": tokens, "position_ids": pos.contiguous(),
                                                    "labels": labels, "loss_mask": mask})

@@ -8,8 +8,9 @@
 Modes (every attention in one process, same weights and batch):
 
 * ``fwdbwd``: the model as NeMo builds it (``nemotron_114m.model()``, our layer spec),
-  parameters in bf16 (as megatron's ``Float16Module`` holds them), forward + masked
-  mean loss + backward. This is "the model's own fwd+bwd" that the training-step issue
+  parameters in bf16 (as megatron's ``Float16Module`` holds them), the output layer + loss
+  NeMo's ``forward_step`` installs (the fused cross-entropy: ``--fused-ce auto``, on with
+  CUDA and TP 1; ``false``: megatron's logits + loss), forward + masked mean loss + backward. This is "the model's own fwd+bwd" that the training-step issue
   compares NeMo's step against.
 * ``step``: the same inside megatron's ``Float16Module`` + ``DistributedDataParallel``
   (fp32 grad buffer) + ``get_megatron_optimizer`` (the recipe's optimizer config: Adam,
@@ -56,8 +57,12 @@ def init_megatron(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build(attention: str, seq: int, overrides: Optional[Dict] = None):
-    """(config, model) of the recipe's model with ``attention``, bf16 params on the GPU."""
+def build(attention: str, seq: int, overrides: Optional[Dict] = None, fused_ce: str = "auto"):
+    """(config, model) of the recipe's model with ``attention``, bf16 params on the GPU, with
+    the output layer + loss NeMo's ``forward_step`` installs (``fused_ce``, as
+    ``model.fused_cross_entropy``). Without it the step measured is not the one NeMo trains:
+    megatron's loss upcasts the whole ``[tokens, vocab]`` logits to fp32 (docs/results/
+    2026-11-27-step-profile: its casts were read as layout copies)."""
     import fiddle as fdl
 
     from recipes import nemotron_114m
@@ -70,6 +75,9 @@ def build(attention: str, seq: int, overrides: Optional[Dict] = None):
         setattr(cfg, key, value)
     torch.manual_seed(1234)
     model = cfg.configure_model(None).cuda()
+    from nemo_ssa.megatron.output_layer import install_fused_cross_entropy
+
+    install_fused_cross_entropy(model, fused_ce)
     return cfg, model
 
 
@@ -104,7 +112,9 @@ def make_fwdbwd(model, data):
     tokens, pos, labels, mask = data
 
     def step():
-        out = model(tokens, pos, None, labels=labels)
+        # loss_mask: the fused loss weights its in-forward weight gradient by it (NeMo hands it
+        # over through forward_step); megatron's path ignores it
+        out = model(tokens, pos, None, labels=labels, loss_mask=mask)
         loss_fn(out, mask).backward()
         for p in model.parameters():
             p.grad = None
@@ -141,7 +151,7 @@ def make_step(model, data):
     def step():
         ddp.zero_grad_buffer()
         opt.zero_grad()
-        out = ddp(tokens, pos, None, labels=labels)
+        out = ddp(tokens, pos, None, labels=labels, loss_mask=mask)
         loss_fn(out, mask).backward()
         ddp.finish_grad_sync()
         with optimizer_range():  # step_profile reads this range as the optimizer row
@@ -309,6 +319,9 @@ def main(argv=None) -> int:
                                                  "--profile-mb) to this file")
     ap.add_argument("--by-module", default=None, help="append the step by module and by kernel family "
                                                       "(GPU time, --profile-mb) to this markdown file")
+    ap.add_argument("--fused-ce", default="auto", choices=("auto", "true", "false"),
+                    help="the fused output layer + loss NeMo's forward_step installs (model.fused_cross_entropy); "
+                         "false: megatron's logits + loss")
     ap.add_argument("--out", default=None, help="markdown table path")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -320,12 +333,13 @@ def main(argv=None) -> int:
     peak = args.peak_tflops or (989.0 if "H100" in name else 989.0 if "H200" in name else float("nan"))
     modes = ("fwdbwd", "step") if args.mode == "both" else (args.mode,)
     rows = []
-    print(f"# {name} | torch {torch.__version__} | seq {args.seq} | peak {peak} TFLOP/s", flush=True)
+    print(f"# {name} | torch {torch.__version__} | seq {args.seq} | peak {peak} TFLOP/s | fused_ce {args.fused_ce}",
+          flush=True)
     mbs = [int(m) for m in args.micro_batches.split(",") if m != "max"]
     probe = "max" in args.micro_batches.split(",")
     for attention in args.attentions.split(","):
         for mode in modes:
-            cfg, model = build(attention, args.seq)
+            cfg, model = build(attention, args.seq, fused_ce=args.fused_ce)
             fpt = flops_per_token(cfg, args.seq)
             if mode == "step":
                 wrap_for_step(cfg, model)
@@ -347,7 +361,7 @@ def main(argv=None) -> int:
                 ms = statistics.median(times)
                 tps = mb * args.seq / (ms / 1e3)
                 mem = torch.cuda.max_memory_allocated() / 2 ** 30
-                r = dict(attention=attention, mode=mode, mb=mb, ms=ms, tokens_s=tps,
+                r = dict(attention=attention, mode=mode, mb=mb, ms=ms, tokens_s=tps, fused_ce=args.fused_ce,
                          mfu=fpt * tps / (peak * 1e12), peak_gib=mem, flops_per_token=fpt)
                 rows.append(r)
                 print(f"  {attention:15s} {mode:6s} mb {mb:4d}: {ms:8.2f} ms  {tps:10,.0f} tok/s  "

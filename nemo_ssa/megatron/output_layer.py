@@ -17,7 +17,8 @@ replaces, per model instance with one tensor-parallel rank (the vocabulary is no
 
 megatron's ``_postprocess`` stays for everything else: no labels (inference / logits),
 inference contexts, multi-token prediction, the config logger, an output layer with its
-own forward pre-hooks (untied weight under overlapped parameter gathering).
+own forward pre-hooks (untied weight under overlapped parameter gathering; the profiler
+ranges of ``tools.step_profile.module_ranges`` excepted: the fused loss opens them itself).
 
 Chosen by config: ``model.fused_cross_entropy`` -- ``auto`` (on with CUDA and TP 1),
 ``true`` (on; tensor parallel > 1 is refused), ``false`` (megatron's path); bound by the
@@ -27,6 +28,7 @@ timing: ``NEMO_SSA_CE_PATH=loss`` keeps megatron's output layer and fuses the lo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import types
 from typing import Any, List, Optional
@@ -72,9 +74,16 @@ def _stock_reason(self, labels, kwargs) -> Optional[str]:
         return "config logger (wants the logits)"
     if getattr(self.output_layer, "sequence_parallel", False):
         return "sequence parallel output layer"
-    if self.output_layer._forward_pre_hooks:
+    if any(not _profile_range(h) for h in self.output_layer._forward_pre_hooks.values()):
         return "output layer forward pre-hooks"
     return None
+
+
+def _profile_range(hook) -> Optional[str]:
+    """The profiler range a ``step_profile.module_ranges`` hook opens (None: another hook).
+    Such hooks only name the module's time in a profile: they must not switch the loss to
+    megatron's path, or the profile would measure another step than the one trained."""
+    return getattr(hook, "profile_range", None)
 
 
 def _fused_postprocess(self, hidden_states=None, input_ids=None, position_ids=None, labels=None,
@@ -101,8 +110,10 @@ def _fused_postprocess(self, hidden_states=None, input_ids=None, position_ids=No
     x = hidden_states.reshape(s * b, h)
     if x.dtype != weight.dtype:
         x = x.to(weight.dtype)
-    loss = linear_cross_entropy(x, weight, labels.transpose(0, 1).reshape(-1), row_weight=row_weight,
-                                chunk_size=chunk_size())
+    ranges = [r for h in self.output_layer._forward_pre_hooks.values() if (r := _profile_range(h))]
+    with torch.autograd.profiler.record_function(ranges[0]) if ranges else contextlib.nullcontext():
+        loss = linear_cross_entropy(x, weight, labels.transpose(0, 1).reshape(-1), row_weight=row_weight,
+                                    chunk_size=chunk_size())
     # [s*b] -> [b, s], contiguous as megatron returns it (NeMo's masked_token_loss .view()s it)
     return loss.view(s, b).transpose(0, 1).contiguous()
 

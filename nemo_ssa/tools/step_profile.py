@@ -47,7 +47,9 @@ def _label(name: str) -> str:
 @contextlib.contextmanager
 def module_ranges(model: torch.nn.Module, names: Iterable[str] = DEFAULT_MODULES) -> Iterator[None]:
     """Open a profiler range around the forward of every submodule whose last name component
-    is in ``names``; removed on exit."""
+    is in ``names``; removed on exit. The hooks leave the model's paths as they are: the
+    fused output layer + loss, which skips the output layer's forward, opens the output
+    layer's range itself (``profile_range`` on the hook)."""
     keep = set(names)
     handles, open_ranges = [], {}
 
@@ -56,6 +58,10 @@ def module_ranges(model: torch.nn.Module, names: Iterable[str] = DEFAULT_MODULES
             rf = torch.autograd.profiler.record_function(MODULE_RANGE + label)
             rf.__enter__()
             open_ranges.setdefault(id(mod), []).append(rf)
+        # read by the fused output layer (nemo_ssa.megatron.output_layer): a range hook is no
+        # reason to leave the fused loss, and the fused loss opens this range itself because
+        # it never calls the output layer's forward
+        hook.profile_range = MODULE_RANGE + label
         return hook
 
     def post(mod, args, out):
@@ -188,9 +194,24 @@ _FAMILIES = (
 )
 
 
+#: torch.compile's generated kernels: ``triton_<poi|per|red|tem>_fused_<ops>_<n>`` (CUDA),
+#: ``cpp_fused_<ops>_<n>`` (CPU); the name lists the aten ops fused into the kernel
+_INDUCTOR = re.compile(r"^(?:triton_(?:poi|per|red|tem)_|cpp_)fused_(.*?)_\d+$")
+_LAYOUT_OPS = re.compile(r"to_copy|copy|transpose|permute|clone|cat|view|unsqueeze|squeeze|expand|slice|select|"
+                         r"contiguous|reshape")
+COMPILED = "compiled fusion (torch.compile)"
+
+
 def family(kernel_name: str) -> str:
-    """The family of a kernel (or, on CPU, an aten op) from its name: first rule that matches."""
+    """The family of a kernel (or, on CPU, an aten op) from its name: first rule that matches.
+    A torch.compile kernel is a copy only when every op its name lists moves data (a fused
+    ``_to_copy`` + ``max`` + ``exp`` is megatron's compiled cross entropy, not a layout copy,
+    and reading it as one made the loss's fp32 logits look like layout copies); else it is
+    ``COMPILED``."""
     name = kernel_name.lower()
+    m = _INDUCTOR.match(name)
+    if m is not None:
+        return "copy/transpose/cast" if not _LAYOUT_OPS.sub("", m.group(1)).strip("_") else COMPILED
     for fam, keys in _FAMILIES:
         if any(k in name for k in keys):
             return fam

@@ -77,6 +77,11 @@ def test_families_and_table():
     assert sp.family("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
     assert sp.family("_attn_fwd_kernel") == "attention"
     assert sp.family("triton_poi_fused__to_copy_transpose_0") == "copy/transpose/cast"
+    assert sp.family("triton_poi_fused_cat_clone_view_12") == "copy/transpose/cast"
+    # megatron's compiled cross entropy fuses casts with its reductions: not a layout copy
+    assert sp.family("triton_per_fused__to_copy_max_0") == sp.COMPILED
+    assert sp.family("cpp_fused_copy__div_log_split_sub_unsqueeze_0") == sp.COMPILED
+    assert sp.family("triton_red_fused__log_softmax_3") == sp.COMPILED
     assert sp.family("vectorized_layer_norm_kernel") == "norm"
     assert sp.family("multi_tensor_apply_kernel") == "optimizer"
     assert sp.family("something_else") == "other"

@@ -154,6 +154,44 @@ def test_installed_in_the_gpt_model_gives_megatrons_loss_and_grads(megatron_cpu,
 
 
 @CPU_ONLY
+def test_profiler_ranges_keep_the_fused_loss_and_name_its_time(megatron_cpu, tmp_path, monkeypatch):
+    """step_profile.module_ranges hooks the output layer to name its time; the fused loss never
+    calls that layer's forward and used to fall back to megatron's whole-vocabulary fp32 loss
+    on seeing any pre-hook -- so every profile measured another step than the one trained, and
+    megatron's casts were read as layout copies. A range hook keeps the fused path and the
+    fused loss's time lands on the output layer; any other pre-hook still keeps megatron's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from nemo_ssa.megatron.output_layer import install_fused_cross_entropy
+    from nemo_ssa.tools import step_profile as sp
+
+    calls = _count_calls(monkeypatch)
+    model = _tiny_gpt(tmp_path)
+    assert install_fused_cross_entropy(model, "true") == 1
+    tokens, labels = torch.randint(0, 97, (2, 9)), torch.randint(0, 97, (2, 9))
+    mask = torch.ones(2, 9)
+    ref_loss, _ = _loss_and_grads(model, tokens, labels, mask)
+    assert len(calls) == 1
+    with sp.module_ranges(model):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            loss, _ = _loss_and_grads(model, tokens, labels, mask)
+    assert len(calls) == 2, "the range hook switched the fused loss off"
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+    times = sp.by_module(prof.events(), device=False)
+    assert times.get("output_layer fwd", 0) > 0, sorted(times)
+    # the module's range is opened once per forward (no nesting of the same range)
+    opened = [e for e in prof.events() if e.name == sp.MODULE_RANGE + "output_layer"]
+    assert len(opened) == 1
+    # negative control: a hook of another kind still keeps megatron's path
+    handle = model.output_layer.register_forward_pre_hook(lambda mod, args: None)
+    try:
+        _loss_and_grads(model, tokens, labels, mask)
+    finally:
+        handle.remove()
+    assert len(calls) == 2
+
+
+@CPU_ONLY
 def test_tensor_parallel_keeps_megatrons_loss_or_is_refused(megatron_cpu, tmp_path):
     from nemo_ssa.megatron.output_layer import check_fused_cross_entropy, install_fused_cross_entropy
 
