@@ -332,9 +332,19 @@ def _nemo_log_dirs(run_dir: str) -> tuple:
     return tuple(n for n in ATTENTIONS if os.path.isdir(os.path.join(run_dir, n)))
 
 
+#: options added after runs were recorded, at the value that means "as before": left out of the
+#: identity there, so a run finished before the option existed is still reused (a sweep resumed
+#: across sessions from its returned run directories)
+_NEUTRAL_DEFAULTS = {("data", "tokenizer_from"): None}
+
+
 def _identity(resolved_cfg: dict) -> str:
     """Hash of what determines a run's result (not how it was launched or resumed)."""
     ident = {k: v for k, v in resolved_cfg.items() if k not in _NOT_IN_IDENTITY}
+    for (group, key), neutral in _NEUTRAL_DEFAULTS.items():
+        sub = ident.get(group)
+        if isinstance(sub, dict) and key in sub and sub[key] == neutral:
+            ident[group] = {k: v for k, v in sub.items() if k != key}
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
