@@ -118,12 +118,18 @@ def host_profile(calls: int, dev, dt, H: int, HKV: int, D: int) -> int:
     def spy(kernel, grid, a, meta, ntensors=None, cached=True):
         captured.setdefault("fwd", (kernel, grid, a, meta, ntensors))
         return real_launch(kernel, grid, a, meta, ntensors, cached)
-    flash.launch = spy
+    real_launch_kw = attn_bwd.launch_kw
+
+    def spy_kw(kernel, grid, tensors, scalars, meta, **kw):
+        captured.setdefault("fwd_kw", (kernel, grid, tensors, scalars, meta, kw))
+        return real_launch_kw(kernel, grid, tensors, scalars, meta, **kw)
+    attn_bwd.launch, flash.launch_kw = spy, spy_kw  # launch_kw ends in the module's launch
     try:
         flash._flash_fwd(qd, kd, vd, nd, b, None, None, None, "ssa", True, scale, 0.0, N, N, "tf32", True)
     finally:
-        flash.launch = real_launch
+        attn_bwd.launch, flash.launch_kw = real_launch, real_launch_kw
     kern, grid, kargs, meta, nt = captured["fwd"]
+    kw_call = captured["fwd_kw"]
     compiled = real_launch(kern, grid, kargs, meta, nt)
     full = tuple(attn_bwd._full_args(kern, kargs, meta))
     stream = attn_bwd._current_stream(torch.cuda.current_device())
@@ -134,6 +140,10 @@ def host_profile(calls: int, dev, dt, H: int, HKV: int, D: int) -> int:
     micro = {
         "attn_bwd.launch (cached path), fwd kernel, %d args" % len(kargs): lambda: real_launch(kern, grid, kargs,
                                                                                                meta, nt),
+        "launch.launch_kw (by name: bind, then the cached path), fwd kernel": lambda: real_launch_kw(
+            kw_call[0], kw_call[1], kw_call[2], kw_call[3], kw_call[4], **kw_call[5]),
+        "launch.bind_kw alone, fwd kernel": lambda: attn_bwd.bind_kw(kw_call[0], kw_call[2], kw_call[3], kw_call[4],
+                                                                     kw_call[5].get("absent")),
         "attn_bwd.launch, generic key (ntensors=None)": lambda: real_launch(kern, grid, kargs, meta),
         "CompiledKernel.run alone, same args": bare_run,
         "launch_key alone (generic key)": lambda: attn_bwd.launch_key(kern, 0, kargs, meta),

@@ -103,19 +103,18 @@ def mix(instrs, lo: int, hi: int) -> Dict[str, int]:
 
 def capture_launches(fn) -> List[Tuple[object, tuple, tuple, dict]]:
     """Run ``fn`` with every kernel launch recorded instead of executed."""
-    import nemo_ssa.ops.common.bwd as ab
-    import nemo_ssa.ops.attention.flash as fl
+    import nemo_ssa.ops.common.launch as launcher
     got = []
 
     def fake_launch(kernel, grid, args, meta, ntensors=None, cached=True):
         got.append((kernel, tuple(grid), tuple(args), dict(meta)))
 
-    saved = (ab.launch, fl.launch)
-    ab.launch = fl.launch = fake_launch
+    saved = launcher.launch  # what launch_kw ends in: positional arguments, presence flags in meta
+    launcher.launch = fake_launch
     try:
         fn()
     finally:
-        ab.launch, fl.launch = saved
+        launcher.launch = saved
     return got
 
 

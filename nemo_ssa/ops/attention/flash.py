@@ -76,13 +76,15 @@ from nemo_ssa.ops.common.device import (
 from nemo_ssa.ops.common.launch import (
     autotune_enabled,
     autotuned,
+    bind_kw,
     block_d as tile_d,
     cdiv,
     default_input_precision,
     for_lengths,
     is_interpreter,
-    launch,
+    launch_kw,
     param_ptrs,
+    presence_flags,
     stat_strides,
     zhsd_strides,
 )
@@ -166,6 +168,7 @@ def _attn_fwd_inner(
     return acc, l_i, m_i, c_i
 
 
+@presence_flags(VARLEN=("CU_Q", "CU_K"), HAS_DROPOUT="RNG", SAVE_C="CS")
 @triton.jit
 def _attn_fwd_kernel(
     Q, K, V, O, M, CS, NP, BP, RNG, CU_Q, CU_K,
@@ -332,23 +335,20 @@ def _flash_fwd(
     # keeps q's memory order when q is a dense permuted view
     o = new_output_like(q) if out is None else out
     has_dropout = dropout_p > 0.0
-    # pointers a constexpr branch never dereferences get M as a placeholder (no allocation)
-    rng = rng_state if has_dropout else M
-    n_ptr, b_ptr = param_ptrs(n, b, M) if tid == 1 else (M, M)
-    cu_q = cu_seqlens_q if varlen else M
-    cu_k = cu_seqlens_k if varlen else M
     # unused without dropout (constexpr branch): zeros keep them out of the launch key
     rz, rh, rs = dropout_rng_layout(hq, sq, sk, varlen, total_q) if has_dropout else (0, 0, 0)
     block_d = tile_d(d)
     save_c = bool(save_c) and tid == 1
     cstat = new_cstat(M) if save_c else None
-    args = (q, k, v, o, M, cstat if save_c else M, n_ptr, b_ptr, rng, cu_q, cu_k,
-            *zhsd_strides(q, varlen), *zhsd_strides(k, varlen), *zhsd_strides(v, varlen),
-            *zhsd_strides(o, varlen),
-            *stat_strides(M, varlen), hq, hq // hkv, sq, sk, float(scale), float(dropout_p), rz, rh, rs)
-    meta = dict(HEAD_DIM=d, BLOCK_D=block_d, TRANSFORM=tid, CAUSAL=bool(causal), VARLEN=varlen,
-                HAS_DROPOUT=has_dropout, INPUT_PRECISION=input_precision,
-                FAST_LOG2=log2_mode(fast_math) if tid == 1 else int(bool(fast_math)), SAVE_C=save_c)
+    n_ptr, b_ptr = param_ptrs(n, b, M) if tid == 1 else (M, M)
+    # None: absent (VARLEN, HAS_DROPOUT, SAVE_C follow); launch_kw passes M in their place
+    tensors = dict(Q=q, K=k, V=v, O=o, M=M, CS=cstat, NP=n_ptr, BP=b_ptr, RNG=rng_state if has_dropout else None,
+                   CU_Q=cu_seqlens_q, CU_K=cu_seqlens_k if varlen else None)
+    scalars = dict(s_q=zhsd_strides(q, varlen), s_k=zhsd_strides(k, varlen), s_v=zhsd_strides(v, varlen),
+                   s_o=zhsd_strides(o, varlen), s_m=stat_strides(M, varlen), HQ=hq, GROUP=hq // hkv,
+                   SEQ_Q=sq, SEQ_K=sk, scale=float(scale), dropout_p=float(dropout_p), RNG_S=(rz, rh, rs))
+    meta = dict(HEAD_DIM=d, BLOCK_D=block_d, TRANSFORM=tid, CAUSAL=bool(causal), INPUT_PRECISION=input_precision,
+                FAST_LOG2=log2_mode(fast_math) if tid == 1 else int(bool(fast_math)))
     gcfg = gluon_fwd_config(q, k, v, o, transform="ssa" if tid == 1 else "softmax", varlen=varlen,
                             dropout=has_dropout, save_c=save_c, fast_log2=meta["FAST_LOG2"],
                             explicit_config=config is not None or autotune_enabled())
@@ -362,6 +362,7 @@ def _flash_fwd(
         note(key, "flash.fwd", "triton-autotune", "NEMO_SSA_AUTOTUNE=1")
         kern = autotuned("fwd", _attn_fwd_kernel, _FWD_TUNE, ("BLOCK_M", "BLOCK_N"),
                          ["HQ", "GROUP", "SEQ_Q", "SEQ_K", "HEAD_DIM", "TRANSFORM", "CAUSAL", "VARLEN", "HAS_DROPOUT"])
+        args, meta = bind_kw(_attn_fwd_kernel, tensors, scalars, meta, absent=M)
         kern[lambda m: (triton.cdiv(sq, m["BLOCK_M"]), bz * hq)](*args, **meta)
     else:
         cfg = config or fwd_config(d, causal, q.dtype)
@@ -374,12 +375,12 @@ def _flash_fwd(
              f"table row D{d_bucket(d)}" + ("" if tma or not cfg_tma else
                                              ": TMA row, the call's layout or size cannot take it"))
         if tma:
-            args = (descriptor(q, cfg.block_m, block_d), descriptor(k, cfg.block_n, block_d),
-                    descriptor(v, cfg.block_n, block_d), descriptor(o, cfg.block_m, block_d)) + args[4:]
+            tensors.update(Q=descriptor(q, cfg.block_m, block_d), K=descriptor(k, cfg.block_n, block_d),
+                           V=descriptor(v, cfg.block_n, block_d), O=descriptor(o, cfg.block_m, block_d))
             meta["TMA"] = tma
-        launch(for_lengths(_attn_fwd_kernel, sq, sk), (cdiv(sq, cfg.block_m), bz * hq), args,
-               dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta), 11, cached=not tma)
+        launch_kw(for_lengths(_attn_fwd_kernel, sq, sk), (cdiv(sq, cfg.block_m), bz * hq), tensors, scalars,
+                  dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                       num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta), absent=M, cached=not tma)
     return o, M, cstat
 
 

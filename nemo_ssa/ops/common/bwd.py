@@ -49,12 +49,13 @@ from nemo_ssa.ops.common.hopper_bwd import gluon_bwd_config, gluon_key_blocks, l
 from nemo_ssa.ops.common.launch import (
     autotune_enabled,
     autotuned,
+    bind_kw,
     block_d as tile_d,
     cdiv,
     default_input_precision,
     for_lengths,
     is_interpreter,
-    launch,
+    launch_kw,
     param_ptrs,
     stat_strides,
     zhsd_strides,
@@ -180,18 +181,16 @@ def attention_bwd(
     has_dropout = dropout_p > 0.0
     if has_dropout and rng_state is None:
         raise ValueError("dropout_p > 0 needs the forward's rng_state (int64 [2] seed, offset)")
-    # pointers a constexpr branch never dereferences get M as a placeholder (no allocation)
-    rng = rng_state if has_dropout else M
     # unused without dropout (constexpr branch): zeros keep them out of the launch key
     rz, rh, rs = dropout_rng_layout(hq, sq, sk, varlen, total_q) if has_dropout else (0, 0, 0)
     n_ptr, b_ptr = param_ptrs(n, b, M) if is_ssa else (M, M)
     block_d = tile_d(d)
     call = _BwdCall(
         varlen=varlen, is_ssa=is_ssa, bz=bz, hq=hq, hkv=hkv, sq=sq, sk=sk, d=d, block_d=block_d,
-        scale=float(scale), dropout_p=float(dropout_p), rng=rng, rng_strides=(rz, rh, rs), n_ptr=n_ptr, b_ptr=b_ptr,
-        cu_q=cu_seqlens_q if varlen else M, cu_k=cu_seqlens_k if varlen else M, ms=stat_strides(M, varlen),
-        meta=dict(HEAD_DIM=d, BLOCK_D=block_d, TRANSFORM=tid, CAUSAL=bool(causal), VARLEN=varlen,
-                  HAS_DROPOUT=has_dropout, INPUT_PRECISION=input_precision,
+        scale=float(scale), dropout_p=float(dropout_p), rng=rng_state if has_dropout else None,
+        rng_strides=(rz, rh, rs), n_ptr=n_ptr, b_ptr=b_ptr, cu_q=cu_seqlens_q if varlen else None,
+        cu_k=cu_seqlens_k if varlen else None, ms=stat_strides(M, varlen),
+        meta=dict(HEAD_DIM=d, BLOCK_D=block_d, TRANSFORM=tid, CAUSAL=bool(causal), INPUT_PRECISION=input_precision,
                   FAST_LOG2=log2_mode(fast_math) if is_ssa else int(bool(fast_math))))
     tune = config is None and autotune_enabled()
     if deterministic is None:
@@ -235,14 +234,14 @@ class _BwdCall(NamedTuple):
     block_d: int
     scale: float
     dropout_p: float
-    rng: torch.Tensor
+    rng: Optional[torch.Tensor]  # None: no dropout (HAS_DROPOUT follows in launch_kw)
     rng_strides: Tuple[int, int, int]
     n_ptr: torch.Tensor
     b_ptr: torch.Tensor
-    cu_q: torch.Tensor
-    cu_k: torch.Tensor
+    cu_q: Optional[torch.Tensor]  # None: dense (VARLEN follows)
+    cu_k: Optional[torch.Tensor]
     ms: Tuple[int, int, int]
-    meta: dict  # the constexprs the dQ and dK/dV kernels share
+    meta: dict  # the constexprs the dQ and dK/dV kernels share, but the presence flags
 
 
 _NO_STRIDES4 = (0, 0, 0, 0)
@@ -251,37 +250,37 @@ _NO_STRIDES4 = (0, 0, 0, 0)
 def _preprocess(c: _BwdCall, o, do, delta, M, dqa=None) -> None:
     """``attn_bwd_preprocess``: ``delta``, and (``dqa`` given) the fp32 dq accumulator zeroed."""
     pre_bm = _pre_block_m(c.block_d)
-    meta = dict(HEAD_DIM=c.d, BLOCK_D=c.block_d, BLOCK_M=pre_bm, VARLEN=c.varlen)
-    if dqa is not None:
-        meta["ZERO_DQ"] = True
-    az = zhsd_strides(dqa, c.varlen) if dqa is not None else _NO_STRIDES4
-    launch(for_lengths(attn_bwd_preprocess, c.sq), (cdiv(c.sq, pre_bm), c.bz * c.hq),
-           (o, do, delta, c.cu_q, M if dqa is None else dqa, *zhsd_strides(o, c.varlen),
-            *zhsd_strides(do, c.varlen), *c.ms, *az, c.hq, c.sq),
-           meta, 5)
+    launch_kw(for_lengths(attn_bwd_preprocess, c.sq), (cdiv(c.sq, pre_bm), c.bz * c.hq),
+              dict(O=o, DO=do, Delta=delta, CU_Q=c.cu_q, DQA=dqa),
+              dict(s_o=zhsd_strides(o, c.varlen), s_do=zhsd_strides(do, c.varlen), s_m=c.ms,
+                   s_a=zhsd_strides(dqa, c.varlen) if dqa is not None else _NO_STRIDES4, HQ=c.hq, SEQ_Q=c.sq),
+              dict(HEAD_DIM=c.d, BLOCK_D=c.block_d, BLOCK_M=pre_bm), absent=M)
 
 
-def _dq_args(c: _BwdCall, q, k, v, do, o, dq, M, delta, dn_part, db_part) -> tuple:
-    """Positional arguments of ``attn_bwd_kernel_dq`` (its first 15 are tensors)."""
+def _dq_args(c: _BwdCall, q, k, v, do, o, dq, M, delta, dn_part, db_part) -> Tuple[dict, dict]:
+    """``(tensors, scalars)`` of ``attn_bwd_kernel_dq`` by name (``launch_kw``); ``dn_part``
+    None: no dn/db partials (``DPARAMS`` off)."""
     z = c.varlen
-    return (q, k, v, do, o, dq, M, delta, c.n_ptr, c.b_ptr, c.rng, c.cu_q, c.cu_k, dn_part, db_part,
-            *zhsd_strides(q, z), *zhsd_strides(k, z), *zhsd_strides(v, z), *zhsd_strides(do, z),
-            *zhsd_strides(o, z), *zhsd_strides(dq, z), *c.ms, c.hq, c.hq // c.hkv, c.sq, c.sk,
-            c.scale, c.dropout_p, *c.rng_strides)
+    return (dict(Q=q, K=k, V=v, DO=do, O=o, DQ=dq, M=M, Delta=delta, NP=c.n_ptr, BP=c.b_ptr, RNG=c.rng,
+                 CU_Q=c.cu_q, CU_K=c.cu_k, DN=dn_part, DBP=db_part),
+            dict(s_q=zhsd_strides(q, z), s_k=zhsd_strides(k, z), s_v=zhsd_strides(v, z), s_do=zhsd_strides(do, z),
+                 s_o=zhsd_strides(o, z), s_dq=zhsd_strides(dq, z), s_m=c.ms, HQ=c.hq, GROUP=c.hq // c.hkv,
+                 SEQ_Q=c.sq, SEQ_K=c.sk, scale=c.scale, dropout_p=c.dropout_p, RNG_S=c.rng_strides))
 
 
 def _dkv_args(c: _BwdCall, q, k, v, do, dk, dv, M, delta, dqa=None, cstat=None, dnk=None,
-              dn_strides=(0, 0, 0)) -> tuple:
-    """Positional arguments of ``attn_bwd_kernel_dkv`` (its first 16 are tensors). The
-    single pass's ``dqa`` (atomic dq), ``cstat`` and ``dnk`` (dn partials) are M, a pointer
-    never dereferenced, and zero strides in the two-kernel backward."""
+              dn_strides=(0, 0, 0)) -> Tuple[dict, dict]:
+    """``(tensors, scalars)`` of ``attn_bwd_kernel_dkv`` by name (``launch_kw``). The single
+    pass's ``dqa`` (atomic dq), ``cstat`` and ``dnk`` (dn partials) are None, with zero
+    strides, in the two-kernel backward (``ATOMIC_DQ`` and ``DN_KV`` follow)."""
     z = c.varlen
-    az = zhsd_strides(dqa, z) if dqa is not None else _NO_STRIDES4
-    return (q, k, v, do, dk, dv, M, delta, c.n_ptr, c.b_ptr, c.rng, c.cu_q, c.cu_k,
-            M if dqa is None else dqa, M if cstat is None else cstat, M if dnk is None else dnk,
-            *zhsd_strides(q, z), *zhsd_strides(k, z), *zhsd_strides(v, z), *zhsd_strides(do, z),
-            *zhsd_strides(dk, z), *zhsd_strides(dv, z), *c.ms, *az, *dn_strides, c.hkv, c.hq // c.hkv,
-            c.sq, c.sk, c.scale, c.dropout_p, *c.rng_strides)
+    return (dict(Q=q, K=k, V=v, DO=do, DK=dk, DV=dv, M=M, Delta=delta, NP=c.n_ptr, BP=c.b_ptr, RNG=c.rng,
+                 CU_Q=c.cu_q, CU_K=c.cu_k, DQA=dqa, CS=cstat, DNK=dnk),
+            dict(s_q=zhsd_strides(q, z), s_k=zhsd_strides(k, z), s_v=zhsd_strides(v, z), s_do=zhsd_strides(do, z),
+                 s_dk=zhsd_strides(dk, z), s_dv=zhsd_strides(dv, z), s_m=c.ms,
+                 s_a=zhsd_strides(dqa, z) if dqa is not None else _NO_STRIDES4, s_n=dn_strides, HKV=c.hkv,
+                 GROUP=c.hq // c.hkv, SEQ_Q=c.sq, SEQ_K=c.sk, scale=c.scale, dropout_p=c.dropout_p,
+                 RNG_S=c.rng_strides))
 
 
 def _scores(c: _BwdCall) -> int:
@@ -308,21 +307,22 @@ def _tma_modes(c: _BwdCall, cfg: BwdConfig, table: bool, single: bool, q, k, v, 
     return cfg, 0, 0
 
 
-def _launch_dkv(c: _BwdCall, cfg: BwdConfig, tma: int, kv_args: tuple, q, k, v, do, dk, dv, meta: dict,
-                dqa=None) -> None:
+def _launch_dkv(c: _BwdCall, cfg: BwdConfig, tma: int, kv_args: Tuple[dict, dict], M, meta: dict) -> None:
     """``attn_bwd_kernel_dkv`` with ``kv_args`` (``_dkv_args``); with ``tma`` its six tiled
-    tensors (and the single pass's fp32 ``dqa``, off the interpreter) go as tensor
+    tensors (and the single pass's fp32 ``DQA``, off the interpreter) go as tensor
     descriptors (``ops.common.tma``)."""
+    tensors, scalars = kv_args
     if tma:
         bm, bn, bd = cfg.block_m_kv, cfg.block_n_kv, c.block_d
-        kv_args = (descriptor(q, bm, bd), descriptor(k, bn, bd), descriptor(v, bn, bd), descriptor(do, bm, bd),
-                   descriptor(dk, bn, bd), descriptor(dv, bn, bd)) + kv_args[6:]
+        t = tensors
+        tensors = dict(t, Q=descriptor(t["Q"], bm, bd), K=descriptor(t["K"], bn, bd), V=descriptor(t["V"], bn, bd),
+                       DO=descriptor(t["DO"], bm, bd), DK=descriptor(t["DK"], bn, bd), DV=descriptor(t["DV"], bn, bd))
         meta = dict(meta, TMA=tma)
-        if dqa is not None and not is_interpreter():  # the interpreter has no descriptor reduce
-            kv_args = kv_args[:13] + (descriptor(dqa, bm, bd),) + kv_args[14:]  # position 13: DQA
+        if t["DQA"] is not None and not is_interpreter():  # the interpreter has no descriptor reduce
+            tensors["DQA"] = descriptor(t["DQA"], bm, bd)
             meta["TMA_REDUCE"] = True
-    launch(for_lengths(attn_bwd_kernel_dkv, c.sq, c.sk), (cdiv(c.sk, cfg.block_n_kv), c.bz * c.hkv),
-           kv_args, meta, 16, cached=not tma)
+    launch_kw(for_lengths(attn_bwd_kernel_dkv, c.sq, c.sk), (cdiv(c.sk, cfg.block_n_kv), c.bz * c.hkv),
+              tensors, scalars, meta, absent=M, cached=not tma)
 
 
 def _even_q(c: _BwdCall, cfg: BwdConfig) -> bool:
@@ -350,7 +350,7 @@ def _attention_bwd_two_kernels(c: _BwdCall, do, q, k, v, o, M, cfg: BwdConfig, *
         dn_part = new_output_like(M)
         db_part = new_output_like(M) if want_db else dn_part
     else:
-        dn_part = db_part = M  # never written (DPARAMS is off)
+        dn_part, db_part = None, M  # DPARAMS off (dn_part None): neither is written
 
     # delta = rowsum(o * do): folded into the dQ kernel for softmax (one launch fewer);
     # SSA keeps the separate pass (see ``fused_delta``)
@@ -362,27 +362,29 @@ def _attention_bwd_two_kernels(c: _BwdCall, do, q, k, v, o, M, cfg: BwdConfig, *
         kern = autotuned("dq", attn_bwd_kernel_dq, BWD_TUNE_DQ, ("BLOCK_M", "BLOCK_N"),
                          ["HQ", "GROUP", "SEQ_Q", "SEQ_K", "HEAD_DIM", "TRANSFORM", "DPARAMS", "DB", "CAUSAL",
                           "VARLEN", "HAS_DROPOUT"])
-        kern[lambda meta: (triton.cdiv(c.sq, meta["BLOCK_M"]), c.bz * c.hq)](
-            *dq_args, DPARAMS=dparams, DB=want_db, FUSED_DELTA=fused, **c.meta)
+        args, meta = bind_kw(attn_bwd_kernel_dq, *dq_args, dict(DB=want_db, FUSED_DELTA=fused, **c.meta), absent=M)
+        kern[lambda meta: (triton.cdiv(c.sq, meta["BLOCK_M"]), c.bz * c.hq)](*args, **meta)
     else:
         tma = tma_dq
-        meta = dict(BLOCK_M=cfg.block_m_dq, BLOCK_N=cfg.block_n_dq, DPARAMS=dparams, DB=want_db,
+        meta = dict(BLOCK_M=cfg.block_m_dq, BLOCK_N=cfg.block_n_dq, DB=want_db,
                     FUSED_DELTA=fused, num_warps=cfg.warps_dq, num_stages=cfg.stages_dq, **c.meta)
+        tensors, scalars = dq_args
         if tma:
             bm, bn, bd = cfg.block_m_dq, cfg.block_n_dq, c.block_d
-            dq_args = (descriptor(q, bm, bd), descriptor(k, bn, bd), descriptor(v, bn, bd), descriptor(do, bm, bd),
-                       descriptor(o, bm, bd), descriptor(dq, bm, bd)) + dq_args[6:]
+            tensors.update(Q=descriptor(q, bm, bd), K=descriptor(k, bn, bd), V=descriptor(v, bn, bd),
+                           DO=descriptor(do, bm, bd), O=descriptor(o, bm, bd), DQ=descriptor(dq, bm, bd))
             meta["TMA"] = tma
-        launch(for_lengths(attn_bwd_kernel_dq, c.sq, c.sk), (cdiv(c.sq, cfg.block_m_dq), c.bz * c.hq),
-               dq_args, meta, 15, cached=not tma)
+        launch_kw(for_lengths(attn_bwd_kernel_dq, c.sq, c.sk), (cdiv(c.sq, cfg.block_m_dq), c.bz * c.hq),
+                  tensors, scalars, meta, absent=M, cached=not tma)
     kv_args = _dkv_args(c, q, k, v, do, dk, dv, M, delta)
     if tune:
         kern = autotuned("dkv", attn_bwd_kernel_dkv, BWD_TUNE_KV, ("BLOCK_M", "BLOCK_N"),
                          ["HKV", "GROUP", "SEQ_Q", "SEQ_K", "HEAD_DIM", "TRANSFORM", "CAUSAL", "VARLEN",
                           "HAS_DROPOUT"])
-        kern[lambda meta: (triton.cdiv(c.sk, meta["BLOCK_N"]), c.bz * c.hkv)](*kv_args, **c.meta)
+        args, meta = bind_kw(attn_bwd_kernel_dkv, *kv_args, c.meta, absent=M)
+        kern[lambda meta: (triton.cdiv(c.sk, meta["BLOCK_N"]), c.bz * c.hkv)](*args, **meta)
     else:
-        _launch_dkv(c, cfg, tma_kv, kv_args, q, k, v, do, dk, dv,
+        _launch_dkv(c, cfg, tma_kv, kv_args, M,
                     dict(BLOCK_M=cfg.block_m_kv, BLOCK_N=cfg.block_n_kv, EVEN_Q=_even_q(c, cfg),
                          num_warps=cfg.warps_kv, num_stages=cfg.stages_kv, **c.meta))
     if stacked is not None:
@@ -419,8 +421,8 @@ def _attention_bwd_gluon(c: _BwdCall, do, q, k, v, o, M, cstat, causal: bool, gc
                      dn_part=dnk[:2 * nk].view(torch.float64) if dparams else None)
     numel = dqa.numel()
     pb = _POST_BLOCK_INTERP if is_interpreter() else _POST_BLOCK
-    launch(attn_bwd_postprocess, (cdiv(numel, pb) + int(dparams),), (dqa, dq, dnk if dparams else M, numel, nk),
-           dict(BLOCK=pb, DN_BLOCK=pb, CAST=True, DPARAMS=dparams, num_warps=4), 3)
+    launch_kw(attn_bwd_postprocess, (cdiv(numel, pb) + int(dparams),), dict(DQA=dqa, DQ=dq, DNK=dnk),
+              dict(NUMEL=numel, NK=nk), dict(BLOCK=pb, DN_BLOCK=pb, CAST=True, num_warps=4), absent=M)
     return dq, dk, dv, (dnk[2 * nk:] if dparams else None), None
 
 
@@ -465,15 +467,15 @@ def _attention_bwd_single(c: _BwdCall, do, q, k, v, o, M, cstat, cfg: BwdConfig,
     nk, dnk, ns = _dn_partials(c, cdiv(c.sk, cfg.block_n_kv), q.device, cstat, M)
     _preprocess(c, o, do, delta, M, dqa=dqa)
     kv_args = _dkv_args(c, q, k, v, do, dk, dv, M, delta, dqa=dqa, cstat=cstat, dnk=dnk, dn_strides=ns)
-    _launch_dkv(c, cfg, tma_kv, kv_args, q, k, v, do, dk, dv,
-                dict(BLOCK_M=cfg.block_m_kv, BLOCK_N=cfg.block_n_kv, EVEN_Q=_even_q(c, cfg), ATOMIC_DQ=True,
-                     DN_KV=dparams, num_warps=cfg.warps_kv, num_stages=cfg.stages_kv, **c.meta), dqa=dqa)
+    _launch_dkv(c, cfg, tma_kv, kv_args, M,
+                dict(BLOCK_M=cfg.block_m_kv, BLOCK_N=cfg.block_n_kv, EVEN_Q=_even_q(c, cfg),
+                     num_warps=cfg.warps_kv, num_stages=cfg.stages_kv, **c.meta))
     if cast or dparams:
         # dq's cast and dn's fixed-order float64 sum: one launch
         numel = dqa.numel() if cast else 0
         pb = _POST_BLOCK_INTERP if is_interpreter() else _POST_BLOCK
-        launch(attn_bwd_postprocess, (cdiv(numel, pb) + int(dparams),), (dqa, dq, dnk if dparams else M, numel, nk),
-               dict(BLOCK=pb, DN_BLOCK=pb, CAST=cast, DPARAMS=dparams, num_warps=4), 3)
+        launch_kw(attn_bwd_postprocess, (cdiv(numel, pb) + int(dparams),), dict(DQA=dqa, DQ=dq, DNK=dnk),
+                  dict(NUMEL=numel, NK=nk), dict(BLOCK=pb, DN_BLOCK=pb, CAST=cast, num_warps=4), absent=M)
     return dq, dk, dv, (dnk[2 * nk:] if dparams else None), None
 
 

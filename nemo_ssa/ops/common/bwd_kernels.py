@@ -35,6 +35,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from nemo_ssa.ops.common.launch import presence_flags
+
 from nemo_ssa.ops.common.device import (
     dropout_keep,
     dropout_state,
@@ -107,6 +109,7 @@ def _bwd_dq_inner(
     return dq, dn_r, db_r, gn_r, gb_r, de_r
 
 
+@presence_flags(VARLEN="CU_Q", ZERO_DQ="DQA")
 @triton.jit
 def attn_bwd_preprocess(
     O, DO, Delta, CU_Q, DQA,
@@ -145,6 +148,7 @@ def attn_bwd_preprocess(
                  tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), mask=mask)
 
 
+@presence_flags(DPARAMS="DNK")
 @triton.jit
 def attn_bwd_postprocess(
     DQA, DQ, DNK, NUMEL, NK,
@@ -176,6 +180,7 @@ def attn_bwd_postprocess(
             tl.store(DQ + offs, x.to(DQ.dtype.element_ty), mask=mask)
 
 
+@presence_flags(VARLEN=("CU_Q", "CU_K"), HAS_DROPOUT="RNG", DPARAMS="DN")
 @triton.jit
 def attn_bwd_kernel_dq(
     Q, K, V, DO, O, DQ, M, Delta, NP, BP, RNG, CU_Q, CU_K, DN, DBP,
@@ -398,6 +403,7 @@ def _bwd_dkv_inner(
     return dk, dv, dnk
 
 
+@presence_flags(VARLEN=("CU_Q", "CU_K"), HAS_DROPOUT="RNG", ATOMIC_DQ="DQA", DN_KV=("CS", "DNK"))
 @triton.jit
 def attn_bwd_kernel_dkv(
     Q, K, V, DO, DK, DV, M, Delta, NP, BP, RNG, CU_Q, CU_K, DQA, CS, DNK,

@@ -7,17 +7,42 @@
   internals (``CompiledKernel.run``'s launcher) and falls back to the normal path
   wherever those are missing, under the interpreter, with a launch hook (profilers) or
   with ``NEMO_SSA_FAST_LAUNCH=0``.
+* ``launch_kw`` / ``bind_kw`` / ``presence_flags``: the same launch with the kernel's
+  arguments by name (see *Keyword launches* below).
 * ``autotuned`` / ``autotune_enabled``: the ``NEMO_SSA_AUTOTUNE=1`` alternative to the
   static tile tables.
 * ``for_lengths``: the kernel to launch for given sequence lengths (a length of 1 takes a
   twin that does not specialise on lengths).
 * ``cdiv``, ``next_pow2``, stride and pointer helpers the attention launchers share.
+
+Keyword launches
+----------------
+The attention kernels take 20 to 75 parameters. Passed by position, one misplaced stride
+shifts every later argument and still compiles; by name (``launch_kw``), a call site says
+what each value is, and a wrong or missing name raises a ``TypeError`` naming the kernel
+and the parameter before anything is launched. The names are mapped to the kernel's
+positional order once per kernel (a binder generated from its signature and cached on
+``kernel.fn``, which the ``for_lengths`` twins share); each call then takes ``launch``'s
+cached path with the same positional tuple a hand-written call would pass.
+
+Two conventions keep call sites short:
+
+* **Stride groups.** A run of stride parameters ``<prefix><axis>`` (prefix ``s_<name>`` or
+  ``<NAME>_S``, axes in ``z, h, s, d`` order, e.g. ``s_qz, s_qh, s_qs, s_qd`` or
+  ``RNG_SZ, RNG_SH, RNG_SS``) is passed as one tuple, ``s_q=q.stride()``: a tensor's
+  strides travel together, as the tensor's layout does.
+* **Presence flags** (fla's ``@triton.heuristics({'IS_VARLEN': ...})``, done on the host
+  so the kernel object stays a plain ``JITFunction``): ``@presence_flags(VARLEN="CU_Q")``
+  on a kernel makes the constexpr ``VARLEN`` derived from whether the ``CU_Q`` tensor is
+  None. An absent tensor is replaced by ``launch_kw``'s ``absent=`` tensor, a pointer the
+  constexpr-off branch never dereferences, so the compiled kernel and its arguments are
+  exactly those of a call that passed the placeholder and the flag by hand.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Dict, Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -32,6 +57,9 @@ __all__ = [
     "for_lengths",
     "is_interpreter",
     "launch",
+    "launch_kw",
+    "bind_kw",
+    "presence_flags",
     "launch_key",
     "FAST_LAUNCH",
     "default_input_precision",
@@ -233,6 +261,196 @@ def launch(kernel, grid: tuple, args: tuple, meta: dict, ntensors: Optional[int]
         g = tuple(grid) + (1, 1)
         fn(g[0], g[1], g[2], _current_stream(dev), *pre, *args, *tail)
     return compiled
+
+
+# ----------------------------------------------------------------------------------------
+# Keyword launches (module docstring, *Keyword launches*)
+# ----------------------------------------------------------------------------------------
+
+_PRESENCE: Dict[object, Dict[str, Tuple[str, ...]]] = {}  # kernel.fn -> {flag: tensor names}
+_BINDERS: Dict[object, "_Binder"] = {}  # kernel.fn -> its binder, built on first use
+_STRIDE_AXES = "zhsd"
+
+
+def presence_flags(**flags):
+    """Decorator over ``@triton.jit``: ``FLAG="T"`` makes the constexpr ``FLAG`` of the
+    kernel ``T is not None`` in ``launch_kw`` / ``bind_kw``; ``FLAG=("T1", "T2")``: tensors
+    present or absent together (a call with one of them raises). The kernel is returned
+    unchanged (a ``JITFunction``, so ``for_lengths``, ``autotuned`` and the cached launch
+    see what they always saw)."""
+    pairs = {f: (t,) if isinstance(t, str) else tuple(t) for f, t in flags.items()}
+
+    def deco(kernel):
+        _PRESENCE[kernel.fn] = pairs
+        _BINDERS.pop(kernel.fn, None)
+        return kernel
+    return deco
+
+
+def _stride_groups(names):
+    """``[(keyword, members)]`` over a kernel's run-time parameters, in order: a run of two
+    or more stride parameters ``<prefix><axis>`` (``_STRIDE_AXES`` order) is one keyword
+    ``<prefix>``, every other parameter its own one-member entry (``members`` None)."""
+    out, i = [], 0
+    while i < len(names):
+        pre, ax = names[i][:-1], names[i][-1:].lower()
+        j = i
+        if ((pre.startswith("s_") and len(pre) > 2) or (pre.endswith("_S") and len(pre) > 2)) \
+                and ax in _STRIDE_AXES and pre not in names:
+            last = _STRIDE_AXES.index(ax)
+            j = i + 1
+            while (j < len(names) and names[j][:-1] == pre and names[j][-1:].lower() in _STRIDE_AXES
+                   and _STRIDE_AXES.index(names[j][-1:].lower()) > last):
+                last = _STRIDE_AXES.index(names[j][-1:].lower())
+                j += 1
+        if j - i >= 2:
+            out.append((pre, tuple(names[i:j])))
+            i = j
+        else:
+            out.append((names[i], None))
+            i += 1
+    return out
+
+
+class _Binder(NamedTuple):
+    """What ``bind_kw`` needs of one kernel: its generated ``bind(tensors, scalars, absent,
+    meta)`` and the names for error messages."""
+
+    bind: object
+    name: str
+    keywords: Dict[str, Optional[Tuple[str, ...]]]  # keyword -> stride members (None: one parameter)
+    ntensors: int  # the first ``ntensors`` keywords come in ``tensors``, the rest in ``scalars``
+    flags: Dict[str, Tuple[str, ...]]
+
+
+def _build_binder(kernel, ntensors: int) -> _Binder:
+    """Generate the kernel's binder from its signature (once per kernel and tensor count:
+    ``bind_kw``'s cache). The generated function is straight-line code -- one dict lookup
+    per parameter into one tuple -- so the name-to-position mapping costs no loop and no
+    keyword matching per launch; a wrong name surfaces as a KeyError or a count mismatch,
+    which ``bind_kw`` turns into a TypeError naming it."""
+    fn = kernel.fn
+    kname = getattr(fn, "__name__", str(fn))
+    runtime, constexprs = [], []
+    for p in inspect.signature(fn).parameters.values():
+        if "constexpr" in str(p.annotation):
+            constexprs.append(p.name)
+        elif constexprs:
+            raise TypeError(f"{kname}: run-time parameter {p.name!r} after a constexpr; launch_kw needs the "
+                            f"run-time parameters first (launch's positional tuple)")
+        else:
+            runtime.append(p.name)
+    flags = _PRESENCE.get(fn, {})
+    for flag, tensors in flags.items():
+        if flag not in constexprs:
+            raise TypeError(f"{kname}: presence flag {flag!r} is not a constexpr parameter of the kernel")
+        for t in tensors:
+            if t not in runtime:
+                raise TypeError(f"{kname}: presence flag {flag!r} names {t!r}, not a run-time parameter")
+    groups = _stride_groups(runtime)
+    keywords = dict(groups)
+    tnames = set(k for k, _ in groups[:ntensors])
+    src = {k: ("_t" if k in tnames else "_s") + f"[{k!r}]" for k in keywords}
+    flagged = {t for ts in flags.values() for t in ts}
+    body = [f"if len(_t) != {ntensors} or len(_s) != {len(groups) - ntensors}"
+            + (" or _meta.keys() & _FLAGS" if flags else "") + ": raise _Mismatch"]
+    items = []
+    for t in sorted(flagged):
+        body.append(f"{t} = {src[t]}")
+    for flag, tensors in flags.items():
+        body.append(f"{flag} = {tensors[0]} is not None")
+        for t in tensors[1:]:
+            body.append(f"if ({t} is not None) is not {flag}: raise _together({flag!r})")
+        body.append(f"if not {flag}:")
+        body.append(f"    if _absent is None: raise _no_absent({flag!r})")
+        body.append("    " + " = ".join(tensors) + " = _absent")
+    for g, (kw, members) in enumerate(groups):
+        if members is not None:
+            locs = [f"_g{g}_{m}" for m in range(len(members))]
+            body.append(", ".join(locs) + f", = {src[kw]}")
+            items.extend(locs)
+        else:
+            items.append(kw if kw in flagged else src[kw])
+    meta = ("{**_meta, " + ", ".join(f"{f!r}: {f}" for f in flags) + "}") if flags else "_meta"
+    body.append(f"return ({', '.join(items)},), {meta}")
+    code = "def bind(_t, _s, _absent, _meta):\n" + "".join(f"    {line}\n" for line in body)
+
+    def together(flag):
+        return TypeError(f"{kname}: {list(flags[flag])} must all be given or all be None ({flag})")
+
+    def no_absent(flag):
+        return TypeError(f"{kname}: {list(flags[flag])} None ({flag}=False) needs absent=, the tensor "
+                         f"passed in their place")
+    scope = {"_FLAGS": frozenset(flags), "_Mismatch": _Mismatch, "_together": together, "_no_absent": no_absent}
+    exec(compile(code, f"<launch_kw binder of {kname}>", "exec"), scope)
+    return _Binder(scope["bind"], kname, keywords, ntensors, dict(flags))
+
+
+class _Mismatch(Exception):
+    """Raised by a generated binder for ``bind_kw`` to explain (names, counts, flags in meta)."""
+
+
+def _binder(kernel, ntensors: int) -> _Binder:
+    key = (kernel.fn, ntensors)
+    b = _BINDERS.get(key)
+    if b is None:
+        b = _BINDERS[key] = _build_binder(kernel, ntensors)
+    return b
+
+
+def _bad_call(b: _Binder, tensors: dict, scalars: dict, meta: dict) -> Optional[TypeError]:
+    """The TypeError naming what is wrong with a call's names, stride tuples or meta, if anything."""
+    kws = list(b.keywords)
+    for given, want, what in ((tensors, kws[:b.ntensors], "tensors"), (scalars, kws[b.ntensors:], "scalars")):
+        unknown = sorted(set(given) - set(want))
+        missing = [k for k in want if k not in given]
+        if unknown or missing:
+            return TypeError(f"{b.name}: " + "; ".join(
+                ([f"unknown parameter(s) {unknown} in {what}"] if unknown else [])
+                + ([f"missing parameter(s) {missing} in {what}"] if missing else []))
+                + f" ({what}: {want}; the tensors are the kernel's first parameters, the strides of one "
+                  f"tensor go as one tuple, e.g. s_q=(...))")
+    for kw, members in b.keywords.items():
+        if members is not None:
+            v = scalars.get(kw, tensors.get(kw))
+            if not hasattr(v, "__len__") or len(v) != len(members):
+                return TypeError(f"{b.name}: {kw} must be a tuple of {len(members)} ({', '.join(members)}), "
+                                 f"got {v!r}")
+    derived = sorted(set(meta) & set(b.flags))
+    if derived:
+        return TypeError(f"{b.name}: {derived} derived from the presence of "
+                         f"{[list(b.flags[f]) for f in derived]}; do not pass them in meta")
+    return None
+
+
+def bind_kw(kernel, tensors: dict, scalars: dict, meta: dict, absent: Optional[torch.Tensor] = None
+            ) -> Tuple[tuple, dict]:
+    """``(args, meta)`` for ``kernel[grid](*args, **meta)`` from arguments by name: the
+    run-time parameters in signature order (stride tuples spread, absent tensors replaced
+    by ``absent``), and ``meta`` with the kernel's presence flags added (``presence_flags``).
+    ``tensors`` holds the kernel's leading tensor parameters, ``scalars`` the rest (ints,
+    floats, stride tuples). Raises TypeError naming the kernel and the parameter for an
+    unknown, missing or misplaced name, a stride tuple of the wrong length, or a presence
+    flag in ``meta``."""
+    b = _binder(kernel, len(tensors))
+    try:
+        return b.bind(tensors, scalars, absent, meta)
+    except (_Mismatch, KeyError, ValueError, TypeError):
+        err = _bad_call(b, tensors, scalars, meta)
+        if err is not None:
+            raise err from None
+        raise
+
+
+def launch_kw(kernel, grid: tuple, tensors: dict, scalars: dict, meta: dict, *,
+              absent: Optional[torch.Tensor] = None, cached: bool = True):
+    """``launch`` by name: ``tensors`` (the kernel's leading tensor parameters, any order),
+    ``scalars`` (the run-time scalars and stride tuples, any order), ``meta`` (constexprs
+    and launch options, without the presence flags: those are derived). ``absent``: the
+    tensor passed for tensors given as None (never dereferenced: their flag is off).
+    Takes ``launch``'s cached path with ``ntensors=len(tensors)``."""
+    args, meta = bind_kw(kernel, tensors, scalars, meta, absent)
+    return launch(kernel, grid, args, meta, len(tensors), cached)
 
 
 def default_input_precision(dtype: torch.dtype) -> str:

@@ -184,7 +184,7 @@ def test_flash_fwd_routes_an_accepted_call_to_the_gluon_kernel(monkeypatch):
 
     monkeypatch.setattr(flash, "gluon_fwd_config", fake_cfg)
     monkeypatch.setattr(flash, "gluon_fwd", fake_fwd)
-    monkeypatch.setattr(flash, "launch", no_triton)
+    monkeypatch.setattr(flash, "launch_kw", no_triton)
     dev = "cuda" if CUDA and not is_interpreter() else "cpu"
     q = torch.randn(1, 2, 5, 128, device=dev)
     n, b = torch.tensor([1.5], device=dev), torch.tensor([0.8], device=dev)

@@ -21,8 +21,9 @@ import math  # noqa: E402
 
 import pytest  # noqa: E402
 
-from nemo_ssa.ops.common import alloc, bwd, bwd_config, bwd_kernels, dispatch  # noqa: E402
+from nemo_ssa.ops.common import alloc, bwd_config, bwd_kernels, dispatch  # noqa: E402
 from nemo_ssa.ops.common.bwd import attention_bwd  # noqa: E402
+from nemo_ssa.ops.common import launch as launcher  # noqa: E402
 from nemo_ssa.ops.common.launch import is_interpreter  # noqa: E402
 from nemo_ssa.ops.attention import flash as fl  # noqa: E402
 from nemo_ssa.ops.attention.naive import attention_naive, ssa_transform  # noqa: E402
@@ -64,20 +65,18 @@ def _ref(q, k, v, n, b, tr, go, **kw):
     return _grads(attention_naive, *up[:3], up[3], b.to(F64), tr, go.to(F64), **kw)
 
 
-_REAL_LAUNCH = (bwd.launch, fl.launch)
+_REAL_LAUNCH = launcher.launch
 
 
 def _launched(monkeypatch):
-    """Record (kernel name, meta) of every launch (forward and backward) from now on."""
+    """Record (kernel name, meta) of every launch (forward and backward) from now on: the
+    positional ``launch`` that ``launch_kw`` ends in, with the presence flags in ``meta``."""
     got = []
 
-    def recorder(real):
-        def rec(kernel, grid, args, meta, ntensors=None, cached=True):
-            got.append((getattr(kernel, "__name__", str(kernel)), dict(meta)))
-            return real(kernel, grid, args, meta, ntensors, cached)
-        return rec
-    monkeypatch.setattr(bwd, "launch", recorder(_REAL_LAUNCH[0]))
-    monkeypatch.setattr(fl, "launch", recorder(_REAL_LAUNCH[1]))
+    def rec(kernel, grid, args, meta, ntensors=None, cached=True):
+        got.append((getattr(kernel, "__name__", str(kernel)), dict(meta)))
+        return _REAL_LAUNCH(kernel, grid, args, meta, ntensors, cached)
+    monkeypatch.setattr(launcher, "launch", rec)
     return got
 
 
@@ -298,13 +297,13 @@ def test_postprocess_tail_casts_dq_and_sums_dn(monkeypatch, dtype, tr, layout):
     go = torch.randn(B, Hq, S, D, device=DEVICE).to(dtype)
     launches = _launched(monkeypatch)
     tail_args = []
-    rec = bwd.launch
+    rec = launcher.launch
 
     def keep_tail(kernel, grid, args, meta, ntensors=None, cached=True):
         if kernel is bwd_kernels.attn_bwd_postprocess:
             tail_args.append(args)
         return rec(kernel, grid, args, meta, ntensors, cached)
-    monkeypatch.setattr(bwd, "launch", keep_tail)
+    monkeypatch.setattr(launcher, "launch", keep_tail)
     kw = dict(n=n, b=b) if tr == "ssa" else {}
     o = fl.flash_attention(q, k, v, transform=tr, causal=True, **kw)
     leaves = [q, k, v] + ([n] if tr == "ssa" else [])

@@ -1,8 +1,8 @@
 """ops/common/bwd.py: the two backward paths' shared argument builder fits the kernels.
 
 The numerics of ``attention_bwd`` are tested against references in tests/ops/attention/test_flash.py
-and tests/ops/attention/test_flash_single_pass.py; here, that each builder fills exactly the kernel's
-runtime parameters, tensors first, in both paths.
+and tests/ops/attention/test_flash_single_pass.py; here, that each builder names exactly the kernel's
+runtime parameters (bound by ``launch.bind_kw``), tensors first, in both paths.
 """
 
 import inspect
@@ -11,6 +11,7 @@ import torch
 
 from nemo_ssa.ops.common import bwd
 from nemo_ssa.ops.common.bwd_kernels import attn_bwd_kernel_dkv, attn_bwd_kernel_dq
+from nemo_ssa.ops.common.launch import bind_kw
 
 
 def _runtime_params(kernel):
@@ -22,7 +23,7 @@ def _runtime_params(kernel):
 def _call(varlen=False):
     M = torch.zeros(2, 4, 8)
     return bwd._BwdCall(varlen=varlen, is_ssa=True, bz=2, hq=4, hkv=2, sq=8, sk=8, d=16, block_d=16, scale=0.25,
-                        dropout_p=0.0, rng=M, rng_strides=(0, 0, 0), n_ptr=M, b_ptr=M, cu_q=M, cu_k=M,
+                        dropout_p=0.0, rng=None, rng_strides=(0, 0, 0), n_ptr=M, b_ptr=M, cu_q=None, cu_k=None,
                         ms=M.stride(), meta={})
 
 
@@ -30,11 +31,16 @@ def test_dq_args_fill_the_dq_kernel():
     q = torch.zeros(2, 4, 8, 16)
     k = torch.zeros(2, 2, 8, 16)
     M = torch.zeros(2, 4, 8)
-    args = bwd._dq_args(_call(), q, k, k, q, q, q, M, M, M, M)
+    args, meta = bind_kw(attn_bwd_kernel_dq, *bwd._dq_args(_call(), q, k, k, q, q, q, M, M, M, M), {}, absent=M)
     names = _runtime_params(attn_bwd_kernel_dq)
     assert len(args) == len(names)
     assert all(isinstance(a, torch.Tensor) for a in args[:15]) and names[14] == "DBP"
     assert not any(isinstance(a, torch.Tensor) for a in args[15:])
+    assert meta == dict(VARLEN=False, HAS_DROPOUT=False, DPARAMS=True)
+    i = names.index("s_dqz")
+    assert args[i:i + 4] == q.stride() and args[names.index("RNG")] is M and args[names.index("CU_K")] is M
+    _, meta = bind_kw(attn_bwd_kernel_dq, *bwd._dq_args(_call(), q, k, k, q, q, q, M, M, None, M), {}, absent=M)
+    assert meta["DPARAMS"] is False
 
 
 def test_dkv_args_fill_the_dkv_kernel_in_both_paths():
@@ -42,9 +48,10 @@ def test_dkv_args_fill_the_dkv_kernel_in_both_paths():
     k = torch.zeros(2, 2, 8, 16)
     M = torch.zeros(2, 4, 8)
     names = _runtime_params(attn_bwd_kernel_dkv)
-    two = bwd._dkv_args(_call(), q, k, k, q, k, k, M, M)
+    two, two_meta = bind_kw(attn_bwd_kernel_dkv, *bwd._dkv_args(_call(), q, k, k, q, k, k, M, M), {}, absent=M)
     dqa, dnk = torch.zeros(2, 4, 8, 16), torch.zeros(9)
-    single = bwd._dkv_args(_call(), q, k, k, q, k, k, M, M, dqa=dqa, cstat=M, dnk=dnk, dn_strides=(4, 2, 1))
+    single, single_meta = bind_kw(attn_bwd_kernel_dkv, *bwd._dkv_args(
+        _call(), q, k, k, q, k, k, M, M, dqa=dqa, cstat=M, dnk=dnk, dn_strides=(4, 2, 1)), {}, absent=M)
     for args in (two, single):
         assert len(args) == len(names)
         assert all(isinstance(a, torch.Tensor) for a in args[:16]) and names[15] == "DNK"
@@ -55,6 +62,8 @@ def test_dkv_args_fill_the_dkv_kernel_in_both_paths():
     i_ns = names.index("s_nz")
     assert two[i_ns:i_ns + 3] == (0, 0, 0) and single[i_ns:i_ns + 3] == (4, 2, 1)
     assert single[names.index("DNK")] is dnk and two[names.index("DNK")] is M
+    assert two_meta == dict(VARLEN=False, HAS_DROPOUT=False, ATOMIC_DQ=False, DN_KV=False)
+    assert single_meta == dict(VARLEN=False, HAS_DROPOUT=False, ATOMIC_DQ=True, DN_KV=True)
 
 
 def test_one_backward_op_serves_flash_and_elsa(monkeypatch):

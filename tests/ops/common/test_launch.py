@@ -354,3 +354,129 @@ def test_the_installed_triton_launches_the_way_the_cached_launch_replays():
     for attr in ("self.launch =", "self.global_scratch_size =", "self.profile_scratch_size =",
                  "self.launch_cooperative_grid =", "self.launch_pdl ="):
         assert attr in src, f"CudaLauncher no longer sets {attr.split()[0]}: launch._cache_entry reads it"
+
+
+# ---- keyword launches ---------------------------------------------------------------------
+
+
+@launcher.presence_flags(HAS_Y=("Y", "Z"))
+@triton.jit
+def _kw_kernel(X, Y, Z, s_xz, s_xh, s_xs, s_xd, n, RNG_SZ, RNG_SH, scale,
+               BLOCK: tl.constexpr, HAS_Y: tl.constexpr, FLAG: tl.constexpr = True):
+    pass
+
+
+def test_bind_kw_gives_the_positional_call_in_any_keyword_order():
+    """Keywords (any order, tensors and scalars apart) bind to the tuple a positional call
+    passes: strides spread from one tuple per tensor, the presence flag derived, absent
+    tensors replaced by the placeholder."""
+    x, y, z, ph = (torch.empty(4) for _ in range(4))
+    positional = (x, y, z, 1, 2, 3, 4, 7, 5, 6, 0.5)
+    tensors, scalars = dict(X=x, Y=y, Z=z), dict(s_x=(1, 2, 3, 4), n=7, RNG_S=(5, 6), scale=0.5)
+    for t, s in [(tensors, scalars), (dict(reversed(tensors.items())), dict(reversed(scalars.items())))]:
+        args, meta = launcher.bind_kw(_kw_kernel, t, s, {"BLOCK": 16}, absent=ph)
+        assert args == positional and all(a is b for a, b in zip(args[:3], positional[:3]))
+        assert meta == {"BLOCK": 16, "HAS_Y": True}
+    args, meta = launcher.bind_kw(_kw_kernel, dict(X=x, Y=None, Z=None), scalars, {"BLOCK": 16}, absent=ph)
+    assert args[1] is ph and args[2] is ph and meta["HAS_Y"] is False
+
+
+@pytest.mark.parametrize("tensors,scalars,meta,absent,match", [
+    (dict(X=1, Y=1, Z=1, W=1), dict(s_x=(1, 2, 3, 4), n=1, RNG_S=(1, 1), scale=1.0), {}, None,
+     r"_kw_kernel: unknown parameter\(s\) \['W'\] in tensors"),
+    (dict(X=1, Y=1, Z=1), dict(s_x=(1, 2, 3, 4), RNG_S=(1, 1), scale=1.0), {}, None,
+     r"_kw_kernel: missing parameter\(s\) \['n'\] in scalars"),
+    (dict(X=1, Y=1, Z=1), dict(s_xz=1, s_xh=1, s_xs=1, s_xd=1, n=1, RNG_S=(1, 1), scale=1.0), {}, None,
+     r"unknown parameter\(s\) \['s_xd', 's_xh', 's_xs', 's_xz'\] in scalars; missing parameter\(s\) \['s_x'\]"),
+    (dict(X=1, Y=1, Z=1), dict(s_x=(1, 2, 3), n=1, RNG_S=(1, 1), scale=1.0), {}, None,
+     r"_kw_kernel: s_x must be a tuple of 4 \(s_xz, s_xh, s_xs, s_xd\)"),
+    (dict(X=1, Y=1, Z=1), dict(X=1, s_x=(1, 2, 3, 4), n=1, RNG_S=(1, 1), scale=1.0), {}, None,
+     r"_kw_kernel: unknown parameter\(s\) \['X'\] in scalars"),
+    (dict(X=1, Z=1), dict(Y=1, s_x=(1, 2, 3, 4), n=1, RNG_S=(1, 1), scale=1.0), {}, None,
+     r"_kw_kernel: unknown parameter\(s\) \['Z'\] in tensors; missing parameter\(s\) \['Y'\] in tensors"),
+    (dict(X=1, Y=1, Z=1), dict(s_x=(1, 2, 3, 4), n=1, RNG_S=(1, 1), scale=1.0), {"HAS_Y": True}, None,
+     r"_kw_kernel: \['HAS_Y'\] derived from"),
+    (dict(X=1, Y=1, Z=None), dict(s_x=(1, 2, 3, 4), n=1, RNG_S=(1, 1), scale=1.0), {}, 0,
+     r"_kw_kernel: \['Y', 'Z'\] must all be given or all be None"),
+    (dict(X=1, Y=None, Z=None), dict(s_x=(1, 2, 3, 4), n=1, RNG_S=(1, 1), scale=1.0), {}, None,
+     r"_kw_kernel: \['Y', 'Z'\] None \(HAS_Y=False\) needs absent="),
+])
+def test_bind_kw_names_the_kernel_and_parameter_of_a_bad_call(tensors, scalars, meta, absent, match):
+    with pytest.raises(TypeError, match=match):
+        launcher.bind_kw(_kw_kernel, tensors, scalars, meta, absent=absent)
+
+
+def test_presence_flags_must_name_the_kernels_parameters():
+    @triton.jit
+    def k(X, N, F: tl.constexpr):
+        pass
+    for flags, match in [(dict(G="X"), "'G' is not a constexpr"), (dict(F="Y"), "names 'Y'"),
+                         (dict(F="N"), None)]:
+        launcher.presence_flags(**flags)(k)
+        if match is None:
+            assert launcher.bind_kw(k, dict(X=1), dict(N=None), {}, absent=0) == ((1, 0), {"F": False})
+        else:
+            with pytest.raises(TypeError, match=match):
+                launcher.bind_kw(k, dict(X=1), dict(N=1), {})
+
+
+def test_bind_kw_builds_the_binder_once_per_kernel(monkeypatch):
+    """The signature is read once per kernel (``kernel.fn``: a ``for_lengths`` twin shares
+    it) and tensor count, not per launch."""
+    built = []
+    real = launcher._build_binder
+    monkeypatch.setattr(launcher, "_BINDERS", {})
+    monkeypatch.setattr(launcher, "_build_binder", lambda k, n: built.append(k.fn) or real(k, n))
+    x = torch.empty(4)
+    kw = (dict(X=x, Y=x, Z=x), dict(s_x=(1, 2, 3, 4), n=7, RNG_S=(5, 6), scale=0.5), {"BLOCK": 16})
+    for _ in range(3):
+        launcher.bind_kw(_kw_kernel, *kw)
+    twin = triton.runtime.jit.JITFunction(_kw_kernel.fn) if not is_interpreter() else _kw_kernel
+    launcher.bind_kw(twin, *kw)
+    assert built == [_kw_kernel.fn]
+
+
+def test_launch_kw_takes_the_cached_path_with_the_positional_tuple(monkeypatch):
+    """``launch_kw`` ends in ``launch`` with the bound tuple, ``ntensors=len(tensors)``; on
+    the stand-in kernel the second call is a cache hit with the same arguments."""
+    _fast_env(monkeypatch)
+    kern, x = _FakeKernelDirect(), torch.empty(32)
+
+    def f(X, n, BLOCK: tl.constexpr, FLAG: tl.constexpr = True):
+        pass
+    kern.fn = f
+    c = launcher.launch_kw(kern, (3, 2), dict(X=x), dict(n=16), {"BLOCK": 64})
+    assert kern.slow == [((3, 2), (x, 16), {"BLOCK": 64})]
+    assert launcher.launch_kw(kern, (5, 7), dict(X=x), dict(n=16), {"BLOCK": 64}) is c
+    (a,) = c.run.direct
+    assert a[13] is x and a[14:] == (16, 64, True)
+    with pytest.raises(TypeError, match="must be a tensor"):  # the tensors/scalars split is launch's
+        launcher.launch_kw(kern, (1, 1), dict(X=3), dict(n=16), {"BLOCK": 64})
+
+
+@pytest.mark.skipif(not (is_interpreter() or torch.cuda.is_available()), reason="needs the interpreter or CUDA")
+def test_launch_kw_equals_direct_kernel_call():
+    x = torch.randn(100, device=DEVICE)
+    direct, via = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+    grid = (cdiv(x.numel(), 32),)
+    _axpb_kernel[grid](x, direct, x.numel(), 2.5, BLOCK=32, ADD_ONE=True)
+    for _ in range(2):
+        via.fill_(float("nan"))
+        launcher.launch_kw(_axpb_kernel, grid, dict(Y=via, X=x), dict(a=2.5, n=x.numel()),
+                           dict(BLOCK=32, ADD_ONE=True))
+        assert torch.equal(via, direct)
+
+
+def test_attention_kernels_stride_groups():
+    """The keywords of the attention kernels: one stride tuple per tensor (and the dropout
+    counter strides), everything else by its own name."""
+    from nemo_ssa.ops.attention.flash import _attn_fwd_kernel
+    from nemo_ssa.ops.common.bwd_kernels import attn_bwd_kernel_dkv
+
+    fwd = launcher._binder(_attn_fwd_kernel, 11).keywords
+    assert list(fwd) == ["Q", "K", "V", "O", "M", "CS", "NP", "BP", "RNG", "CU_Q", "CU_K", "s_q", "s_k", "s_v",
+                         "s_o", "s_m", "HQ", "GROUP", "SEQ_Q", "SEQ_K", "scale", "dropout_p", "RNG_S"]
+    assert fwd["s_m"] == ("s_mz", "s_mh", "s_ms") and fwd["RNG_S"] == ("RNG_SZ", "RNG_SH", "RNG_SS")
+    dkv = launcher._binder(attn_bwd_kernel_dkv, 16)
+    assert dkv.keywords["s_n"] == ("s_nz", "s_nh", "s_ns")
+    assert set(dkv.flags) == {"VARLEN", "HAS_DROPOUT", "ATOMIC_DQ", "DN_KV"}

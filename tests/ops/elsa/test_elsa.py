@@ -549,11 +549,11 @@ def test_input_validation(over, match):
 def test_deterministic_argument_takes_the_two_kernel_backward(monkeypatch):
     """``elsa_attention(deterministic=True)``: the shared backward's dQ kernel runs even where
     its mode says single pass (``NEMO_SSA_BWD=atomic``); None keeps the single pass."""
-    from nemo_ssa.ops.common import bwd
+    from nemo_ssa.ops.common import launch as launcher
     from nemo_ssa.ops.elsa import elsa_attention
 
     monkeypatch.setenv("NEMO_SSA_BWD", "atomic")
-    real = bwd.launch
+    real = launcher.launch
     q, k, v = _qkv(1, 2, 1, 33, 33, 16, requires_grad=True)
     for det, want in ((None, False), (True, True)):
         names = []
@@ -562,7 +562,7 @@ def test_deterministic_argument_takes_the_two_kernel_backward(monkeypatch):
             names.append(getattr(kernel, "__name__", str(kernel)))
             return real(kernel, grid, args, meta, ntensors, cached)
 
-        monkeypatch.setattr(bwd, "launch", rec)
+        monkeypatch.setattr(launcher, "launch", rec)  # launch_kw's positional call
         o = elsa_attention(q, k, v, transform="softmax", causal=True, deterministic=det)
         torch.autograd.grad(o.sum(), [q, k, v])
         assert ("attn_bwd_kernel_dq" in names) == want, (det, names)
