@@ -15,6 +15,11 @@ baseline's ms at the same shape and mode (> 1: slower than the baseline).
 ``--timer host``: instead, the median CPU time of one call started on an idle, synchronized
 device (``timing.host_ms``) -- the host cost of a host-bound row, which do_bench's wall time
 hides under a spread of up to 1.4x between runs of one process; no peak memory.
+``--timer enqueue``: the median host time per call of 20 calls issued back to back behind a
+device-side wait (``timing.enqueue_ms``): no device round trip in the time (``host`` times
+a first launch on an idle device, and read the same SDPA call up to 1.7x apart between
+processes); a row whose calls waited on the device (a
+synchronization inside the call) is marked ``late k/31``.
 
 ``--ab REF``: the same entries, shapes and timer, run a second time in a subprocess whose
 ``nemo_ssa`` is git ref REF's (``git worktree add`` into a temp dir, put first on
@@ -51,6 +56,9 @@ NO_CUDA = ("run.py: timing needs a CUDA GPU and none is visible here. "
            "On a CPU, --list shows the registry and --dry-run checks every entry's outputs at tiny shapes.")
 
 
+ENQUEUE_REPS = 31  # samples per row of --timer enqueue (the median's)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--op", default="attention", help=f"comma list of {sorted(registry.REGISTRY)} or 'all'")
@@ -60,9 +68,10 @@ def parse_args(argv=None):
     p.add_argument("--modes", default="fwd,fwd+bwd", help="comma list of fwd, fwd+bwd")
     p.add_argument("--warmup-ms", type=float, default=25)
     p.add_argument("--rep-ms", type=float, default=100)
-    p.add_argument("--timer", default="wall", choices=("wall", "host"),
+    p.add_argument("--timer", default="wall", choices=("wall", "host", "enqueue"),
                    help="wall: do_bench median (kernels + launch gaps); host: median CPU time of one call "
-                        "started on an idle device (timing.host_ms), for host-bound shapes")
+                        "started on an idle device (timing.host_ms); enqueue: median host time per call "
+                        "issued behind a device-side wait (timing.enqueue_ms), for host-bound shapes")
     p.add_argument("--host-calls", type=int, default=200, help="calls per row of --timer host")
     p.add_argument("--out", default=None, help="x.csv, x.md, or a directory (gets ops.csv and ops.md)")
     p.add_argument("--list", action="store_true", help="print the registry and exit (CPU)")
@@ -138,7 +147,7 @@ def dry_run(ops: List[registry.OpBench], only: str = "") -> List[Dict]:
 
 # ---------------------------------------------------------------------------------- timing
 def time_ops(ops: List[registry.OpBench], args) -> List[Dict]:
-    from benchmarks.timing import host_ms, median_ms, peak_mib
+    from benchmarks.timing import enqueue_ms, host_ms, median_ms, peak_mib
 
     dtype, dev = DTYPES[args.dtype], torch.device("cuda")
     modes = [m for m in args.modes.split(",") if m]
@@ -176,6 +185,10 @@ def time_ops(ops: List[registry.OpBench], args) -> List[Dict]:
                         try:
                             if args.timer == "host":
                                 row["ms"] = host_ms(call, n=args.host_calls)
+                            elif args.timer == "enqueue":
+                                row["ms"], late = enqueue_ms(call, reps=ENQUEUE_REPS)
+                                if late:  # samples that waited on the device: a sync in the call
+                                    row["note"] = f"late {late}/{ENQUEUE_REPS}"
                             else:
                                 row["ms"] = median_ms(call, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
                             if mode == "fwd+bwd" and args.timer == "wall":

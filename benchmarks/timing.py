@@ -13,7 +13,7 @@ after one warm-up call: numbers that check the script runs, not speeds.
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Tuple
 
 import torch
 
@@ -74,6 +74,71 @@ def host_ms(fn: Callable[[], object], n: int = 200, warmup: int = 20,
     sync()
     times.sort()
     return times[len(times) // 2] * 1e3
+
+
+def enqueue_ms(fn: Callable[[], object], calls: int = 20, reps: int = 31, warmup: int = 10, *,
+               busy: Optional[Callable[[float], Callable[[], bool]]] = None,
+               sync: Optional[Callable[[], None]] = None) -> Tuple[float, int]:
+    """Median milliseconds of host time per call of ``fn`` while the device is kept busy, and
+    how many samples were late.
+
+    Each sample starts a device-side wait long enough to hold ``calls`` calls, then issues the
+    calls back to back and divides the CPU wall time by ``calls``: the kernels only queue up
+    behind the wait, so the time is the host path alone (Python, dispatch, allocation, launch)
+    with no device round trip. ``host_ms`` times one call after a synchronize instead -- a first
+    launch on an idle device each time -- and read the same SDPA call up to 1.7x apart between
+    processes (docs/results/2026-11-28-consolidation-gpu). A sample is *late* when the device had already
+    finished the wait when the calls were issued: a call synchronized (``.item()``, a host
+    copy, ``cudaFree``), or the wait was too short; late samples still count in the median
+    and the caller reports them.
+
+    ``busy(ms)`` starts the wait and returns a function that says whether the device is still
+    in it (default: ``torch.cuda._sleep`` calibrated once, and a CUDA event's ``query``);
+    ``sync`` defaults to ``torch.cuda.synchronize``. Both are arguments so the CPU tests can
+    stand in for a device."""
+    sync = sync or torch.cuda.synchronize
+    busy = busy or _cuda_busy()
+    for _ in range(max(1, warmup)):
+        fn()
+    sync()
+    t0 = time.perf_counter()  # a first estimate sizes the wait: three times the calls' host time
+    for _ in range(calls):
+        fn()
+    est_ms = (time.perf_counter() - t0) * 1e3 / calls
+    sync()
+    wait_ms = max(5.0, 3.0 * calls * est_ms)
+    per_call, late = [], 0
+    for _ in range(max(1, reps)):
+        still_busy = busy(wait_ms)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per_call.append((time.perf_counter() - t0) * 1e3 / calls)
+        late += not still_busy()
+        sync()
+    per_call.sort()
+    return per_call[len(per_call) // 2], late
+
+
+def _cuda_busy() -> Callable[[float], Callable[[], bool]]:
+    """``busy(ms)`` for ``enqueue_ms`` on CUDA: ``torch.cuda._sleep`` of ms worth of cycles
+    (calibrated here with events) and the query of an event recorded after it."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cycles = 10_000_000
+    torch.cuda.synchronize()
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    torch.cuda.synchronize()
+    cycles_per_ms = cycles / max(start.elapsed_time(end), 1e-3)
+
+    def busy(ms: float) -> Callable[[], bool]:
+        torch.cuda._sleep(int(ms * cycles_per_ms))
+        done = torch.cuda.Event()
+        done.record()
+        return lambda: not done.query()
+
+    return busy
 
 
 def graph_ms(fn: Callable[[], None], n: int = 30) -> float:

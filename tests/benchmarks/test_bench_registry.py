@@ -163,10 +163,48 @@ def test_host_timer_is_the_median_of_single_synchronized_calls():
     assert 0.9 <= ms < 10, ms
 
 
+def test_enqueue_timer_sizes_the_wait_times_calls_behind_it_and_counts_late_samples():
+    # --timer enqueue: every sample starts a device wait sized from the first estimate (3x the
+    # calls' host time, at least 5 ms), times `calls` calls issued behind it, and counts the
+    # samples whose wait had ended before the calls were issued (a sync inside the call)
+    from benchmarks import timing
+
+    log, waits = [], []
+
+    def fn():
+        log.append("call")
+        time.sleep(0.001)
+
+    def busy(ms):
+        waits.append(ms)
+        log.append("busy")
+        sample = len(waits)
+        return lambda: sample % 4 != 0  # every fourth sample: the device went idle first
+
+    ms, late = timing.enqueue_ms(fn, calls=5, reps=9, warmup=2, busy=busy, sync=lambda: log.append("sync"))
+    assert 0.9 <= ms < 10, ms
+    assert late == 2  # samples 4 and 8 of 9
+    assert len(waits) == 9 and all(w == waits[0] for w in waits) and waits[0] >= 3 * 5 * 0.9
+    # warm-up, sync, estimate, sync; then per sample: the wait, the calls, a sync
+    assert log[:2] == ["call"] * 2 and log[2] == "sync" and log[3:8] == ["call"] * 5 and log[8] == "sync"
+    assert log[9:16] == ["busy"] + ["call"] * 5 + ["sync"]
+    assert log.count("call") == 2 + 5 + 9 * 5
+
+
+def test_enqueue_timer_waits_at_least_five_ms_for_a_cheap_call():
+    from benchmarks import timing
+
+    waits = []
+    timing.enqueue_ms(lambda: None, calls=3, reps=1, warmup=1,
+                      busy=lambda ms: waits.append(ms) or (lambda: True), sync=lambda: None)
+    assert waits == [5.0]
+
+
 def test_run_takes_the_host_timer_and_refuses_an_unknown_one():
     from benchmarks import run
 
     assert run.parse_args(["--timer", "host"]).timer == "host"
+    assert run.parse_args(["--timer", "enqueue"]).timer == "enqueue"
     assert run.parse_args([]).timer == "wall"
     with pytest.raises(SystemExit):
         run.parse_args(["--timer", "gpu"])
