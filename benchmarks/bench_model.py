@@ -14,7 +14,8 @@ Modes (every attention in one process, same weights and batch):
   compares NeMo's step against.
 * ``step``: the same inside megatron's ``Float16Module`` + ``DistributedDataParallel``
   (fp32 grad buffer) + ``get_megatron_optimizer`` (the recipe's optimizer config: Adam,
-  bf16, clip 1.0): the training step NeMo runs, minus Lightning and NeMo.
+  bf16, clip 1.0), built as the recipe's optimizer module builds it (``--fast-paths true``:
+  sync-free clipping, fused AdamW): the training step NeMo runs, minus Lightning and NeMo.
 
 Step time is the median of CUDA-event-timed steps after warm-up; tokens/s = micro batch x
 seq / step time. ``--micro-batches 8,max`` probes the largest micro batch that fits
@@ -121,15 +122,18 @@ def make_fwdbwd(model, data):
     return step
 
 
-def wrap_for_step(cfg, model) -> None:
+def wrap_for_step(cfg, model, fast_paths: bool = True) -> None:
     """megatron Float16Module + DDP + optimizer around ``model`` (NeMo's step without
-    Lightning); stored on ``model._bench_step_state``."""
+    Lightning); stored on ``model._bench_step_state``.
+
+    ``fast_paths``: build the optimizer as the recipe's optimizer module does
+    (``nemo_ssa.nemo.optim``: the sync-free multi-tensor norm/scale installed in megatron and
+    the fused AdamW kernel), so the step timed is the one NeMo trains; without them megatron's
+    no-apex gradient clipping reads every parameter's norm to the host."""
     import fiddle as fdl
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
-    from nemo_ssa.megatron.introspect import no_weight_decay_cond
     from recipes import nemotron_114m
 
     recipe = nemotron_114m.pretrain_recipe(dir="/tmp/bench_model", attention="softmax")
@@ -139,8 +143,22 @@ def wrap_for_step(cfg, model) -> None:
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                                     overlap_grad_reduce=False,
                                                                     use_distributed_optimizer=False), wrapped)
-    opt = get_megatron_optimizer(opt_cfg, [ddp], no_weight_decay_cond=no_weight_decay_cond)
-    model._bench_step_state = (ddp, opt)
+    model._bench_step_state = (ddp, make_optimizer(opt_cfg, ddp, fast_paths))
+
+
+def make_optimizer(opt_cfg, ddp, fast_paths: bool = True):
+    """``get_megatron_optimizer`` for ``ddp`` as the recipe's optimizer module calls it
+    (``nemo_ssa.nemo.optim``): with ``fast_paths`` the sync-free multi-tensor norm/scale are
+    installed in megatron (process-wide, as in a NeMo run) and AdamW builds its fused kernel."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    from nemo_ssa.megatron import fast_paths as fp
+    from nemo_ssa.megatron.introspect import no_weight_decay_cond
+
+    if fast_paths:
+        fp.install()
+    with fp.fused_adamw(fast_paths):
+        return get_megatron_optimizer(opt_cfg, [ddp], no_weight_decay_cond=no_weight_decay_cond)
 
 
 def make_step(model, data):
@@ -322,6 +340,10 @@ def main(argv=None) -> int:
     ap.add_argument("--fused-ce", default="auto", choices=("auto", "true", "false"),
                     help="the fused output layer + loss NeMo's forward_step installs (model.fused_cross_entropy); "
                          "false: megatron's logits + loss")
+    ap.add_argument("--fast-paths", default="true", choices=("true", "false"),
+                    help="step mode: the recipe optimizer module's sync-free clipping and fused AdamW "
+                         "(nemo_ssa.nemo.optim, what NeMo trains with); false: megatron's no-apex fallbacks "
+                         "(one process per value: installing them rebinds megatron's module globals)")
     ap.add_argument("--out", default=None, help="markdown table path")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -333,7 +355,8 @@ def main(argv=None) -> int:
     peak = args.peak_tflops or (989.0 if "H100" in name else 989.0 if "H200" in name else float("nan"))
     modes = ("fwdbwd", "step") if args.mode == "both" else (args.mode,)
     rows = []
-    print(f"# {name} | torch {torch.__version__} | seq {args.seq} | peak {peak} TFLOP/s | fused_ce {args.fused_ce}",
+    print(f"# {name} | torch {torch.__version__} | seq {args.seq} | peak {peak} TFLOP/s | fused_ce {args.fused_ce}"
+          f" | fast_paths {args.fast_paths}",
           flush=True)
     mbs = [int(m) for m in args.micro_batches.split(",") if m != "max"]
     probe = "max" in args.micro_batches.split(",")
@@ -342,7 +365,7 @@ def main(argv=None) -> int:
             cfg, model = build(attention, args.seq, fused_ce=args.fused_ce)
             fpt = flops_per_token(cfg, args.seq)
             if mode == "step":
-                wrap_for_step(cfg, model)
+                wrap_for_step(cfg, model, fast_paths=args.fast_paths == "true")
             make = make_fwdbwd if mode == "fwdbwd" else make_step
             cands = list(mbs) + ([c for c in PROBE_MBS if c > max(mbs or [0])] if probe else [])
             for mb in cands:
@@ -362,6 +385,7 @@ def main(argv=None) -> int:
                 tps = mb * args.seq / (ms / 1e3)
                 mem = torch.cuda.max_memory_allocated() / 2 ** 30
                 r = dict(attention=attention, mode=mode, mb=mb, ms=ms, tokens_s=tps, fused_ce=args.fused_ce,
+                         fast_paths=args.fast_paths if mode == "step" else None,
                          mfu=fpt * tps / (peak * 1e12), peak_gib=mem, flops_per_token=fpt)
                 rows.append(r)
                 print(f"  {attention:15s} {mode:6s} mb {mb:4d}: {ms:8.2f} ms  {tps:10,.0f} tok/s  "

@@ -1,0 +1,54 @@
+"""benchmarks/bench_model.py's step mode builds the optimizer as the recipe's optimizer module
+(nemo_ssa.nemo.optim) does: with fast paths, megatron's no-apex clipping fallbacks are replaced
+and AdamW is built fused; without, megatron's own. A step timed without them is not the step
+NeMo trains (megatron's fallback clipping reads every parameter's norm to the host)."""
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+
+@pytest.fixture
+def fake_optimizer(monkeypatch):
+    import megatron.core.optimizer as mopt
+    import megatron.core.optimizer.clip_grads as clip
+    import megatron.core.optimizer.optimizer as moptimizer
+    import megatron.core.utils as mutils
+
+    # megatron without apex/TE, whatever an earlier test installed; install() rebinds these
+    # module globals process-wide, and monkeypatch puts them back after the test
+    monkeypatch.setattr(clip, "l2_norm_impl", mutils.local_multi_tensor_l2_norm)
+    monkeypatch.setattr(clip, "multi_tensor_scale_impl", mutils.local_multi_tensor_scale)
+    monkeypatch.setattr(moptimizer, "multi_tensor_scale_impl", mutils.local_multi_tensor_scale)
+    seen = {}
+
+    def get_megatron_optimizer(cfg, chunks, no_weight_decay_cond=None):
+        seen.update(adamw=torch.optim.AdamW, l2=clip.l2_norm_impl, chunks=chunks, cond=no_weight_decay_cond)
+        return "opt"
+
+    monkeypatch.setattr(mopt, "get_megatron_optimizer", get_megatron_optimizer)
+    return seen
+
+
+def test_step_optimizer_takes_the_recipes_fast_paths(fake_optimizer):
+    from benchmarks.bench_model import make_optimizer
+    from nemo_ssa.megatron import fast_paths
+
+    ddp = object()
+    assert make_optimizer(None, ddp, fast_paths=True) == "opt"
+    assert fake_optimizer["adamw"] is fast_paths._FusedAdamW
+    assert fake_optimizer["l2"] is fast_paths.l2_norm
+    assert fake_optimizer["chunks"] == [ddp] and fake_optimizer["cond"] is not None
+    assert torch.optim.AdamW is not fast_paths._FusedAdamW  # only while the optimizer is built
+
+
+def test_step_optimizer_without_fast_paths_is_megatrons(fake_optimizer):
+    import megatron.core.utils as mutils
+
+    from benchmarks.bench_model import make_optimizer
+    from nemo_ssa.megatron import fast_paths
+
+    make_optimizer(None, object(), fast_paths=False)
+    assert fake_optimizer["adamw"] is not fast_paths._FusedAdamW
+    assert fake_optimizer["l2"] is mutils.local_multi_tensor_l2_norm
