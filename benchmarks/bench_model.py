@@ -257,7 +257,8 @@ def where_the_step_goes(model, step, path: str, label: str, steps: int = 3) -> s
     text = (f"## {label}\n\n" + sp.table(sp.by_module(events, device=True), "module", steps) + "\n\n"
             + sp.table(sp.by_family(events, device=True), "kernel family", steps) + "\n\n"
             + "What the rows without a module hold:\n\n"
-            + sp.top_ops_table(sp.top_ops(events, device=True), steps) + "\n\n")
+            + sp.top_ops_table(sp.top_ops(events, device=True), steps) + "\n\n"
+            + "The largest kernels:\n\n" + sp.top_kernels_table(sp.top_kernels(events), steps) + "\n\n")
     with open(path, "a") as f:
         f.write(text)
     return text

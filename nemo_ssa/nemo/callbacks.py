@@ -279,3 +279,6 @@ class ProfilerCallback(Callback):
                     + sp.table(sp.by_family(events, device=device), "kernel family", self._profiled) + "\n\n"
                     + "What the rows without a module hold:\n\n"
                     + sp.top_ops_table(sp.top_ops(events, device=device), self._profiled) + "\n")
+            if device:
+                f.write("\nThe largest kernels:\n\n"
+                        + sp.top_kernels_table(sp.top_kernels(events), self._profiled) + "\n")

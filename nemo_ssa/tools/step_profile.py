@@ -23,12 +23,13 @@ from __future__ import annotations
 import contextlib
 import re
 from collections import defaultdict
-from typing import Callable, Dict, Iterable, Iterator, Optional, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
 __all__ = ["MODULE_RANGE", "DEFAULT_MODULES", "module_ranges", "optimizer_range", "by_module", "family",
-           "by_family", "table", "UNNAMED", "top_ops", "top_ops_table"]
+           "by_family", "table", "UNNAMED", "top_ops", "top_ops_table", "top_kernels",
+           "top_kernels_table"]
 
 MODULE_RANGE = "nemo_ssa.module::"
 OPTIMIZER_RANGE = "nemo_ssa.optimizer"
@@ -122,16 +123,22 @@ def _self_time(ev, device: bool) -> float:
     return float(ev.self_cpu_time_total)
 
 
-def by_module(events, device: bool) -> Dict[str, float]:
-    """``{owner: microseconds}`` of self time over ``events`` (``prof.events()``)."""
+def _forward_modules(events) -> Dict[Tuple[int, int], str]:
+    """``{(thread, sequence number): module}`` of the forward ops inside a module range: what
+    a backward op's ``fwd_thread`` / ``sequence_nr`` finds its module by."""
     fwd_module: Dict[Tuple[int, int], str] = {}
     memo: Dict[int, str] = {}
-    for ev in events:  # forward ops inside a module range: their sequence numbers
+    for ev in events:
         if ev.sequence_nr is not None and ev.sequence_nr >= 0 and not ev.name.startswith(_EVAL):
             owner = _owner(ev, {}, memo)
             if owner.endswith(" fwd"):
                 fwd_module.setdefault((ev.thread, ev.sequence_nr), owner[: -len(" fwd")])
-    memo.clear()
+    return fwd_module
+
+
+def by_module(events, device: bool) -> Dict[str, float]:
+    """``{owner: microseconds}`` of self time over ``events`` (``prof.events()``)."""
+    fwd_module, memo = _forward_modules(events), {}
     out: Dict[str, float] = defaultdict(float)
     for ev in events:
         t = _self_time(ev, device)
@@ -149,14 +156,7 @@ def top_ops(events, device: bool, owners: Iterable[str] = UNNAMED, n: int = 8) -
     time inside each of ``owners`` (by default the rows that name no module), an op's family
     being that of its longest kernel (device) or of its name (CPU)."""
     want = set(owners)
-    fwd_module: Dict[Tuple[int, int], str] = {}
-    memo: Dict[int, str] = {}
-    for ev in events:
-        if ev.sequence_nr is not None and ev.sequence_nr >= 0 and not ev.name.startswith(_EVAL):
-            owner = _owner(ev, {}, memo)
-            if owner.endswith(" fwd"):
-                fwd_module.setdefault((ev.thread, ev.sequence_nr), owner[: -len(" fwd")])
-    memo.clear()
+    fwd_module, memo = _forward_modules(events), {}
     acc: Dict[str, Dict[Tuple[str, str], float]] = {o: defaultdict(float) for o in want}
     for ev in events:
         t = _self_time(ev, device)
@@ -178,6 +178,34 @@ def top_ops_table(tops: Dict[str, list], steps: int = 1) -> str:
     for owner, ops in tops.items():
         for op, fam, t in ops:
             rows.append(f"| {owner} | `{op}` | {fam} | {t / steps:,.0f} |")
+    return "\n".join(rows)
+
+
+def top_kernels(events, n: int = 25) -> list:
+    """``[(kernel, family, owner, microseconds, launches), ...]``: the ``n`` (kernel name,
+    owner) pairs with the most device time, largest first -- which kernels a family's or a
+    module's time is made of (a family total alone cannot say what "elementwise" ran)."""
+    fwd_module, memo = _forward_modules(events), {}
+    acc: Dict[Tuple[str, str], List[float]] = defaultdict(lambda: [0.0, 0])
+    for ev in events:
+        kernels = getattr(ev, "kernels", ()) or ()
+        if not kernels:
+            continue
+        owner = _owner(ev, fwd_module, memo)
+        for k in kernels:
+            a = acc[(k.name, owner)]
+            a[0] += float(k.duration)
+            a[1] += 1
+    ranked = sorted(acc.items(), key=lambda kv: -kv[1][0])[:n]
+    return [(name, family(name), owner, t, int(c)) for (name, owner), (t, c) in ranked]
+
+
+def top_kernels_table(kernels: list, steps: int = 1, width: int = 70) -> str:
+    """Markdown: the largest kernels per step (names cut to ``width`` characters)."""
+    rows = ["| kernel | family | owner | us per step | launches per step |", "|---|---|---|---|---|"]
+    for name, fam, owner, t, c in kernels:
+        short = name if len(name) <= width else name[: width - 3] + "..."
+        rows.append(f"| `{short}` | {fam} | {owner} | {t / steps:,.0f} | {c / steps:,.1f} |")
     return "\n".join(rows)
 
 

@@ -151,3 +151,30 @@ def test_top_ops_name_what_the_unnamed_rows_hold():
     _, events = _profiled_step()
     cpu = sp.top_ops(events, device=False, owners=("other",), n=3)
     assert cpu and len(cpu["other"]) <= 3 and all(t > 0 for _, _, t in cpu["other"])
+
+
+def test_top_kernels_say_which_kernels_make_up_the_step():
+    """The largest (kernel, owner) pairs by device time, with launch counts: a family total
+    alone cannot say which kernels it was (2026-11-29: "elementwise" was 15 % of the step)."""
+    from types import SimpleNamespace as NS
+
+    def op(name, seq, kernels, parent=None):
+        return NS(name=name, sequence_nr=seq, thread=1, cpu_parent=parent,
+                  kernels=[NS(name=k, duration=d) for k, d in kernels], self_cpu_time_total=1.0)
+
+    mlp = op(f"{sp.MODULE_RANGE}decoder.layers.*.mlp", -1, [])  # module_ranges folds layer indices
+    ln = op(f"{sp.MODULE_RANGE}decoder.layers.*.input_layernorm", -1, [])
+    events = [mlp, ln,
+              op("aten::mm", 7, [("sm90_xmma_gemm", 40.0)], parent=mlp),
+              op("aten::add", 8, [("vectorized_elementwise_kernel", 5.0)], parent=mlp),
+              op("aten::native_layer_norm", 9, [("vectorized_layer_norm_kernel", 12.0)], parent=ln),
+              op("aten::add", 10, [("vectorized_elementwise_kernel", 7.0)]),
+              op("aten::add", 11, [("vectorized_elementwise_kernel", 9.0)])]
+    top = sp.top_kernels(events, n=3)
+    assert top == [("sm90_xmma_gemm", "gemm", "decoder.layers.*.mlp fwd", 40.0, 1),
+                   ("vectorized_elementwise_kernel", "elementwise", "other", 16.0, 2),
+                   ("vectorized_layer_norm_kernel", "norm", "decoder.layers.*.input_layernorm fwd", 12.0, 1)]
+    assert sum(t for *_, t, _ in sp.top_kernels(events)) == sum(sp.by_family(events, device=True).values())
+    text = sp.top_kernels_table(top, steps=2, width=20)
+    assert "| `vectorized_elemen...` | elementwise | other | 8 | 1.0 |" in text, text
+    assert "| `sm90_xmma_gemm` | gemm | decoder.layers.*.mlp fwd | 20 | 0.5 |" in text, text
