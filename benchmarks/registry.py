@@ -255,12 +255,12 @@ def _build_layernorm(shape: Shape, dtype, device, names) -> Built:
                 continue
             fn = torch.compile(norm.forward, dynamic=False)
         elif name == "fla_layernorm":
-            try:
-                from fla.modules.layernorm import layer_norm_fn
-            except Exception as e:  # fla-core absent (the CPU lock) or renamed
+            try:  # fla-core 0.6 (the GPU bundle's pin); absent from the CPU lock
+                from fla.modules.norm.layernorm import layer_norm
+            except Exception as e:
                 built.skipped[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
                 continue
-            fn = (lambda t, f=layer_norm_fn: f(t, norm.weight + 1, norm.bias, eps=eps))
+            fn = (lambda t, f=layer_norm: f(t, norm.weight + 1, norm.bias, eps=eps))
         else:
             raise KeyError(name)
         built.fns[name] = (lambda fn=fn: fn(x))
