@@ -44,6 +44,9 @@ class Choice:
 
 
 _SEEN: Dict[Tuple, Choice] = {}
+#: backward_plan's answers by every fact its schedule depends on (reset() empties it with
+#: _SEEN, so a decision forgotten there is noted again on its next call)
+_PLANS: Dict[Tuple, Choice] = {}
 
 
 def note(key: Tuple, op: str, path: str, reason: Union[str, Callable[[], str]]) -> Choice:
@@ -71,6 +74,7 @@ def chosen() -> List[Dict[str, str]]:
 def reset() -> None:
     """Forget the decisions (tests; a new run in the same process)."""
     _SEEN.clear()
+    _PLANS.clear()
 
 
 def backward_schedule(transform: str, head_dim: int, *, tma: bool = False, gluon: bool = False,
@@ -107,7 +111,15 @@ def backward_plan(transform: str, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     tma = transform == "ssa" and d_bucket(d) == 64 and bool(use_tma(1, varlen, q, k, v, scores=scores))
     gluon = (d, transform) in GLUON_BWD and gluon_bwd_capable(transform, q, k, v, varlen=varlen, dropout=dropout,
                                                               fast_log2=fast_log2)
-    choice = backward_schedule(transform, d, tma=tma, gluon=gluon, deterministic=deterministic)
-    key = ("attention.bwd", transform, f"D{d}", q.dtype, "varlen" if varlen else "dense",
-           "causal" if causal else "full", "dropout" if dropout else "", "det" if deterministic else "")
-    return note(key, choice.op, choice.path, choice.reason)
+    # the key holds every input of backward_schedule (the switches it reads are read here
+    # per call, in its order, so a flipped one takes its own entry) and of the noted key: a
+    # call seen before skips rebuilding the same Choice, its reason and its record
+    switches = () if deterministic else (env.bwd_mode(), torch.are_deterministic_algorithms_enabled())
+    plan_key = (transform, d, q.dtype, varlen, causal, dropout, bool(deterministic), tma, gluon) + switches
+    plan = _PLANS.get(plan_key)
+    if plan is None:
+        choice = backward_schedule(transform, d, tma=tma, gluon=gluon, deterministic=deterministic)
+        key = ("attention.bwd", transform, f"D{d}", q.dtype, "varlen" if varlen else "dense",
+               "causal" if causal else "full", "dropout" if dropout else "", "det" if deterministic else "")
+        plan = _PLANS[plan_key] = note(key, choice.op, choice.path, choice.reason)
+    return plan

@@ -108,6 +108,36 @@ def test_a_learnable_b_says_why_the_single_pass_did_not_run():
     assert ran == [("triton-two-kernel", "db wanted (b learnable): the dQ kernel's row sums")], ran
 
 
+def test_a_plan_seen_before_is_not_replayed_when_a_fact_changes(monkeypatch):
+    """``backward_plan`` keeps its answers per call: every fact the schedule depends on is
+    in its key (a missing one would replay a stale answer, e.g. the single pass after
+    torch's deterministic mode was switched on), and ``reset`` forgets them with the record."""
+    def plan(q, k, v, **kw):
+        return dispatch.backward_plan("ssa", q, k, v, varlen=False, dropout=False, fast_log2=1, scores=64,
+                                      causal=True, **kw).path
+
+    qkv = _qkv(32)
+    assert plan(*qkv) == dispatch.SINGLE
+    assert plan(*qkv, deterministic=True) == dispatch.TWO_KERNEL
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        assert plan(*qkv) == dispatch.TWO_KERNEL
+    finally:
+        torch.use_deterministic_algorithms(was)
+    monkeypatch.setenv("NEMO_SSA_BWD", "deterministic")
+    assert plan(*qkv) == dispatch.TWO_KERNEL
+    monkeypatch.delenv("NEMO_SSA_BWD")
+    assert plan(*qkv) == dispatch.SINGLE
+    qkv64 = _qkv(64)  # SSA D64: the single pass only where this call's layout takes TMA
+    for tma in (True, False, True):
+        monkeypatch.setattr(dispatch, "use_tma", lambda *a, **k: tma)
+        assert plan(*qkv64) == (dispatch.SINGLE if tma else dispatch.TWO_KERNEL)
+    dispatch.reset()
+    plan(*qkv)
+    assert _paths("attention.bwd") == [dispatch.SINGLE]
+
+
 def test_the_caller_asking_for_determinism_wins():
     c = dispatch.backward_schedule("ssa", 32, deterministic=True)
     assert c.path == dispatch.TWO_KERNEL and "caller" in c.reason
