@@ -349,16 +349,17 @@ def _flash_fwd(
                    SEQ_Q=sq, SEQ_K=sk, scale=float(scale), dropout_p=float(dropout_p), RNG_S=(rz, rh, rs))
     meta = dict(HEAD_DIM=d, BLOCK_D=block_d, TRANSFORM=tid, CAUSAL=bool(causal), INPUT_PRECISION=input_precision,
                 FAST_LOG2=log2_mode(fast_math) if tid == 1 else int(bool(fast_math)))
+    tune = config is None and autotune_enabled()  # (an environment read: once per call)
     gcfg = gluon_fwd_config(q, k, v, o, transform="ssa" if tid == 1 else "softmax", varlen=varlen,
                             dropout=has_dropout, save_c=save_c, fast_log2=meta["FAST_LOG2"],
-                            explicit_config=config is not None or autotune_enabled())
+                            explicit_config=config is not None or tune)
     key = ("flash.fwd", transform, f"D{d}", q.dtype, "varlen" if varlen else "dense",
            "causal" if causal else "full", "dropout" if has_dropout else "")
     if gcfg is not None:  # the Hopper kernel (ops.attention.hopper): same contract
         note(key, "flash.fwd", "gluon", "sm_90, and gluon_fwd_config has a row for the call")
         gluon_fwd(q, k, v, o, M, n_ptr, b_ptr, transform_id=tid, causal=causal, scale=scale, config=gcfg,
                   cstat=cstat)
-    elif config is None and autotune_enabled():
+    elif tune:
         note(key, "flash.fwd", "triton-autotune", "NEMO_SSA_AUTOTUNE=1")
         kern = autotuned("fwd", _attn_fwd_kernel, _FWD_TUNE, ("BLOCK_M", "BLOCK_N"),
                          ["HQ", "GROUP", "SEQ_Q", "SEQ_K", "HEAD_DIM", "TRANSFORM", "CAUSAL", "VARLEN", "HAS_DROPOUT"])
@@ -527,12 +528,15 @@ def _flash_apply(q, k, v, n, b, rng, cu_q, cu_k, transform, causal, scale, dropo
     ``C`` the single-pass ``dn`` needs (``b`` learnable: the two-kernel backward).
     ``deterministic=True`` always takes the two-kernel backward."""
     # a call without a backward has no backward to choose (nor to record)
-    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, n, b))
+    grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                         or (n is not None and n.requires_grad)
+                                         or (b is not None and b.requires_grad))
     det = not grads or backward_plan(
         transform, q, k, v, varlen=cu_q is not None, dropout=dropout_p > 0.0,
         fast_log2=log2_mode(fast) if transform == "ssa" else 1, scores=q.shape[0] * q.shape[1] * max_q * max_k,
         causal=causal, deterministic=deterministic).path != SINGLE
-    save_c = (not det and transform == "ssa" and n is not None and torch.is_grad_enabled() and n.requires_grad
+    # (not det: grads, so grad mode is on)
+    save_c = (not det and transform == "ssa" and n is not None and n.requires_grad
               and not (b is not None and b.requires_grad))
     if torch.compiler.is_compiling() or not EAGER_FASTPATH:
         o, _, _ = torch.ops.nemo_ssa.flash_attn_fwd(
