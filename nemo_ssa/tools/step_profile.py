@@ -14,8 +14,8 @@ inside a ``nemo_ssa.optimizer`` range (``optimizer_range``). Time is each op's s
 the device (the kernels it launched) or, without a GPU, on the CPU.
 
 Kernel families (``family``) group kernels by what they do (GEMM, attention, copy/transpose,
-norm, loss, elementwise, reduction, optimizer) from their names, the same rules the model
-benchmark (benchmarks/bench_model.py) prints.
+norm, RoPE + layout, loss, elementwise, reduction, optimizer) from their names; the model
+benchmark (benchmarks/bench_model.py) prints its tables with the same function.
 """
 
 from __future__ import annotations
@@ -210,9 +210,14 @@ def top_kernels_table(kernels: list, steps: int = 1, width: int = 70) -> str:
 
 
 _FAMILIES = (
-    ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "aten::mm", "aten::addmm", "aten::bmm")),
+    # our fused MLP kernels are GEMMs with relu^2 in the epilogue (nemo_ssa/ops/mlp): read as
+    # "relu" they put 7.7 ms of GEMM time into the elementwise family of the 2026-11-29 profile
+    ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "aten::mm", "aten::addmm", "aten::bmm",
+              "relu2_fwd_kernel", "relu2_bwd_kernel")),
     ("attention", ("attn", "flash", "fmha", "cudnn", "sdpa", "scaled_dot_product")),
-    ("norm", ("layer_norm", "layernorm", "rms_norm")),
+    # torch's LayerNorm backward reduces the weight/bias gradients in GammaBetaBackward
+    ("norm", ("layer_norm", "layernorm", "rms_norm", "gammabeta")),
+    ("rope + layout", ("rope",)),
     ("loss", ("cross_entropy", "nll", "log_softmax", "softmax")),
     ("optimizer", ("adam", "multi_tensor", "foreach")),
     ("copy/transpose/cast", ("copy", "transpose", "permute", "contiguous", "cat", "memcpy", "memset", "to_copy",

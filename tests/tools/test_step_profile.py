@@ -85,6 +85,10 @@ def test_families_and_table():
     assert sp.family("vectorized_layer_norm_kernel") == "norm"
     assert sp.family("multi_tensor_apply_kernel") == "optimizer"
     assert sp.family("something_else") == "other"
+    assert sp.family("relu2_fwd_kernel") == sp.family("relu2_bwd_kernel_du") == "gemm"  # not "relu"
+    assert sp.family("void at::native::GammaBetaBackwardCUDAKernel<c10::BFloat16>") == "norm"
+    assert sp.family("layernorm_bwd_kernel") == "norm"
+    assert sp.family("_rope_layout_kernel") == "rope + layout"
     _, events = _profiled_step()
     fams = sp.by_family(events, device=False)
     assert fams.get("gemm", 0) > 0 and fams.get("optimizer", 0) > 0, fams
