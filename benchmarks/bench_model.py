@@ -38,7 +38,7 @@ import torch
 if __name__ == "__main__" and not __package__:  # run as a file: python benchmarks/x.py
     import _bootstrap  # noqa: F401
 
-from nemo_ssa.tools.step_profile import optimizer_range  # noqa: E402 -- this checkout's package
+from nemo_ssa.tools.step_profile import family, optimizer_range  # noqa: E402 -- this checkout's package
 
 VOCAB = 50304
 PROBE_MBS = (8, 16, 24, 32, 48, 64, 96, 128)
@@ -58,17 +58,20 @@ def init_megatron(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build(attention: str, seq: int, overrides: Optional[Dict] = None, fused_ce: str = "auto"):
+def build(attention: str, seq: int, overrides: Optional[Dict] = None, fused_ce: str = "auto",
+          fused_ln: str = "false"):
     """(config, model) of the recipe's model with ``attention``, bf16 params on the GPU, with
     the output layer + loss NeMo's ``forward_step`` installs (``fused_ce``, as
     ``model.fused_cross_entropy``). Without it the step measured is not the one NeMo trains:
     megatron's loss upcasts the whole ``[tokens, vocab]`` logits to fp32 (docs/results/
-    2026-11-27-step-profile: its casts were read as layout copies)."""
+    2026-11-27-step-profile: its casts were read as layout copies). ``fused_ln``: the layer
+    norms' path (``model.fused_layernorm``)."""
     import fiddle as fdl
 
     from recipes import nemotron_114m
 
-    cfg = fdl.build(nemotron_114m.model(attention=attention, seq_length=seq, vocab_size=VOCAB).config)
+    cfg = fdl.build(nemotron_114m.model(attention=attention, seq_length=seq, vocab_size=VOCAB,
+                                        fused_layernorm=fused_ln).config)
     cfg.bf16, cfg.fp16 = True, False
     cfg.params_dtype = torch.bfloat16
     cfg.pipeline_dtype = torch.bfloat16
@@ -206,25 +209,7 @@ def kernel_breakdown(step, path: str) -> str:
         t = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0.0)
         if t <= 0 or ev.key.startswith(("aten::", "cuda", "autograd", "Optimizer", "ProfilerStep", "torch")):
             continue
-        name = ev.key.lower()
-        if "gemm" in name or "nvjet" in name or "cutlass" in name or "sm90_xmma" in name or "cublas" in name:
-            cat = "gemm"
-        elif "attn" in name or "flash" in name or "fmha" in name or "cudnn" in name:
-            cat = "attention"
-        elif "layer_norm" in name or "layernorm" in name:
-            cat = "layernorm"
-        elif "softmax" in name or "cross" in name or "nll" in name or "log_softmax" in name:
-            cat = "loss/softmax"
-        elif "reduce" in name or "max" in name or "sum" in name:
-            cat = "reductions"
-        elif "copy" in name or "cat" in name or "memcpy" in name or "memset" in name:
-            cat = "copy/cat/memset"
-        elif "elementwise" in name or "vectorized" in name or "unrolled" in name:
-            cat = "elementwise"
-        elif "adam" in name or "multi_tensor" in name or "foreach" in name:
-            cat = "optimizer"
-        else:
-            cat = "other"
+        cat = family(ev.key)  # the step profiler's rules: one classifier for every table
         cats[cat] = cats.get(cat, 0.0) + t
         total += t
     lines = [f"GPU kernel time per step by category (3 steps profiled; us per step), total {total / 3:.0f} us"]
@@ -341,6 +326,9 @@ def main(argv=None) -> int:
     ap.add_argument("--fused-ce", default="auto", choices=("auto", "true", "false"),
                     help="the fused output layer + loss NeMo's forward_step installs (model.fused_cross_entropy); "
                          "false: megatron's logits + loss")
+    ap.add_argument("--fused-layernorm", default="false",
+                    help="comma list of model.fused_layernorm values, each a row set (e.g. auto,false: the "
+                         "Triton layer norms against torch's in one process)")
     ap.add_argument("--fast-paths", default="true", choices=("true", "false"),
                     help="step mode: the recipe optimizer module's sync-free clipping and fused AdamW "
                          "(nemo_ssa.nemo.optim, what NeMo trains with); false: megatron's no-apex fallbacks "
@@ -361,62 +349,66 @@ def main(argv=None) -> int:
           flush=True)
     mbs = [int(m) for m in args.micro_batches.split(",") if m != "max"]
     probe = "max" in args.micro_batches.split(",")
-    for attention in args.attentions.split(","):
-        for mode in modes:
-            cfg, model = build(attention, args.seq, fused_ce=args.fused_ce)
-            fpt = flops_per_token(cfg, args.seq)
-            if mode == "step":
-                wrap_for_step(cfg, model, fast_paths=args.fast_paths == "true")
-            make = make_fwdbwd if mode == "fwdbwd" else make_step
-            cands = list(mbs) + ([c for c in PROBE_MBS if c > max(mbs or [0])] if probe else [])
-            for mb in cands:
-                data = batch(mb, args.seq)
-                try:
-                    step = make(model, data)
-                    torch.cuda.reset_peak_memory_stats()
-                    times = time_steps(step, args.warmup, args.iters)
-                except torch.cuda.OutOfMemoryError:
-                    step = data = None
-                    for p in model.parameters():
-                        p.grad = None
-                    torch.cuda.empty_cache()
-                    print(f"  {attention:15s} {mode:6s} mb {mb:4d}: OOM", flush=True)
-                    break
-                ms = statistics.median(times)
-                tps = mb * args.seq / (ms / 1e3)
-                mem = torch.cuda.max_memory_allocated() / 2 ** 30
-                r = dict(attention=attention, mode=mode, mb=mb, ms=ms, tokens_s=tps, fused_ce=args.fused_ce,
-                         fast_paths=args.fast_paths if mode == "step" else None,
-                         mfu=fpt * tps / (peak * 1e12), peak_gib=mem, flops_per_token=fpt)
-                rows.append(r)
-                print(f"  {attention:15s} {mode:6s} mb {mb:4d}: {ms:8.2f} ms  {tps:10,.0f} tok/s  "
-                      f"MFU {100 * r['mfu']:5.1f} %  peak {mem:6.1f} GiB", flush=True)
-                del data, step
+    lns = [v.strip() for v in args.fused_layernorm.split(",") if v.strip()]
+    for attention, mode, ln in ((a, m, ln) for a in args.attentions.split(",") for m in modes for ln in lns):
+        cfg, model = build(attention, args.seq, fused_ce=args.fused_ce, fused_ln=ln)
+        fpt = flops_per_token(cfg, args.seq)
+        if mode == "step":
+            wrap_for_step(cfg, model, fast_paths=args.fast_paths == "true")
+        make = make_fwdbwd if mode == "fwdbwd" else make_step
+        cands = list(mbs) + ([c for c in PROBE_MBS if c > max(mbs or [0])] if probe else [])
+        for mb in cands:
+            data = batch(mb, args.seq)
+            try:
+                step = make(model, data)
+                torch.cuda.reset_peak_memory_stats()
+                times = time_steps(step, args.warmup, args.iters)
+            except torch.cuda.OutOfMemoryError:
+                step = data = None
+                for p in model.parameters():
+                    p.grad = None
                 torch.cuda.empty_cache()
-            if args.gaps:
-                step = make(model, batch(args.profile_mb, args.seq))
-                print(gpu_gaps(step, args.gaps, f"{attention} {mode} mb {args.profile_mb}"), flush=True)
-                del step
-            if args.by_module:
-                step = make(model, batch(args.profile_mb, args.seq))
-                print(where_the_step_goes(model, step, args.by_module,
-                                          f"{attention} {mode} mb {args.profile_mb} ({name})"), flush=True)
-                del step
-            if args.profile:
-                step = make(model, batch(args.profile_mb, args.seq))
-                with open(args.profile, "a") as f:
-                    f.write(f"## {attention} {mode} mb {args.profile_mb} ({name})\n")
-                print(f"[{attention} {mode}] " + kernel_breakdown(step, args.profile), flush=True)
-                del step
-            del model
+                print(f"  {attention:15s} {mode:6s} mb {mb:4d}: OOM", flush=True)
+                break
+            ms = statistics.median(times)
+            tps = mb * args.seq / (ms / 1e3)
+            mem = torch.cuda.max_memory_allocated() / 2 ** 30
+            r = dict(attention=attention, mode=mode, mb=mb, ms=ms, tokens_s=tps, fused_ce=args.fused_ce, fused_ln=ln,
+                     fast_paths=args.fast_paths if mode == "step" else None,
+                     mfu=fpt * tps / (peak * 1e12), peak_gib=mem, flops_per_token=fpt)
+            rows.append(r)
+            print(f"  {attention:15s} {mode:6s} ln {ln:5s} mb {mb:4d}: {ms:8.2f} ms  {tps:10,.0f} tok/s  "
+                  f"MFU {100 * r['mfu']:5.1f} %  peak {mem:6.1f} GiB", flush=True)
+            del data, step
             torch.cuda.empty_cache()
-    base = {(r["mode"], r["mb"]): r["tokens_s"] for r in rows if r["attention"] == "softmax"}
-    lines = ["| attention | mode | micro batch | ms/step | tokens/s | x softmax | MFU | peak GiB |",
-             "|---|---|---|---|---|---|---|---|"]
+        label = f"{attention} {mode}" + (f" layernorm {ln}" if len(lns) > 1 else "")
+        if args.gaps:
+            step = make(model, batch(args.profile_mb, args.seq))
+            print(gpu_gaps(step, args.gaps, f"{label} mb {args.profile_mb}"), flush=True)
+            del step
+        if args.by_module:
+            step = make(model, batch(args.profile_mb, args.seq))
+            print(where_the_step_goes(model, step, args.by_module,
+                                      f"{label} mb {args.profile_mb} ({name})"), flush=True)
+            del step
+        if args.profile:
+            step = make(model, batch(args.profile_mb, args.seq))
+            with open(args.profile, "a") as f:
+                f.write(f"## {label} mb {args.profile_mb} ({name})\n")
+            print(f"[{attention} {mode}] " + kernel_breakdown(step, args.profile), flush=True)
+            del step
+        del model
+        torch.cuda.empty_cache()
+    base = {(r["mode"], r["mb"], r["fused_ln"]): r["tokens_s"] for r in rows if r["attention"] == "softmax"}
+    first = {(r["attention"], r["mode"], r["mb"]): r["tokens_s"] for r in reversed(rows) if r["fused_ln"] == lns[0]}
+    lines = [f"| attention | mode | layer norm | micro batch | ms/step | tokens/s | x softmax | x layer norm {lns[0]} "
+             "| MFU | peak GiB |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        ratio = r["tokens_s"] / base.get((r["mode"], r["mb"]), math.nan)
-        lines.append(f"| {r['attention']} | {r['mode']} | {r['mb']} | {r['ms']:.2f} | {r['tokens_s']:,.0f} | "
-                     f"{ratio:.2f} | {100 * r['mfu']:.1f} % | {r['peak_gib']:.1f} |")
+        ratio = r["tokens_s"] / base.get((r["mode"], r["mb"], r["fused_ln"]), math.nan)
+        vs_first = r["tokens_s"] / first.get((r["attention"], r["mode"], r["mb"]), math.nan)
+        lines.append(f"| {r['attention']} | {r['mode']} | {r['fused_ln']} | {r['mb']} | {r['ms']:.2f} | "
+                     f"{r['tokens_s']:,.0f} | {ratio:.2f} | {vs_first:.2f} | {100 * r['mfu']:.1f} % | "
+                     f"{r['peak_gib']:.1f} |")
     md = "\n".join(lines)
     print("\n" + md)
     if args.out:
