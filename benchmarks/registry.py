@@ -224,10 +224,9 @@ ELSA = OpBench(
 # ----------------------------------------------------------------------------- layernorm
 def _build_layernorm(shape: Shape, dtype, device, names) -> Built:
     """The model's LayerNorm1P (zero-centred gamma: ``1 + w``) on megatron's ``[s, b, h]``
-    activations (``shape.D`` is the hidden size; Hq/Hkv are unused), against the libraries
-    that could replace it: inductor's generated kernel and fla's Triton LayerNorm. The step
-    profile of 2026-11-29 put 7.7 ms of an H200 step in 25 such norms (forward + backward),
-    ~3x their bandwidth floor."""
+    activations (``shape.D`` is the hidden size; Hq/Hkv are unused): torch's kernels (the
+    baseline), ours (nemo_ssa.ops.norm) and the libraries that could replace them, inductor's
+    generated kernel and fla's Triton LayerNorm."""
     from types import SimpleNamespace
 
     import torch.nn.functional as F
@@ -249,6 +248,10 @@ def _build_layernorm(shape: Shape, dtype, device, names) -> Built:
     for name in names:
         if name == "layernorm1p":
             fn = norm
+        elif name == "nemo_ssa_layernorm":  # FusedLayerNorm1P: what model.fused_layernorm=auto runs on a GPU
+            from nemo_ssa.ops.norm import layer_norm_1p
+
+            fn = (lambda t: layer_norm_1p(t, norm.weight, norm.bias, eps, True, impl="triton"))
         elif name == "torch_compile":
             if device.type != "cuda":  # inductor's CPU code is not what would run, and compiles slowly
                 built.skipped[name] = "inductor's GPU kernel needs CUDA"
@@ -269,15 +272,17 @@ def _build_layernorm(shape: Shape, dtype, device, names) -> Built:
     def ref():
         return F.layer_norm(x.float(), (h,), norm.weight.float() + 1, norm.bias.float(), eps)
 
-    built.refs.update({n: ref for n in ("layernorm1p", "torch_compile", "fla_layernorm")})
+    built.refs.update({n: ref for n in ("layernorm1p", "nemo_ssa_layernorm", "torch_compile", "fla_layernorm")})
     return built
 
 
 LAYERNORM = OpBench(
     op="layernorm",
-    doc="the model's LayerNorm1P (eager F.layer_norm of 1 + w) vs inductor's kernel and fla's Triton LayerNorm",
+    doc="the model's LayerNorm1P: eager F.layer_norm of 1 + w (model.fused_layernorm=false), our Triton "
+        "kernels (nemo_ssa.ops.norm, fused_layernorm=auto on a GPU), inductor's kernel and fla's Triton LayerNorm",
     entries=(
         Entry("layernorm1p", "baseline", None),
+        Entry("nemo_ssa_layernorm", "kernel", "layernorm1p"),
         Entry("torch_compile", "baseline", "layernorm1p", needs_cuda=True),
         Entry("fla_layernorm", "baseline", "layernorm1p", needs_cuda=True),
     ),

@@ -38,7 +38,7 @@ ARCH = dict(
 
 
 def _layer_spec_partial(attention: str, attention_options: Optional[Dict[str, Any]], policy: str,
-                        fused_mlp: Any = "auto"):
+                        fused_mlp: Any = "auto", fused_layernorm: Any = False):
     from nemo_ssa.megatron.spec import layer_spec
 
     return run.Partial(
@@ -47,11 +47,12 @@ def _layer_spec_partial(attention: str, attention_options: Optional[Dict[str, An
         attention_options=dict(attention_options or {}),
         policy=policy,
         fused_mlp=fused_mlp,
+        fused_layernorm=fused_layernorm,
     )
 
 
 def _apply_arch(config, attention, attention_options, policy, seq_length, vocab_size,
-                fused_cross_entropy="auto", fused_mlp="auto") -> None:
+                fused_cross_entropy="auto", fused_mlp="auto", fused_layernorm=False) -> None:
     for key, value in ARCH.items():
         setattr(config, key, value)
     config.seq_length = seq_length
@@ -62,7 +63,8 @@ def _apply_arch(config, attention, attention_options, policy, seq_length, vocab_
     # Apex-only persistent kernel flag.
     config.apply_rope_fusion = False
     config.persist_layer_norm = False
-    config.transformer_layer_spec = _layer_spec_partial(attention, attention_options, policy, fused_mlp)
+    config.transformer_layer_spec = _layer_spec_partial(attention, attention_options, policy, fused_mlp,
+                                                        fused_layernorm)
     # Our core attention applies causality itself: no mask needed from the data.
     from nemo_ssa.nemo.steps import data_step, forward_step
 
@@ -77,6 +79,7 @@ def model(
     seq_length: int = 1024,
     vocab_size: Optional[int] = None,
     fused_mlp: Any = "auto",
+    fused_layernorm: Any = False,
 ) -> run.Config:
     """The 114M Nemotron model config with the named core attention.
 
@@ -93,6 +96,8 @@ def model(
             (padded to a multiple of 128).
         fused_mlp: the squared-ReLU MLP with its activation fused into the GEMM epilogues
             (nemo_ssa.megatron.mlp): auto (on with CUDA and TP=1), true, false.
+        fused_layernorm: the layer norms through Triton (nemo_ssa.megatron.layernorm):
+            auto (on with CUDA), true, false (torch's LayerNorm; the default).
 
     Returns:
         ``run.Config[NemotronModel]``.
@@ -103,10 +108,12 @@ def model(
     from nemo.collections.llm.recipes import nemotron3_4b
 
     cfg = nemotron3_4b.model()
-    from nemo_ssa.config.check import check_fused_mlp
+    from nemo_ssa.config.check import check_fused_layernorm, check_fused_mlp
 
     check_fused_mlp(fused_mlp)
-    _apply_arch(cfg.config, attention, attention_options, policy, seq_length, vocab_size, fused_mlp=fused_mlp)
+    check_fused_layernorm(fused_layernorm)
+    _apply_arch(cfg.config, attention, attention_options, policy, seq_length, vocab_size, fused_mlp=fused_mlp,
+                fused_layernorm=fused_layernorm)
     return cfg
 
 
@@ -137,6 +144,7 @@ def pretrain_recipe(
     vocab_size: Optional[int] = None,
     fused_cross_entropy: Any = "auto",
     fused_mlp: Any = "auto",
+    fused_layernorm: Any = False,
     num_workers: int = 2,
     precision: str = "bf16-mixed",
     use_distributed_optimizer: Optional[bool] = None,
@@ -182,6 +190,10 @@ def pretrain_recipe(
         fused_mlp: the squared-ReLU MLP with its activation fused into the GEMM epilogues
             (nemo_ssa.megatron.mlp, docs/fused-layers.md): auto (on with CUDA and TP=1),
             true (refused with TP > 1), false (megatron's MLP).
+        fused_layernorm: the layer norms and the final norm through Triton
+            (nemo_ssa.megatron.layernorm, docs/fused-layers.md): auto (on with CUDA), true
+            (refused when the model's hidden size or dtype is not supported), false (the
+            default: the op's host cost slows the micro batch 8 step).
         vocab_size: padded vocabulary; None derives it from the tokenizer.
         num_workers: data-loader workers.
         precision: ``bf16-mixed`` (default), ``16-mixed`` or ``32``.
@@ -222,13 +234,14 @@ def pretrain_recipe(
     recipe = nemotron3_4b.pretrain_recipe(**kwargs)
 
     # Parallelism: checked before anything is built (one line naming what is supported)
-    from nemo_ssa.config.check import check_fused_mlp, check_parallel
+    from nemo_ssa.config.check import check_fused_layernorm, check_fused_mlp, check_parallel
     from nemo_ssa.megatron.output_layer import check_fused_cross_entropy
 
     check_fused_cross_entropy(fused_cross_entropy, tensor_parallel, sequence_parallel)
     check_fused_mlp(fused_mlp, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel)
+    check_fused_layernorm(fused_layernorm)
     _apply_arch(recipe.model.config, attention, attention_options, policy, seq_length, vocab_size,
-                fused_cross_entropy, fused_mlp)
+                fused_cross_entropy, fused_mlp, fused_layernorm)
 
     world = int(num_nodes) * int(num_gpus_per_node)
     dp = check_parallel(attention=attention, world=world, tensor_parallel=tensor_parallel,

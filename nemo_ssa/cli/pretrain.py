@@ -224,6 +224,7 @@ def build_recipe(cfg: DictConfig, train: DictConfig, prefix: str, tokenizer_dir:
         vocab_size=cfg.model.get("vocab_size"),
         fused_cross_entropy=cfg.model.get("fused_cross_entropy", "auto"),
         fused_mlp=cfg.model.get("fused_mlp", "auto"),
+        fused_layernorm=cfg.model.get("fused_layernorm", False),
         init_on_cpu=bool(cfg.model.get("init_on_cpu", False)),
         num_workers=int(train.get("num_workers", 2)),
         precision=str(train.precision),

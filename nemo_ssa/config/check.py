@@ -121,6 +121,16 @@ def check_fused_mlp(value: Any, tensor_parallel: Any = 1, sequence_parallel: boo
                          "(megatron's MLP at tensor_parallel > 1) or false")
 
 
+def check_fused_layernorm(value: Any) -> None:
+    """``model.fused_layernorm``: auto / true / false (bools and None = auto accepted). Whether
+    ``true`` fits the model (its hidden size and dtype) is decided when the model is built
+    (nemo_ssa/megatron/layernorm.py). One-line ValueError."""
+    ok = value is None or isinstance(value, bool) or (
+        isinstance(value, str) and value.strip().lower() in FUSED_MLP_VALUES)
+    if not ok:
+        raise ValueError(f"model.fused_layernorm={value!r} is not supported (supported: auto, true, false)")
+
+
 def held_out_every(max_steps: int, val_check_interval: Optional[int]) -> Tuple[int, Optional[str]]:
     """Steps between held-out evaluations, and a line to print when the configured value was
     changed: ``None`` is one evaluation at the end; a value above ``max_steps`` is clamped to
@@ -213,6 +223,7 @@ def check_run_config(cfg: Mapping[str, Any], *, cuda: bool, world: Optional[int]
     )
     check_fused_mlp(model.get("fused_mlp", "auto"), tensor_parallel=train.get("tensor_parallel"),
                     sequence_parallel=bool(train.get("sequence_parallel") or False))
+    check_fused_layernorm(model.get("fused_layernorm", "auto"))
     if arch.get("hidden_size") and arch.get("num_attention_heads"):
         head_dim = int(arch["hidden_size"]) // int(arch["num_attention_heads"])
         lo_hi = ATTENTIONS[resolved.name].head_dims

@@ -4,7 +4,9 @@
  - the core attention chosen by name (``nemo_ssa.config.attentions.ATTENTIONS``), or, for the NSA
    family (``nsa``, ``nsa_ssa``), ``NSASelfAttention`` as the whole self attention,
  - LayerNorm1P (zero-centred gamma) for the layer norms and the final norm, so the
-   model keeps nemotron3_4b's architecture without Transformer Engine,
+   model keeps nemotron3_4b's architecture without Transformer Engine; with
+   ``fused_layernorm`` (opt-in; auto = on with CUDA) ``FusedLayerNorm1P``, the same module through
+   Triton kernels (nemo_ssa/megatron/layernorm.py, nemo_ssa/ops/norm),
  - megatron's MLP (squared ReLU comes from the config's ``activation_func``), or with
    ``fused_mlp`` (auto = on with CUDA) ``FusedReLU2MLP``: the same module with the
    activation fused into its GEMMs (nemo_ssa/megatron/mlp.py, nemo_ssa/ops/mlp).
@@ -30,7 +32,7 @@ from megatron.core.transformer.transformer_block import (
 from nemo_ssa.config.attentions import ATTENTIONS, KERNEL_OPTION_KEYS, SSA_OPTION_KEYS
 from nemo_ssa.config.policy import PINNED, resolve_attention
 from nemo_ssa.megatron.compat import local_layer_spec, mlp_slot
-from nemo_ssa.megatron.layernorm import LayerNorm1P
+from nemo_ssa.megatron.layernorm import FusedLayerNorm1P, LayerNorm1P, use_fused_layernorm
 from nemo_ssa.megatron.mlp import FusedReLU2MLP, use_fused_mlp
 from nemo_ssa.megatron.self_attention import FusedRopeSelfAttention
 
@@ -113,6 +115,7 @@ def layer_spec(
     policy: str = "pinned",
     fused_mlp: Any = "auto",
     vp_stage: Optional[int] = None,
+    fused_layernorm: Any = False,
 ) -> TransformerBlockSubmodules:
     """Build the block spec for ``config`` with the named attention.
 
@@ -130,6 +133,11 @@ def layer_spec(
             config is not), ``false`` (megatron's MLP).
         vp_stage: the virtual pipeline stage this block is for (None: no virtual pipeline);
             it decides how many layers are built, as in megatron's own block spec.
+        fused_layernorm: the layer norms and the final norm through Triton
+            (``FusedLayerNorm1P``): ``auto`` (on with CUDA for a supported hidden size and
+            dtype), ``true`` (ValueError naming the supported set otherwise), ``false``
+            (torch's LayerNorm; the default until the op's host cost is cut: it slows the
+            host-bound micro batch 8 step, docs/fused-layers.md).
     """
     check_layer_config(config)
     # NSA replaces the self-attention internals (gates and compression read the layer
@@ -137,8 +145,11 @@ def layer_spec(
     layer = gpt_layer_spec(attention, attention_options, policy)
     if use_fused_mlp(config, fused_mlp):
         layer.submodules.mlp = mlp_slot(layer.submodules.mlp, FusedReLU2MLP)
+    norm = LayerNorm1P
+    if use_fused_layernorm(config, fused_layernorm):
+        norm = layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = FusedLayerNorm1P
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=LayerNorm1P)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=norm)
 
 
 def gpt_layer_spec(attention: str = "ssa", attention_options: Optional[Dict[str, Any]] = None,
