@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from nemo_ssa.ops.common.launch import launch_kw
+from nemo_ssa.ops.common.launch import cdiv, launch_kw, next_pow2
 from nemo_ssa.ops.common.target import backend
 from nemo_ssa.ops.norm.naive import layer_norm_1p_naive
 
@@ -122,7 +122,7 @@ def tile(n: int, device: torch.device) -> List[int]:
     per program for a bandwidth-bound op, few enough registers for 4-8 warps). Backward
     programs: 4 per SM, so the ``[programs, N]`` partials stay a few MB and every SM walks
     tiles (on CPU, 4: the interpreter runs programs one after another)."""
-    block_n = triton.next_power_of_2(max(int(n), 1))
+    block_n = next_pow2(max(int(n), 1))
     block_m = max(1, min(16, 4096 // block_n))
     warps = 4 if block_m * block_n <= 4096 else 8
     programs = 4 * _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
@@ -146,7 +146,7 @@ def _launch_fwd(x2d: Tensor, weight: Tensor, bias: Tensor, eps: float, zero_cent
     if M:
         # the cached launch: JITFunction.run's binder costs more host time than the kernel
         # takes at the recipe's shape, and the model calls 25 norms forward and backward
-        launch_kw(layernorm_fwd_kernel, (triton.cdiv(M, block_m),),
+        launch_kw(layernorm_fwd_kernel, (cdiv(M, block_m),),
                   dict(x_ptr=x2d, w_ptr=weight, b_ptr=bias, y_ptr=y, mean_ptr=mean, rstd_ptr=rstd),
                   dict(M=M, N=N, stride_xm=x2d.stride(0), stride_ym=y.stride(0), eps=eps),
                   dict(ZERO_CENTRED=zero_centred, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps))
@@ -161,15 +161,15 @@ def _launch_bwd(dy2d: Tensor, x2d: Tensor, weight: Tensor, mean: Tensor, rstd: T
     if M == 0:
         zero = torch.zeros_like(weight)
         return dx, zero, zero.clone()
-    programs = max(1, min(int(programs), triton.cdiv(M, block_m)))
-    dw_part = _empty((programs, N), torch.float32, x2d.device)
-    db_part = _empty((programs, N), torch.float32, x2d.device)
+    programs = max(1, min(int(programs), cdiv(M, block_m)))
+    part = _empty((2, programs, N), torch.float32, x2d.device)  # dw, db partials: one sum, one cast
     launch_kw(layernorm_bwd_kernel, (programs,),
               dict(dy_ptr=dy2d, x_ptr=x2d, w_ptr=weight, mean_ptr=mean, rstd_ptr=rstd, dx_ptr=dx,
-                   dw_part_ptr=dw_part, db_part_ptr=db_part),
+                   dw_part_ptr=part[0], db_part_ptr=part[1]),
               dict(M=M, N=N, stride_dym=dy2d.stride(0), stride_xm=x2d.stride(0), stride_dxm=dx.stride(0)),
               dict(ZERO_CENTRED=zero_centred, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps))
-    return dx, dw_part.sum(0).to(weight.dtype), db_part.sum(0).to(weight.dtype)
+    dw, db = part.sum(1).to(weight.dtype).unbind(0)
+    return dx, dw, db
 
 
 @torch.library.custom_op("nemo_ssa::layernorm_fwd", mutates_args=())
@@ -188,7 +188,8 @@ def _(x2d, weight, bias, eps, zero_centred, t):
 @torch.library.custom_op("nemo_ssa::layernorm_bwd", mutates_args=())
 def _bwd_call(dy2d: Tensor, x2d: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor, zero_centred: bool,
               t: List[int]) -> Tuple[Tensor, Tensor, Tensor]:
-    return _launch_bwd(dy2d, x2d, weight, mean, rstd, zero_centred, t)
+    dx, dw, db = _launch_bwd(dy2d, x2d, weight, mean, rstd, zero_centred, t)
+    return dx, dw.clone(), db  # dw, db are rows of one tensor; a custom op's outputs may not alias
 
 
 @_bwd_call.register_fake
@@ -200,13 +201,36 @@ def _unit_last(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+# Eager calls take ``_LayerNorm1P`` straight to the launchers; under torch.compile
+# ``_LayerNorm1POps`` reaches the same launchers through the custom ops (no graph break). The
+# custom-op dispatch costs host time on every eager call, and the host-bound micro batch 8
+# step pays it 50 times (as the attention's eager Function, ops/attention/flash.py).
+def _save(ctx, x2d: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor, zero_centred: bool, t: List[int]) -> None:
+    ctx.save_for_backward(x2d, weight, mean, rstd)
+    ctx.zero_centred, ctx.t = zero_centred, t
+
+
 class _LayerNorm1P(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d: Tensor, weight: Tensor, bias: Tensor, eps: float, zero_centred: bool,
                 t: List[int]) -> Tensor:
+        y, mean, rstd = _launch_fwd(x2d, weight, bias, eps, zero_centred, t)
+        _save(ctx, x2d, weight, mean, rstd, zero_centred, t)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x2d, weight, mean, rstd = ctx.saved_tensors
+        dx, dw, db = _launch_bwd(_unit_last(dy), x2d, weight, mean, rstd, ctx.zero_centred, ctx.t)
+        return dx, dw, db, None, None, None
+
+
+class _LayerNorm1POps(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d: Tensor, weight: Tensor, bias: Tensor, eps: float, zero_centred: bool,
+                t: List[int]) -> Tensor:
         y, mean, rstd = _fwd_call(x2d, weight, bias, eps, zero_centred, t)
-        ctx.save_for_backward(x2d, weight, mean, rstd)
-        ctx.zero_centred, ctx.t = zero_centred, t
+        _save(ctx, x2d, weight, mean, rstd, zero_centred, t)
         return y
 
     @staticmethod
@@ -268,5 +292,6 @@ def layer_norm_1p(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5, ze
         return layer_norm_1p_naive(x, weight, bias, eps, zero_centred)
     t = list(tiles) if tiles is not None else tile(n, x.device)
     x2d = _unit_last(x.reshape(-1, n))
-    y = _LayerNorm1P.apply(x2d, weight, bias, float(eps), bool(zero_centred), t)
+    fn = _LayerNorm1POps if torch.compiler.is_compiling() else _LayerNorm1P
+    y = fn.apply(x2d, weight, bias, float(eps), bool(zero_centred), t)
     return y.view(x.shape)

@@ -203,3 +203,24 @@ def test_refusals_name_what_is_supported(args, match):
 def test_unsupported_dtype_reason():
     assert "supported: bf16, fp16, fp32" in fused.unsupported_reason(64, torch.float64)
     assert fused.unsupported_reason(768, torch.bfloat16) is None
+
+
+def test_compiled_graph_takes_the_custom_ops_and_matches_eager():
+    """Under torch.compile the op is reached through its custom ops (no graph break,
+    ``fullgraph=True``) and gives eager's output and gradients; eager calls skip them."""
+    x, w, b, dy = inputs((6, 40))
+    fn = lambda a, c, d: layer_norm_1p(a * 1.5, c, d, impl="triton").relu()  # noqa: E731
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    for g, e in zip(run(compiled, x, w, b, dy, torch.float32), run(fn, x, w, b, dy, torch.float32)):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+def test_eager_calls_skip_the_custom_op_dispatch(monkeypatch):
+    calls = []
+    for name in ("_fwd_call", "_bwd_call"):
+        real = getattr(fused, name)
+        monkeypatch.setattr(fused, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
+    x, w, b, dy = inputs((3, 16))
+    run(lambda a, c, d: layer_norm_1p(a, c, d, impl="triton"), x, w, b, dy, torch.float32)
+    assert calls == []
