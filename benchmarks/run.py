@@ -95,6 +95,17 @@ def _names(bench: registry.OpBench, only: str) -> List[str]:
     return [n for n in want if n in known]
 
 
+def needed(bench: registry.OpBench, names: List[str]) -> List[str]:
+    """``names`` and, once each, the baselines their ratios divide by (timed whatever
+    ``--only`` says). Two entries sharing a baseline must not time it twice: the second
+    timing became a second row and the ratios read whichever came last."""
+    out = list(dict.fromkeys(names))
+    for e in bench.entries:
+        if e.name in out and e.baseline and e.baseline not in out:
+            out.append(e.baseline)
+    return out
+
+
 # ------------------------------------------------------------------------------------ list
 def list_registry() -> str:
     lines = []
@@ -153,10 +164,7 @@ def time_ops(ops: List[registry.OpBench], args) -> List[Dict]:
     modes = [m for m in args.modes.split(",") if m]
     rows = []
     for bench in ops:
-        names = _names(bench, args.only)
-        # baselines are timed too, whatever --only says: the ratios need them
-        need = names + [e.baseline for e in bench.entries if e.name in names and e.baseline
-                        and e.baseline not in names]
+        need = needed(bench, _names(bench, args.only))
         for shape in registry.shapes(bench.op, args.shape):
             print(f"## {bench.op} {shape}", flush=True)
             try:

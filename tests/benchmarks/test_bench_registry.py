@@ -124,6 +124,14 @@ def test_merge_ab_ratios():
     assert m[0]["here/ref"] == 0.5 and m[0]["ms_ref"] == 4.0 and m[0]["x_base_ref"] == 2.0
 
 
+def test_shared_baselines_are_timed_once():
+    """softmax_triton and ssa_triton share sdpa_cudnn: it is timed (and printed) once, after them."""
+    bench = registry.get("attention")
+    assert run.needed(bench, ["softmax_triton", "ssa_triton"]) == ["softmax_triton", "ssa_triton", "sdpa_cudnn"]
+    assert run.needed(bench, ["sdpa_cudnn", "softmax_triton", "softmax_triton"]) == ["sdpa_cudnn", "softmax_triton"]
+    assert run.needed(bench, ["sdpa_flash"]) == ["sdpa_flash", "sdpa_cudnn"]
+
+
 def test_ratios_against_the_baseline():
     rows = [dict(op="a", shape="s", impl="k", mode="fwd", baseline="b", ms=3.0),
             dict(op="a", shape="s", impl="b", mode="fwd", baseline="", ms=2.0)]
