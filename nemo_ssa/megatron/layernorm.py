@@ -17,7 +17,6 @@ backward costs ~0.3 ms of host time a call, which the host-bound micro batch 8 s
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Optional
 
 import torch
@@ -25,12 +24,10 @@ import torch.nn.functional as F
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from nemo_ssa.megatron.fused_choice import choose, parse_flag
 from nemo_ssa.ops.norm import layer_norm_1p
 from nemo_ssa.ops.norm.fused import MAX_N, unsupported_reason as _kernel_unsupported
 
-log = logging.getLogger(__name__)
-
-FUSED_LAYERNORM_VALUES = ("auto", "true", "false")
 SUPPORTED = f"hidden size 1..{MAX_N}, params in bf16, fp16 or fp32, normalization='LayerNorm'"
 
 
@@ -84,14 +81,7 @@ class FusedLayerNorm1P(LayerNorm1P):
 
 def parse_fused_layernorm(value: Any) -> Optional[bool]:
     """``auto``/None -> None, ``true``/``false`` (bool or string) -> bool; else ValueError."""
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in FUSED_LAYERNORM_VALUES:
-        v = value.strip().lower()
-        return None if v == "auto" else v == "true"
-    raise ValueError(f"fused_layernorm={value!r}; supported: auto, true, false")
+    return parse_flag(value, "fused_layernorm")
 
 
 def unsupported_reason(config) -> Optional[str]:
@@ -102,21 +92,13 @@ def unsupported_reason(config) -> Optional[str]:
     return _kernel_unsupported(int(config.hidden_size), dtype)
 
 
-def use_fused_layernorm(config, fused_layernorm: Any = "auto") -> bool:
-    """Whether the layer spec takes ``FusedLayerNorm1P`` (called when the model is built).
+def use_fused_layernorm(config, fused_layernorm: Any = False) -> bool:
+    """Whether the layer spec takes ``FusedLayerNorm1P`` (called when the model is built;
+    ``fused_choice.choose``'s rule).
 
     Raises:
         ValueError: an unknown value, or ``true`` with a config it does not support (the
             message names the supported set).
     """
-    flag = parse_fused_layernorm(fused_layernorm)
-    if flag is False:
-        return False
-    reason = unsupported_reason(config)
-    if reason is not None:
-        if flag:
-            raise ValueError(f"fused_layernorm=true: {reason}; supported: {SUPPORTED} (fused_layernorm=auto or "
-                             "false keeps torch's LayerNorm)")
-        log.info("fused layer norm off (fused_layernorm=auto): %s; torch's LayerNorm runs", reason)
-        return False
-    return True if flag else torch.cuda.is_available()
+    return choose("fused_layernorm", fused_layernorm, lambda: unsupported_reason(config), SUPPORTED,
+                  "torch's LayerNorm")

@@ -23,32 +23,22 @@ the TP group, which ``MLP`` then takes from the parallel state -- the same group
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Optional
 
 import torch
 from megatron.core.transformer.mlp import MLP
 
 from nemo_ssa.megatron.compat import accepted_kwargs
+from nemo_ssa.megatron.fused_choice import choose, parse_flag
 from nemo_ssa.ops.mlp import mlp_relu2
 
-log = logging.getLogger(__name__)
-
-FUSED_MLP_VALUES = ("auto", "true", "false")
 SUPPORTED = ("squared ReLU, add_bias_linear=False, gated_linear_unit=False, a dense MLP (no MoE expert), "
              "tensor_parallel=1 without sequence parallel, no fp8, hidden and ffn sizes multiples of 16")
 
 
 def parse_fused_mlp(value: Any) -> Optional[bool]:
     """``auto``/None -> None, ``true``/``false`` (bool or string) -> bool; else ValueError."""
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in FUSED_MLP_VALUES:
-        v = value.strip().lower()
-        return None if v == "auto" else v == "true"
-    raise ValueError(f"fused_mlp={value!r}; supported: auto, true, false")
+    return parse_flag(value, "fused_mlp")
 
 
 def _is_squared_relu(fn) -> bool:
@@ -88,23 +78,14 @@ def unsupported_reason(config, is_expert: bool = False) -> Optional[str]:
 
 
 def use_fused_mlp(config, fused_mlp: Any = "auto") -> bool:
-    """Whether the layer spec takes ``FusedReLU2MLP`` (called when the model is built).
+    """Whether the layer spec takes ``FusedReLU2MLP`` (called when the model is built;
+    ``fused_choice.choose``'s rule).
 
     Raises:
         ValueError: an unknown ``fused_mlp`` value, or ``true`` with a config it does not
             support (the message names the supported set).
     """
-    flag = parse_fused_mlp(fused_mlp)
-    if flag is False:
-        return False
-    reason = unsupported_reason(config)
-    if reason is not None:
-        if flag:
-            raise ValueError(f"fused_mlp=true: {reason}; supported: {SUPPORTED} (fused_mlp=auto or false "
-                             "keeps megatron's MLP)")
-        log.info("fused MLP off (fused_mlp=auto): %s; megatron's MLP runs", reason)
-        return False
-    return True if flag else torch.cuda.is_available()
+    return choose("fused_mlp", fused_mlp, lambda: unsupported_reason(config), SUPPORTED, "megatron's MLP")
 
 
 class FusedReLU2MLP(MLP):
