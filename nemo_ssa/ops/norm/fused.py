@@ -30,7 +30,6 @@ Both kernels are ``torch.library.custom_op`` ops with fake implementations, so
 
 from __future__ import annotations
 
-import functools
 from typing import List, Tuple
 
 import torch
@@ -39,7 +38,7 @@ import triton.language as tl
 from torch import Tensor
 
 from nemo_ssa.ops.common.launch import cdiv, launch_kw, next_pow2
-from nemo_ssa.ops.common.target import backend
+from nemo_ssa.ops.common.target import backend, target
 from nemo_ssa.ops.norm.naive import layer_norm_1p_naive
 
 #: the widest row one program holds in registers (a power of two); wider rows take torch
@@ -109,11 +108,6 @@ def layernorm_bwd_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_pa
 
 
 # ------------------------------------------------------------------------------- tiles
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def tile(n: int, device: torch.device) -> List[int]:
     """``[BLOCK_M, BLOCK_N, warps, backward programs]`` for rows of ``n`` elements.
 
@@ -125,9 +119,8 @@ def tile(n: int, device: torch.device) -> List[int]:
     block_n = next_pow2(max(int(n), 1))
     block_m = max(1, min(16, 4096 // block_n))
     warps = 4 if block_m * block_n <= 4096 else 8
-    programs = 4 * _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 4
-    return [block_m, block_n, warps, programs]
+    sms = target(device).sms
+    return [block_m, block_n, warps, 4 * sms if sms else 4]
 
 
 # ----------------------------------------------------------------------- host launchers
@@ -201,43 +194,25 @@ def _unit_last(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-# Eager calls take ``_LayerNorm1P`` straight to the launchers; under torch.compile
-# ``_LayerNorm1POps`` reaches the same launchers through the custom ops (no graph break). The
-# custom-op dispatch costs host time on every eager call, and the host-bound micro batch 8
-# step pays it 50 times (as the attention's eager Function, ops/attention/flash.py).
-def _save(ctx, x2d: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor, zero_centred: bool, t: List[int]) -> None:
-    ctx.save_for_backward(x2d, weight, mean, rstd)
-    ctx.zero_centred, ctx.t = zero_centred, t
-
-
+# Eager calls go straight to the launchers; under torch.compile (``via_ops``) the same
+# launchers are reached through the custom ops (no graph break). The custom-op dispatch costs
+# host time on every eager call, and the host-bound micro batch 8 step pays it 50 times (as
+# the attention's eager Function, ops/attention/flash.py).
 class _LayerNorm1P(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d: Tensor, weight: Tensor, bias: Tensor, eps: float, zero_centred: bool,
-                t: List[int]) -> Tensor:
-        y, mean, rstd = _launch_fwd(x2d, weight, bias, eps, zero_centred, t)
-        _save(ctx, x2d, weight, mean, rstd, zero_centred, t)
+                t: List[int], via_ops: bool) -> Tensor:
+        y, mean, rstd = (_fwd_call if via_ops else _launch_fwd)(x2d, weight, bias, eps, zero_centred, t)
+        ctx.save_for_backward(x2d, weight, mean, rstd)
+        ctx.zero_centred, ctx.t, ctx.via_ops = zero_centred, t, via_ops
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         x2d, weight, mean, rstd = ctx.saved_tensors
-        dx, dw, db = _launch_bwd(_unit_last(dy), x2d, weight, mean, rstd, ctx.zero_centred, ctx.t)
-        return dx, dw, db, None, None, None
-
-
-class _LayerNorm1POps(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x2d: Tensor, weight: Tensor, bias: Tensor, eps: float, zero_centred: bool,
-                t: List[int]) -> Tensor:
-        y, mean, rstd = _fwd_call(x2d, weight, bias, eps, zero_centred, t)
-        _save(ctx, x2d, weight, mean, rstd, zero_centred, t)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy: Tensor):
-        x2d, weight, mean, rstd = ctx.saved_tensors
-        dx, dw, db = _bwd_call(_unit_last(dy), x2d, weight, mean, rstd, ctx.zero_centred, ctx.t)
-        return dx, dw, db, None, None, None
+        dx, dw, db = (_bwd_call if ctx.via_ops else _launch_bwd)(_unit_last(dy), x2d, weight, mean, rstd,
+                                                                 ctx.zero_centred, ctx.t)
+        return dx, dw, db, None, None, None, None
 
 
 # ------------------------------------------------------------------------------ public
@@ -292,6 +267,5 @@ def layer_norm_1p(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5, ze
         return layer_norm_1p_naive(x, weight, bias, eps, zero_centred)
     t = list(tiles) if tiles is not None else tile(n, x.device)
     x2d = _unit_last(x.reshape(-1, n))
-    fn = _LayerNorm1POps if torch.compiler.is_compiling() else _LayerNorm1P
-    y = fn.apply(x2d, weight, bias, float(eps), bool(zero_centred), t)
+    y = _LayerNorm1P.apply(x2d, weight, bias, float(eps), bool(zero_centred), t, torch.compiler.is_compiling())
     return y.view(x.shape)
