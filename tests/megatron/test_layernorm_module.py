@@ -12,12 +12,12 @@
 import pytest
 import torch
 from megatron.core.activations import squared_relu
-from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from nemo_ssa.megatron.cpu import cpu_device_shims
 from nemo_ssa.megatron.layernorm import FusedLayerNorm1P, LayerNorm1P, parse_fused_layernorm, use_fused_layernorm
 from nemo_ssa.megatron.spec import layer_spec
+from nemo_ssa.testing.tiny_gpt import assert_same_loss_and_grads, tiny_gpt
 from nemo_ssa.ops.norm import fused as fused_op
 from nemo_ssa.testing import assert_within_2x_eager
 
@@ -37,19 +37,8 @@ def make_config(**overrides):
 
 def build_gpt(fused_layernorm, cfg=None):
     cfg = cfg or make_config()
-    spec = layer_spec(cfg, attention="softmax", fused_mlp=False, fused_layernorm=fused_layernorm)
-    with cpu_device_shims():
-        return GPTModel(cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=S,
-                        position_embedding_type="rope", rotary_percent=0.5)
-
-
-def loss_and_grads(model, tokens):
-    model.zero_grad(set_to_none=True)
-    with cpu_device_shims():
-        pos = torch.arange(S)[None].expand(B, S)
-        loss = model(tokens, pos, attention_mask=None, labels=tokens).mean()
-        loss.backward()
-    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return tiny_gpt(cfg, layer_spec(cfg, attention="softmax", fused_mlp=False, fused_layernorm=fused_layernorm),
+                    VOCAB, S)
 
 
 def test_gpt_with_fused_layernorm_gives_the_torch_paths_loss_and_grads(megatron_cpu, monkeypatch):
@@ -65,14 +54,8 @@ def test_gpt_with_fused_layernorm_gives_the_torch_paths_loss_and_grads(megatron_
     norms = [m for m in fused.modules() if isinstance(m, LayerNorm1P)]
     assert len(norms) == 2 * 2 + 1 and all(type(m) is FusedLayerNorm1P for m in norms)
     assert all(type(m) is LayerNorm1P for m in stock.modules() if isinstance(m, LayerNorm1P))
-    tokens = torch.randint(0, VOCAB, (B, S))
-    loss_f, grads_f = loss_and_grads(fused, tokens)
+    assert_same_loss_and_grads(fused, stock, torch.randint(0, VOCAB, (B, S)), "layernorm", grad_rtol=1e-4)
     assert len(launches) == 5  # every norm's backward ran the Triton kernel
-    loss_s, grads_s = loss_and_grads(stock, tokens)
-    torch.testing.assert_close(loss_f, loss_s, rtol=1e-6, atol=1e-6)
-    assert set(grads_f) == set(grads_s) and any("layernorm" in n for n in grads_f)
-    for name in grads_s:
-        torch.testing.assert_close(grads_f[name], grads_s[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_module_fp16_within_2x_of_the_torch_paths_fp16(megatron_cpu):

@@ -12,7 +12,6 @@
 import pytest
 import torch
 from megatron.core.activations import squared_relu
-from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import build_module
@@ -21,6 +20,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from nemo_ssa.megatron.cpu import cpu_device_shims
 from nemo_ssa.megatron.mlp import FusedReLU2MLP, parse_fused_mlp, use_fused_mlp
 from nemo_ssa.megatron.spec import layer_spec
+from nemo_ssa.testing.tiny_gpt import assert_same_loss_and_grads, tiny_gpt
 from nemo_ssa.ops.mlp import fused as fused_op
 from nemo_ssa.testing import assert_within_2x_eager
 
@@ -86,19 +86,7 @@ def test_module_fp16_kernels_within_2x_of_megatrons_fp16_mlp(megatron_cpu, monke
 
 def build_gpt(fused_mlp, cfg=None):
     cfg = cfg or make_config()
-    spec = layer_spec(cfg, attention="softmax", fused_mlp=fused_mlp)
-    with cpu_device_shims():
-        return GPTModel(cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=S,
-                        position_embedding_type="rope", rotary_percent=0.5)
-
-
-def loss_and_grads(model, tokens):
-    model.zero_grad(set_to_none=True)
-    with cpu_device_shims():
-        pos = torch.arange(S)[None].expand(B, S)
-        loss = model(tokens, pos, attention_mask=None, labels=tokens).mean()
-        loss.backward()
-    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return tiny_gpt(cfg, layer_spec(cfg, attention="softmax", fused_mlp=fused_mlp), VOCAB, S)
 
 
 def test_gpt_with_fused_mlp_gives_megatrons_loss_and_grads(megatron_cpu):
@@ -106,13 +94,7 @@ def test_gpt_with_fused_mlp_gives_megatrons_loss_and_grads(megatron_cpu):
     stock.load_state_dict(fused.state_dict())
     assert all(type(layer.mlp) is FusedReLU2MLP for layer in fused.decoder.layers)
     assert all(type(layer.mlp) is MLP for layer in stock.decoder.layers)
-    tokens = torch.randint(0, VOCAB, (B, S))
-    loss_f, grads_f = loss_and_grads(fused, tokens)
-    loss_s, grads_s = loss_and_grads(stock, tokens)
-    torch.testing.assert_close(loss_f, loss_s, rtol=1e-6, atol=1e-6)
-    assert set(grads_f) == set(grads_s) and any("linear_fc1" in n for n in grads_f)
-    for name in grads_s:
-        torch.testing.assert_close(grads_f[name], grads_s[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert_same_loss_and_grads(fused, stock, torch.randint(0, VOCAB, (B, S)), "linear_fc1", grad_rtol=1e-5)
 
 
 def test_auto_is_megatrons_mlp_without_cuda(megatron_cpu):

@@ -8,15 +8,14 @@ RoPE + layout-copy path on the same weights; the Triton kernels run in the inter
 import pytest
 import torch
 
-from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 import nemo_ssa.megatron.core_attention as core_attention_mod
 from nemo_ssa.megatron.core_attention import SoftmaxTritonCoreAttention
-from nemo_ssa.megatron.cpu import cpu_device_shims
 from nemo_ssa.megatron.self_attention import FusedRopeSelfAttention
 from nemo_ssa.megatron.spec import layer_spec
+from nemo_ssa.testing.tiny_gpt import loss_and_grads, tiny_gpt
 
 S, B, HIDDEN, HEADS, GROUPS, VOCAB = 9, 2, 96, 6, 2, 64  # head dim 16, GQA 3, rot dim 8
 
@@ -34,19 +33,8 @@ def make_config(**overrides):
 
 def build_gpt(attention, fused, cfg=None):
     cfg = cfg or make_config()
-    spec = layer_spec(cfg, attention=attention, attention_options={"fused_rope_layout": fused})
-    with cpu_device_shims():
-        return GPTModel(cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=S,
-                        position_embedding_type="rope", rotary_percent=0.5)
-
-
-def loss_and_grads(model, tokens):
-    model.zero_grad(set_to_none=True)
-    with cpu_device_shims():
-        pos = torch.arange(S)[None].expand(B, S)
-        loss = model(tokens, pos, attention_mask=None, labels=tokens).mean()
-        loss.backward()
-    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return tiny_gpt(cfg, layer_spec(cfg, attention=attention, attention_options={"fused_rope_layout": fused}),
+                    VOCAB, S)
 
 
 class Counter:
