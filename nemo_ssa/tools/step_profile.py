@@ -210,8 +210,8 @@ def top_kernels_table(kernels: list, steps: int = 1, width: int = 70) -> str:
 
 
 _FAMILIES = (
-    # our fused MLP kernels are GEMMs with relu^2 in the epilogue (nemo_ssa/ops/mlp): read as
-    # "relu" they put 7.7 ms of GEMM time into the elementwise family of the 2026-11-29 profile
+    # our fused MLP kernels are GEMMs with relu^2 in the epilogue (nemo_ssa/ops/mlp), not the
+    # elementwise kernels their "relu" would match below
     ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "aten::mm", "aten::addmm", "aten::bmm",
               "relu2_fwd_kernel", "relu2_bwd_kernel")),
     ("attention", ("attn", "flash", "fmha", "cudnn", "sdpa", "scaled_dot_product")),
