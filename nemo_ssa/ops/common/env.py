@@ -15,6 +15,7 @@ the callers that turn one into a module constant (poison, fast launch) say so.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Optional, Tuple
 
 __all__ = [
@@ -74,13 +75,34 @@ ENV_VARS: Tuple[Tuple[str, str, str], ...] = (
 )
 
 
+# ``os.environ.get`` runs four Python frames per read (Mapping.get, __getitem__, the key's
+# encoder); the attention reads several of these variables on every call, and the recipe's
+# micro batch is host-bound. On POSIX ``os.environ`` keeps its own bytes -> bytes dict in
+# ``_data``, which every write through ``os.environ`` (``os.environ[k] = v``, ``del``,
+# ``monkeypatch.setenv``, ``mock.patch.dict``) updates before returning: one lookup there
+# gives ``os.environ.get``'s answer. Anything else (another OS, ``os.environ`` replaced by
+# a plain mapping) takes ``os.environ.get``.
+_POSIX = os.name == "posix"
+_FS_ENCODING = sys.getfilesystemencoding()
+
+
+def _raw(name: str) -> Optional[str]:
+    """``os.environ.get(name)``, without its Python frames where ``os.environ`` allows."""
+    data = getattr(os.environ, "_data", None)
+    if not _POSIX or type(data) is not dict:
+        return os.environ.get(name)
+    value = data.get(name.encode(_FS_ENCODING, "surrogateescape"))
+    return None if value is None else value.decode(_FS_ENCODING, "surrogateescape")
+
+
 def _get(name: str) -> str:
-    return os.environ.get(name, "")
+    raw = _raw(name)
+    return "" if raw is None else raw
 
 
 def _flag(name: str, default: bool) -> bool:
     """Unset -> ``default``; ``""`` or ``"0"`` -> False; anything else -> True."""
-    raw = os.environ.get(name)
+    raw = _raw(name)
     if raw is None:
         return default
     return raw not in ("", "0")

@@ -99,3 +99,39 @@ def test_every_variable_the_package_reads_is_in_the_table_or_named_here():
                 read |= set(re.findall(r"NEMO_SSA_[A-Z0-9_]+", open(os.path.join(d, f)).read()))
     stray = sorted(read - table - set(OUTSIDE_THE_TABLE))
     assert stray == [], f"NEMO_SSA_* variables neither in ops.common.env.ENV_VARS nor named here: {stray}"
+
+
+def test_reads_follow_every_way_of_changing_the_environment(monkeypatch):
+    """The accessors answer what ``os.environ.get`` answers right after each kind of write
+    (they read os.environ's own store on POSIX, nothing cached)."""
+    import unittest.mock
+
+    name = "NEMO_SSA_POLY_LOG2"
+    monkeypatch.delenv(name, raising=False)
+    assert env.poly_log2() is False
+    os.environ[name] = "1"
+    try:
+        assert env.poly_log2() is True
+        del os.environ[name]
+        assert env.poly_log2() is False
+        with unittest.mock.patch.dict(os.environ, {name: "1"}):
+            assert env.poly_log2() is True
+        assert env.poly_log2() is False
+        os.environ.update({name: "1", "NEMO_SSA_BWD": "atomic"})
+        assert (env.poly_log2(), env.bwd_mode()) == (True, "atomic")
+        os.environ.pop(name)
+        os.environ.pop("NEMO_SSA_BWD")
+        assert (env.poly_log2(), env.bwd_mode()) == (False, "auto")
+    finally:
+        os.environ.pop(name, None)
+        os.environ.pop("NEMO_SSA_BWD", None)
+    # os.environ replaced by a plain mapping: read through it
+    monkeypatch.setattr(os, "environ", {name: "1", "NEMO_SSA_MLP_TILES": " x "})
+    assert env.poly_log2() is True and env.mlp_tiles() == "x"
+    monkeypatch.setattr(os, "environ", {})
+    assert env.poly_log2() is False and env.bwd_mode() == "auto"
+
+
+def test_non_ascii_values_read_as_os_environ_reads_them(monkeypatch):
+    monkeypatch.setenv("NEMO_SSA_MLP_TILES", "fwd=ä")
+    assert env.mlp_tiles() == os.environ.get("NEMO_SSA_MLP_TILES").strip() == "fwd=ä"
