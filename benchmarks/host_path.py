@@ -29,8 +29,9 @@ Per impl (``softmax_triton``, ``ssa_triton``) and call style it reports:
 ``--call run`` is the call ``benchmarks/run.py --op attention`` times (contiguous
 ``[B, H, S, D]`` leaves, ``autograd.grad`` with a fixed output gradient); ``--call
 megatron`` the one ``nemo_ssa.megatron.core_attention`` makes (the same plus
-``deterministic=False`` from the kernel options and ``out=`` a ``[B, H, S, D]`` view of
-megatron's ``[s, b, h*d]`` output buffer).
+``deterministic=False`` from the kernel options, ``out=`` a ``[B, H, S, D]`` view of
+megatron's ``[s, b, h*d]`` output buffer, and the gradient arriving as ``[s, b, h*d]``, so
+the backward sees a permuted ``dO``).
 
 ``--trees``: each tree runs in its own process (``.`` = this checkout; a directory holding
 ``nemo_ssa/``, e.g. ``git archive REF nemo_ssa | tar -x -C DIR``, or a git ref checked out
@@ -145,13 +146,14 @@ def fwd_bwd(impl: str, call: str, device: torch.device, dtype=torch.bfloat16) ->
         def one():
             torch.autograd.grad(op(q, k, v, *params, causal=True), leaves, go, allow_unused=True)
     elif call == "megatron":
+        go_sbh = torch.empty(N, B, Hq * D, device=device, dtype=dtype).normal_()  # the projection's gradient
+
         def one():
             # core_attention: the [sq, b, h*d] buffer the op writes through a [b, h, s, d] view
             buf = torch.empty((N, B, Hq * D), dtype=dtype, device=device)
             o = op(q, k, v, *params, causal=True, softmax_scale=None, keep_mask=None, dropout_p=0.0,
                    deterministic=False, out=buf.view(N, B, Hq, D).permute(1, 2, 0, 3))
-            torch.autograd.grad(o.permute(2, 0, 1, 3).reshape(N, B, -1), leaves, go.permute(2, 0, 1, 3).reshape(
-                N, B, -1), allow_unused=True)
+            torch.autograd.grad(o.permute(2, 0, 1, 3).reshape(N, B, -1), leaves, go_sbh, allow_unused=True)
     else:
         raise ValueError(f"unknown call {call!r}; choose from {CALLS}")
     return one
