@@ -86,7 +86,7 @@ from nemo_ssa.ops.common.launch import (
     param_ptrs,
     presence_flags,
     stat_strides,
-    zhsd_strides,
+    zhsd_stride_fn,
 )
 from nemo_ssa.ops.common.target import use_fast_math
 from nemo_ssa.ops.common.tma import descriptor, use_tma
@@ -344,8 +344,8 @@ def _flash_fwd(
     # None: absent (VARLEN, HAS_DROPOUT, SAVE_C follow); launch_kw passes M in their place
     tensors = dict(Q=q, K=k, V=v, O=o, M=M, CS=cstat, NP=n_ptr, BP=b_ptr, RNG=rng_state if has_dropout else None,
                    CU_Q=cu_seqlens_q, CU_K=cu_seqlens_k if varlen else None)
-    scalars = dict(s_q=zhsd_strides(q, varlen), s_k=zhsd_strides(k, varlen), s_v=zhsd_strides(v, varlen),
-                   s_o=zhsd_strides(o, varlen), s_m=stat_strides(M, varlen), HQ=hq, GROUP=hq // hkv,
+    zs = zhsd_stride_fn(varlen)
+    scalars = dict(s_q=zs(q), s_k=zs(k), s_v=zs(v), s_o=zs(o), s_m=stat_strides(M, varlen), HQ=hq, GROUP=hq // hkv,
                    SEQ_Q=sq, SEQ_K=sk, scale=float(scale), dropout_p=float(dropout_p), RNG_S=(rz, rh, rs))
     meta = dict(HEAD_DIM=d, BLOCK_D=block_d, TRANSFORM=tid, CAUSAL=bool(causal), INPUT_PRECISION=input_precision,
                 FAST_LOG2=log2_mode(fast_math) if tid == 1 else int(bool(fast_math)))

@@ -58,7 +58,7 @@ from nemo_ssa.ops.common.launch import (
     launch_kw,
     param_ptrs,
     stat_strides,
-    zhsd_strides,
+    zhsd_stride_fn,
 )
 from nemo_ssa.ops.common.target import use_fast_math
 from nemo_ssa.ops.common.tma import descriptor, use_tma
@@ -250,22 +250,23 @@ _NO_STRIDES4 = (0, 0, 0, 0)
 def _preprocess(c: _BwdCall, o, do, delta, M, dqa=None) -> None:
     """``attn_bwd_preprocess``: ``delta``, and (``dqa`` given) the fp32 dq accumulator zeroed."""
     pre_bm = _pre_block_m(c.block_d)
+    zs = zhsd_stride_fn(c.varlen)
     launch_kw(for_lengths(attn_bwd_preprocess, c.sq), (cdiv(c.sq, pre_bm), c.bz * c.hq),
               dict(O=o, DO=do, Delta=delta, CU_Q=c.cu_q, DQA=dqa),
-              dict(s_o=zhsd_strides(o, c.varlen), s_do=zhsd_strides(do, c.varlen), s_m=c.ms,
-                   s_a=zhsd_strides(dqa, c.varlen) if dqa is not None else _NO_STRIDES4, HQ=c.hq, SEQ_Q=c.sq),
+              dict(s_o=zs(o), s_do=zs(do), s_m=c.ms, s_a=zs(dqa) if dqa is not None else _NO_STRIDES4, HQ=c.hq,
+                   SEQ_Q=c.sq),
               dict(HEAD_DIM=c.d, BLOCK_D=c.block_d, BLOCK_M=pre_bm), absent=M)
 
 
 def _dq_args(c: _BwdCall, q, k, v, do, o, dq, M, delta, dn_part, db_part) -> Tuple[dict, dict]:
     """``(tensors, scalars)`` of ``attn_bwd_kernel_dq`` by name (``launch_kw``); ``dn_part``
     None: no dn/db partials (``DPARAMS`` off)."""
-    z = c.varlen
+    zs = zhsd_stride_fn(c.varlen)
     return (dict(Q=q, K=k, V=v, DO=do, O=o, DQ=dq, M=M, Delta=delta, NP=c.n_ptr, BP=c.b_ptr, RNG=c.rng,
                  CU_Q=c.cu_q, CU_K=c.cu_k, DN=dn_part, DBP=db_part),
-            dict(s_q=zhsd_strides(q, z), s_k=zhsd_strides(k, z), s_v=zhsd_strides(v, z), s_do=zhsd_strides(do, z),
-                 s_o=zhsd_strides(o, z), s_dq=zhsd_strides(dq, z), s_m=c.ms, HQ=c.hq, GROUP=c.hq // c.hkv,
-                 SEQ_Q=c.sq, SEQ_K=c.sk, scale=c.scale, dropout_p=c.dropout_p, RNG_S=c.rng_strides))
+            dict(s_q=zs(q), s_k=zs(k), s_v=zs(v), s_do=zs(do), s_o=zs(o), s_dq=zs(dq), s_m=c.ms, HQ=c.hq,
+                 GROUP=c.hq // c.hkv, SEQ_Q=c.sq, SEQ_K=c.sk, scale=c.scale, dropout_p=c.dropout_p,
+                 RNG_S=c.rng_strides))
 
 
 def _dkv_args(c: _BwdCall, q, k, v, do, dk, dv, M, delta, dqa=None, cstat=None, dnk=None,
@@ -273,12 +274,11 @@ def _dkv_args(c: _BwdCall, q, k, v, do, dk, dv, M, delta, dqa=None, cstat=None, 
     """``(tensors, scalars)`` of ``attn_bwd_kernel_dkv`` by name (``launch_kw``). The single
     pass's ``dqa`` (atomic dq), ``cstat`` and ``dnk`` (dn partials) are None, with zero
     strides, in the two-kernel backward (``ATOMIC_DQ`` and ``DN_KV`` follow)."""
-    z = c.varlen
+    zs = zhsd_stride_fn(c.varlen)
     return (dict(Q=q, K=k, V=v, DO=do, DK=dk, DV=dv, M=M, Delta=delta, NP=c.n_ptr, BP=c.b_ptr, RNG=c.rng,
                  CU_Q=c.cu_q, CU_K=c.cu_k, DQA=dqa, CS=cstat, DNK=dnk),
-            dict(s_q=zhsd_strides(q, z), s_k=zhsd_strides(k, z), s_v=zhsd_strides(v, z), s_do=zhsd_strides(do, z),
-                 s_dk=zhsd_strides(dk, z), s_dv=zhsd_strides(dv, z), s_m=c.ms,
-                 s_a=zhsd_strides(dqa, z) if dqa is not None else _NO_STRIDES4, s_n=dn_strides, HKV=c.hkv,
+            dict(s_q=zs(q), s_k=zs(k), s_v=zs(v), s_do=zs(do), s_dk=zs(dk), s_dv=zs(dv), s_m=c.ms,
+                 s_a=zs(dqa) if dqa is not None else _NO_STRIDES4, s_n=dn_strides, HKV=c.hkv,
                  GROUP=c.hq // c.hkv, SEQ_Q=c.sq, SEQ_K=c.sk, scale=c.scale, dropout_p=c.dropout_p,
                  RNG_S=c.rng_strides))
 

@@ -42,7 +42,7 @@ Two conventions keep call sites short:
 from __future__ import annotations
 
 import inspect
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -67,7 +67,7 @@ __all__ = [
     "next_pow2",
     "autotune_enabled",
     "autotuned",
-    "zhsd_strides",
+    "zhsd_stride_fn",
     "stat_strides",
     "param_ptrs",
 ]
@@ -493,12 +493,17 @@ def autotuned(name: str, kernel, cands, block_names, key):
     return _AUTOTUNED[name]
 
 
-def zhsd_strides(t: torch.Tensor, varlen: bool) -> Tuple[int, int, int, int]:
-    """(batch, head, seq, dim) strides of ``[B, H, S, D]`` or packed ``[T, H, D]``."""
+def _packed_strides(t: torch.Tensor) -> Tuple[int, int, int, int]:
     s = t.stride()
-    if varlen:
-        return 0, s[1], s[0], s[2]
-    return s
+    return 0, s[1], s[0], s[2]
+
+
+def zhsd_stride_fn(varlen: bool) -> Callable[[torch.Tensor], Tuple[int, int, int, int]]:
+    """``t -> (batch, head, seq, dim) strides`` of ``[B, H, S, D]`` or packed ``[T, H, D]``
+    tensors. Dense: ``Tensor.stride`` itself -- a launcher takes the strides of four to
+    seven tensors per launch, and a C call in place of a Python one each is a measurable
+    share of a host-bound attention call."""
+    return _packed_strides if varlen else torch.Tensor.stride
 
 
 def stat_strides(M: torch.Tensor, varlen: bool) -> Tuple[int, int, int]:
