@@ -406,6 +406,28 @@ def test_bind_kw_names_the_kernel_and_parameter_of_a_bad_call(tensors, scalars, 
         launcher.bind_kw(_kw_kernel, tensors, scalars, meta, absent=absent)
 
 
+@pytest.mark.parametrize("tensors,scalars,meta,absent,match", [
+    (dict(X=1, Y=1, Z=1, W=1), dict(s_x=(1, 2, 3, 4), n=1, RNG_S=(1, 1), scale=1.0), {}, None,
+     r"_kw_kernel: unknown parameter\(s\) \['W'\] in tensors"),
+    (dict(X=1, Y=1, Z=1), dict(s_x=(1, 2, 3), n=1, RNG_S=(1, 1), scale=1.0), {}, None,
+     r"_kw_kernel: s_x must be a tuple of 4"),
+    (dict(X=1, Y=1, Z=1), dict(s_x=(1, 2, 3, 4), n=1, RNG_S=(1, 1), scale=1.0), {"HAS_Y": True}, None,
+     r"_kw_kernel: \['HAS_Y'\] derived from"),
+])
+def test_launch_kw_names_a_bad_call_when_the_binder_is_cached(monkeypatch, tensors, scalars, meta, absent, match):
+    """``launch_kw`` binds with the cached binder directly; a call it cannot bind still raises
+    ``bind_kw``'s TypeError, and nothing is launched."""
+    launched = []
+    monkeypatch.setattr(launcher, "launch", lambda *a, **k: launched.append(a))
+    x = torch.empty(4)
+    launcher.launch_kw(_kw_kernel, (1,), dict(X=x, Y=x, Z=x), dict(s_x=(1, 2, 3, 4), n=7, RNG_S=(5, 6), scale=0.5),
+                       {"BLOCK": 16})
+    assert len(launched) == 1 and (_kw_kernel.fn, 3) in launcher._BINDERS
+    with pytest.raises(TypeError, match=match):
+        launcher.launch_kw(_kw_kernel, (1,), tensors, scalars, meta, absent=absent)
+    assert len(launched) == 1
+
+
 def test_presence_flags_must_name_the_kernels_parameters():
     @triton.jit
     def k(X, N, F: tl.constexpr):
