@@ -142,9 +142,16 @@ def single_config(head_dim: int, dtype: torch.dtype, interpret: Optional[bool] =
         interpret = is_interpreter()
     if interpret:
         return INTERPRETER_BWD_CONFIG
-    kind = "fp32" if dtype == torch.float32 else "16bit"
-    bm, bn, w, s, *tma = SINGLE_CONFIGS[(d_bucket(head_dim), kind)]
+    return _SINGLE_ROWS[(d_bucket(head_dim), "fp32" if dtype == torch.float32 else "16bit")]
+
+
+def _single_row(row: Tuple[int, ...]) -> BwdConfig:
+    bm, bn, w, s, *tma = row
     return BwdConfig(0, 0, 0, 0, bm, bn, w, s, tma_kv=tma[0] if tma else 0)
+
+
+# SINGLE_CONFIGS as the BwdConfig each backward call takes: built once, not per call
+_SINGLE_ROWS: Dict[Tuple[int, str], BwdConfig] = {key: _single_row(row) for key, row in SINGLE_CONFIGS.items()}
 
 
 def single_pass_pays(transform: str, head_dim: int, tma: bool = False, gluon: bool = False) -> bool:
