@@ -299,7 +299,7 @@ def main(argv=None) -> int:
                                                           varlen=False, input_precision=None),
                 "eager_function_fwd": lambda: flash._FlashAttnFn.apply(
                     q.detach(), k.detach(), v.detach(), n.detach(), b, None, None, None, None,
-                    ("ssa", True, scale, 0.0, N, N, "tf32", True, False, False)),
+                    ("ssa", True, scale, 0.0, N, N, "tf32", True, False, False, None)),
                 "custom_op_fwd": lambda: torch.ops.nemo_ssa.flash_attn_fwd(
                     q.detach(), k.detach(), v.detach(), n.detach(), b, None, None, None, "ssa", True, scale, 0.0,
                     N, N, "tf32", True),

@@ -311,13 +311,14 @@ def _flash_fwd(
     rng_state: Optional[Tensor], cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
     transform: str, causal: bool, scale: float, dropout_p: float, max_seqlen_q: int,
     max_seqlen_k: int, input_precision: str, fast_math: bool, config: Optional[FwdConfig] = None,
-    out: Optional[Tensor] = None, save_c: bool = False,
+    out: Optional[Tensor] = None, save_c: bool = False, fast_log2: Optional[int] = None,
 ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     """Launch the forward kernel; returns ``(o, M, C)`` (no autograd). ``out`` (validated
     by the caller): the tensor ``o`` is written into, any strides. ``save_c`` (SSA only;
     else ``C`` is None): also write ``C_i = sum_j p_ij smag_ij`` (fp32, ``M``'s layout),
     the row mean of ``dz/dn`` the single-pass backward needs for ``dn``
-    (``bwd.attention_bwd(cstat=C)``)."""
+    (``bwd.attention_bwd(cstat=C)``). ``fast_log2``: SSA's ``log2_mode(fast_math)`` where the
+    caller has read it already (None: read here)."""
     varlen = cu_seqlens_q is not None
     tid = transform_id(transform)
     dev = q.device
@@ -348,7 +349,8 @@ def _flash_fwd(
     scalars = dict(s_q=zs(q), s_k=zs(k), s_v=zs(v), s_o=zs(o), s_m=stat_strides(M, varlen), HQ=hq, GROUP=hq // hkv,
                    SEQ_Q=sq, SEQ_K=sk, scale=float(scale), dropout_p=float(dropout_p), RNG_S=(rz, rh, rs))
     meta = dict(HEAD_DIM=d, BLOCK_D=block_d, TRANSFORM=tid, CAUSAL=bool(causal), INPUT_PRECISION=input_precision,
-                FAST_LOG2=log2_mode(fast_math) if tid == 1 else int(bool(fast_math)))
+                FAST_LOG2=(log2_mode(fast_math) if fast_log2 is None else fast_log2) if tid == 1
+                else int(bool(fast_math)))
     tune = config is None and autotune_enabled()  # (an environment read: once per call)
     gcfg = gluon_fwd_config(q, k, v, o, transform="ssa" if tid == 1 else "softmax", varlen=varlen,
                             dropout=has_dropout, save_c=save_c, fast_log2=meta["FAST_LOG2"],
@@ -483,9 +485,10 @@ class _FlashAttnFn(torch.autograd.Function):
     def forward(ctx, q, k, v, n, b, rng_state, cu_q, cu_k, out, scalars):
         # the scalars travel as one tuple: Function.apply walks every argument in Python
         (transform, causal, scale, dropout_p, max_q, max_k, input_precision, fast_math, save_c,
-         deterministic) = scalars
+         deterministic, fast_log2) = scalars
         o, M, cstat = _flash_fwd(q, k, v, n, b, rng_state, cu_q, cu_k, transform, causal, scale, dropout_p,
-                                 max_q, max_k, input_precision, fast_math, out=out, save_c=save_c)
+                                 max_q, max_k, input_precision, fast_math, out=out, save_c=save_c,
+                                 fast_log2=fast_log2)
         if out is not None:
             # written in place; the returned alias (same memory, own autograd identity)
             # carries the graph -- mark_dirty on a view of a no-grad buffer trips autograd
@@ -502,7 +505,7 @@ class _FlashAttnFn(torch.autograd.Function):
             return (None,) * 10
         q, k, v, o, n, b, rng_state, cu_q, cu_k = ctx.saved_tensors
         M, cstat = ctx.stats
-        transform, causal, scale, dropout_p, max_q, max_k, input_precision, fast_math, _, det = ctx.scalars
+        transform, causal, scale, dropout_p, max_q, max_k, input_precision, fast_math, _, det, _ = ctx.scalars
         nig = ctx.needs_input_grad
         need_dparams = transform == "ssa" and (nig[3] or nig[4])
         dq, dk, dv, dn, db = attention_bwd(
@@ -531,9 +534,12 @@ def _flash_apply(q, k, v, n, b, rng, cu_q, cu_k, transform, causal, scale, dropo
     grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                          or (n is not None and n.requires_grad)
                                          or (b is not None and b.requires_grad))
+    # SSA's log2 mode (NEMO_SSA_POLY_LOG2) read once per call: the plan and the eager
+    # forward's kernel take the same answer
+    fast_log2 = log2_mode(fast) if transform == "ssa" else None
     det = not grads or backward_plan(
         transform, q, k, v, varlen=cu_q is not None, dropout=dropout_p > 0.0,
-        fast_log2=log2_mode(fast) if transform == "ssa" else 1, scores=q.shape[0] * q.shape[1] * max_q * max_k,
+        fast_log2=1 if fast_log2 is None else fast_log2, scores=q.shape[0] * q.shape[1] * max_q * max_k,
         causal=causal, deterministic=deterministic).path != SINGLE
     # (not det: grads, so grad mode is on)
     save_c = (not det and transform == "ssa" and n is not None and n.requires_grad
@@ -546,7 +552,8 @@ def _flash_apply(q, k, v, n, b, rng, cu_q, cu_k, transform, causal, scale, dropo
             return o
         return out.copy_(o)  # functional op: out= becomes one (differentiable) copy
     return _FlashAttnFn.apply(q, k, v, n, b, rng, cu_q, cu_k, out,
-                              (transform, causal, scale, dropout_p, max_q, max_k, prec, fast, save_c, det))
+                              (transform, causal, scale, dropout_p, max_q, max_k, prec, fast, save_c, det,
+                               fast_log2))
 
 
 # ----------------------------------------------------------------------------------------
