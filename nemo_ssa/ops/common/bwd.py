@@ -190,8 +190,9 @@ def attention_bwd(
         scale=float(scale), dropout_p=float(dropout_p), rng=rng_state if has_dropout else None,
         rng_strides=(rz, rh, rs), n_ptr=n_ptr, b_ptr=b_ptr, cu_q=cu_seqlens_q if varlen else None,
         cu_k=cu_seqlens_k if varlen else None, ms=stat_strides(M, varlen),
-        meta=dict(HEAD_DIM=d, BLOCK_D=block_d, TRANSFORM=tid, CAUSAL=bool(causal), INPUT_PRECISION=input_precision,
-                  FAST_LOG2=log2_mode(fast_math) if is_ssa else int(bool(fast_math))))
+        meta={"HEAD_DIM": d, "BLOCK_D": block_d, "TRANSFORM": tid, "CAUSAL": bool(causal),
+              "INPUT_PRECISION": input_precision,
+              "FAST_LOG2": log2_mode(fast_math) if is_ssa else int(bool(fast_math))})
     tune = config is None and autotune_enabled()
     if deterministic is None:
         deterministic = backward_plan(transform, q, k, v, varlen=varlen, dropout=has_dropout,
@@ -252,21 +253,22 @@ def _preprocess(c: _BwdCall, o, do, delta, M, dqa=None) -> None:
     pre_bm = _pre_block_m(c.block_d)
     zs = zhsd_stride_fn(c.varlen)
     launch_kw(for_lengths(attn_bwd_preprocess, c.sq), (cdiv(c.sq, pre_bm), c.bz * c.hq),
-              dict(O=o, DO=do, Delta=delta, CU_Q=c.cu_q, DQA=dqa),
-              dict(s_o=zs(o), s_do=zs(do), s_m=c.ms, s_a=zs(dqa) if dqa is not None else _NO_STRIDES4, HQ=c.hq,
-                   SEQ_Q=c.sq),
-              dict(HEAD_DIM=c.d, BLOCK_D=c.block_d, BLOCK_M=pre_bm), absent=M)
+              {"O": o, "DO": do, "Delta": delta, "CU_Q": c.cu_q, "DQA": dqa},
+              {"s_o": zs(o), "s_do": zs(do), "s_m": c.ms, "s_a": zs(dqa) if dqa is not None else _NO_STRIDES4,
+               "HQ": c.hq, "SEQ_Q": c.sq},
+              {"HEAD_DIM": c.d, "BLOCK_D": c.block_d, "BLOCK_M": pre_bm}, absent=M)
 
 
 def _dq_args(c: _BwdCall, q, k, v, do, o, dq, M, delta, dn_part, db_part) -> Tuple[dict, dict]:
     """``(tensors, scalars)`` of ``attn_bwd_kernel_dq`` by name (``launch_kw``); ``dn_part``
-    None: no dn/db partials (``DPARAMS`` off)."""
+    None: no dn/db partials (``DPARAMS`` off). (The launchers' argument sets are dict
+    literals: ``dict(...)`` with keywords costs twice as much per call.)"""
     zs = zhsd_stride_fn(c.varlen)
-    return (dict(Q=q, K=k, V=v, DO=do, O=o, DQ=dq, M=M, Delta=delta, NP=c.n_ptr, BP=c.b_ptr, RNG=c.rng,
-                 CU_Q=c.cu_q, CU_K=c.cu_k, DN=dn_part, DBP=db_part),
-            dict(s_q=zs(q), s_k=zs(k), s_v=zs(v), s_do=zs(do), s_o=zs(o), s_dq=zs(dq), s_m=c.ms, HQ=c.hq,
-                 GROUP=c.hq // c.hkv, SEQ_Q=c.sq, SEQ_K=c.sk, scale=c.scale, dropout_p=c.dropout_p,
-                 RNG_S=c.rng_strides))
+    return ({"Q": q, "K": k, "V": v, "DO": do, "O": o, "DQ": dq, "M": M, "Delta": delta, "NP": c.n_ptr, "BP": c.b_ptr,
+             "RNG": c.rng, "CU_Q": c.cu_q, "CU_K": c.cu_k, "DN": dn_part, "DBP": db_part},
+            {"s_q": zs(q), "s_k": zs(k), "s_v": zs(v), "s_do": zs(do), "s_o": zs(o), "s_dq": zs(dq), "s_m": c.ms,
+             "HQ": c.hq, "GROUP": c.hq // c.hkv, "SEQ_Q": c.sq, "SEQ_K": c.sk, "scale": c.scale,
+             "dropout_p": c.dropout_p, "RNG_S": c.rng_strides})
 
 
 def _dkv_args(c: _BwdCall, q, k, v, do, dk, dv, M, delta, dqa=None, cstat=None, dnk=None,
@@ -275,12 +277,12 @@ def _dkv_args(c: _BwdCall, q, k, v, do, dk, dv, M, delta, dqa=None, cstat=None, 
     pass's ``dqa`` (atomic dq), ``cstat`` and ``dnk`` (dn partials) are None, with zero
     strides, in the two-kernel backward (``ATOMIC_DQ`` and ``DN_KV`` follow)."""
     zs = zhsd_stride_fn(c.varlen)
-    return (dict(Q=q, K=k, V=v, DO=do, DK=dk, DV=dv, M=M, Delta=delta, NP=c.n_ptr, BP=c.b_ptr, RNG=c.rng,
-                 CU_Q=c.cu_q, CU_K=c.cu_k, DQA=dqa, CS=cstat, DNK=dnk),
-            dict(s_q=zs(q), s_k=zs(k), s_v=zs(v), s_do=zs(do), s_dk=zs(dk), s_dv=zs(dv), s_m=c.ms,
-                 s_a=zs(dqa) if dqa is not None else _NO_STRIDES4, s_n=dn_strides, HKV=c.hkv,
-                 GROUP=c.hq // c.hkv, SEQ_Q=c.sq, SEQ_K=c.sk, scale=c.scale, dropout_p=c.dropout_p,
-                 RNG_S=c.rng_strides))
+    return ({"Q": q, "K": k, "V": v, "DO": do, "DK": dk, "DV": dv, "M": M, "Delta": delta, "NP": c.n_ptr, "BP": c.b_ptr,
+             "RNG": c.rng, "CU_Q": c.cu_q, "CU_K": c.cu_k, "DQA": dqa, "CS": cstat, "DNK": dnk},
+            {"s_q": zs(q), "s_k": zs(k), "s_v": zs(v), "s_do": zs(do), "s_dk": zs(dk), "s_dv": zs(dv), "s_m": c.ms,
+             "s_a": zs(dqa) if dqa is not None else _NO_STRIDES4, "s_n": dn_strides, "HKV": c.hkv,
+             "GROUP": c.hq // c.hkv, "SEQ_Q": c.sq, "SEQ_K": c.sk, "scale": c.scale, "dropout_p": c.dropout_p,
+             "RNG_S": c.rng_strides})
 
 
 def _scores(c: _BwdCall) -> int:
@@ -315,9 +317,10 @@ def _launch_dkv(c: _BwdCall, cfg: BwdConfig, tma: int, kv_args: Tuple[dict, dict
     if tma:
         bm, bn, bd = cfg.block_m_kv, cfg.block_n_kv, c.block_d
         t = tensors
-        tensors = dict(t, Q=descriptor(t["Q"], bm, bd), K=descriptor(t["K"], bn, bd), V=descriptor(t["V"], bn, bd),
-                       DO=descriptor(t["DO"], bm, bd), DK=descriptor(t["DK"], bn, bd), DV=descriptor(t["DV"], bn, bd))
-        meta = dict(meta, TMA=tma)
+        tensors = {**t, "Q": descriptor(t["Q"], bm, bd), "K": descriptor(t["K"], bn, bd),
+                   "V": descriptor(t["V"], bn, bd), "DO": descriptor(t["DO"], bm, bd),
+                   "DK": descriptor(t["DK"], bn, bd), "DV": descriptor(t["DV"], bn, bd)}
+        meta = {**meta, "TMA": tma}
         if t["DQA"] is not None and not is_interpreter():  # the interpreter has no descriptor reduce
             tensors["DQA"] = descriptor(t["DQA"], bm, bd)
             meta["TMA_REDUCE"] = True
@@ -362,12 +365,12 @@ def _attention_bwd_two_kernels(c: _BwdCall, do, q, k, v, o, M, cfg: BwdConfig, *
         kern = autotuned("dq", attn_bwd_kernel_dq, BWD_TUNE_DQ, ("BLOCK_M", "BLOCK_N"),
                          ["HQ", "GROUP", "SEQ_Q", "SEQ_K", "HEAD_DIM", "TRANSFORM", "DPARAMS", "DB", "CAUSAL",
                           "VARLEN", "HAS_DROPOUT"])
-        args, meta = bind_kw(attn_bwd_kernel_dq, *dq_args, dict(DB=want_db, FUSED_DELTA=fused, **c.meta), absent=M)
+        args, meta = bind_kw(attn_bwd_kernel_dq, *dq_args, {"DB": want_db, "FUSED_DELTA": fused, **c.meta}, absent=M)
         kern[lambda meta: (triton.cdiv(c.sq, meta["BLOCK_M"]), c.bz * c.hq)](*args, **meta)
     else:
         tma = tma_dq
-        meta = dict(BLOCK_M=cfg.block_m_dq, BLOCK_N=cfg.block_n_dq, DB=want_db,
-                    FUSED_DELTA=fused, num_warps=cfg.warps_dq, num_stages=cfg.stages_dq, **c.meta)
+        meta = {"BLOCK_M": cfg.block_m_dq, "BLOCK_N": cfg.block_n_dq, "DB": want_db, "FUSED_DELTA": fused,
+                "num_warps": cfg.warps_dq, "num_stages": cfg.stages_dq, **c.meta}
         tensors, scalars = dq_args
         if tma:
             bm, bn, bd = cfg.block_m_dq, cfg.block_n_dq, c.block_d
@@ -385,8 +388,8 @@ def _attention_bwd_two_kernels(c: _BwdCall, do, q, k, v, o, M, cfg: BwdConfig, *
         kern[lambda meta: (triton.cdiv(c.sk, meta["BLOCK_N"]), c.bz * c.hkv)](*args, **meta)
     else:
         _launch_dkv(c, cfg, tma_kv, kv_args, M,
-                    dict(BLOCK_M=cfg.block_m_kv, BLOCK_N=cfg.block_n_kv, EVEN_Q=_even_q(c, cfg),
-                         num_warps=cfg.warps_kv, num_stages=cfg.stages_kv, **c.meta))
+                    {"BLOCK_M": cfg.block_m_kv, "BLOCK_N": cfg.block_n_kv, "EVEN_Q": _even_q(c, cfg),
+                     "num_warps": cfg.warps_kv, "num_stages": cfg.stages_kv, **c.meta})
     if stacked is not None:
         # fixed-size buffer, fixed order, accumulated in float64 (sum's dtype= casts each
         # element before accumulating, no fp64 copy): bit-identical run to run
@@ -421,8 +424,8 @@ def _attention_bwd_gluon(c: _BwdCall, do, q, k, v, o, M, cstat, causal: bool, gc
                      dn_part=dnk[:2 * nk].view(torch.float64) if dparams else None)
     numel = dqa.numel()
     pb = _POST_BLOCK_INTERP if is_interpreter() else _POST_BLOCK
-    launch_kw(attn_bwd_postprocess, (cdiv(numel, pb) + int(dparams),), dict(DQA=dqa, DQ=dq, DNK=dnk),
-              dict(NUMEL=numel, NK=nk), dict(BLOCK=pb, DN_BLOCK=pb, CAST=True, num_warps=4), absent=M)
+    launch_kw(attn_bwd_postprocess, (cdiv(numel, pb) + int(dparams),), {"DQA": dqa, "DQ": dq, "DNK": dnk},
+              {"NUMEL": numel, "NK": nk}, {"BLOCK": pb, "DN_BLOCK": pb, "CAST": True, "num_warps": 4}, absent=M)
     return dq, dk, dv, (dnk[2 * nk:] if dparams else None), None
 
 
@@ -468,14 +471,14 @@ def _attention_bwd_single(c: _BwdCall, do, q, k, v, o, M, cstat, cfg: BwdConfig,
     _preprocess(c, o, do, delta, M, dqa=dqa)
     kv_args = _dkv_args(c, q, k, v, do, dk, dv, M, delta, dqa=dqa, cstat=cstat, dnk=dnk, dn_strides=ns)
     _launch_dkv(c, cfg, tma_kv, kv_args, M,
-                dict(BLOCK_M=cfg.block_m_kv, BLOCK_N=cfg.block_n_kv, EVEN_Q=_even_q(c, cfg),
-                     num_warps=cfg.warps_kv, num_stages=cfg.stages_kv, **c.meta))
+                {"BLOCK_M": cfg.block_m_kv, "BLOCK_N": cfg.block_n_kv, "EVEN_Q": _even_q(c, cfg),
+                 "num_warps": cfg.warps_kv, "num_stages": cfg.stages_kv, **c.meta})
     if cast or dparams:
         # dq's cast and dn's fixed-order float64 sum: one launch
         numel = dqa.numel() if cast else 0
         pb = _POST_BLOCK_INTERP if is_interpreter() else _POST_BLOCK
-        launch_kw(attn_bwd_postprocess, (cdiv(numel, pb) + int(dparams),), dict(DQA=dqa, DQ=dq, DNK=dnk),
-                  dict(NUMEL=numel, NK=nk), dict(BLOCK=pb, DN_BLOCK=pb, CAST=cast, num_warps=4), absent=M)
+        launch_kw(attn_bwd_postprocess, (cdiv(numel, pb) + int(dparams),), {"DQA": dqa, "DQ": dq, "DNK": dnk},
+                  {"NUMEL": numel, "NK": nk}, {"BLOCK": pb, "DN_BLOCK": pb, "CAST": cast, "num_warps": 4}, absent=M)
     return dq, dk, dv, (dnk[2 * nk:] if dparams else None), None
 
 
