@@ -57,7 +57,7 @@ from nemo_ssa.ops.attention.hopper import gluon_fwd, gluon_fwd_config
 from nemo_ssa.ops.common.alloc import new_cstat, new_output, new_output_like
 from nemo_ssa.ops.common.bwd import MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES, attention_bwd
 from nemo_ssa.ops.common.bwd_config import d_bucket
-from nemo_ssa.ops.common.dispatch import SINGLE, backward_plan, note
+from nemo_ssa.ops.common.dispatch import SINGLE, backward_plan, note_call
 from nemo_ssa.ops.common.device import (
     dropout_keep,
     dropout_rng_layout,
@@ -359,14 +359,13 @@ def _flash_fwd(
     gcfg = gluon_fwd_config(q, k, v, o, transform="ssa" if tid == 1 else "softmax", varlen=varlen,
                             dropout=has_dropout, save_c=save_c, fast_log2=meta["FAST_LOG2"],
                             explicit_config=config is not None or tune)
-    key = ("flash.fwd", transform, f"D{d}", q.dtype, "varlen" if varlen else "dense",
-           "causal" if causal else "full", "dropout" if has_dropout else "")
+    facts = (transform, d, q.dtype, varlen, causal, has_dropout)  # the record's call (dispatch.note_call)
     if gcfg is not None:  # the Hopper kernel (ops.attention.hopper): same contract
-        note(key, "flash.fwd", "gluon", "sm_90, and gluon_fwd_config has a row for the call")
+        note_call("flash.fwd", "gluon", "sm_90, and gluon_fwd_config has a row for the call", *facts)
         gluon_fwd(q, k, v, o, M, n_ptr, b_ptr, transform_id=tid, causal=causal, scale=scale, config=gcfg,
                   cstat=cstat)
     elif tune:
-        note(key, "flash.fwd", "triton-autotune", "NEMO_SSA_AUTOTUNE=1")
+        note_call("flash.fwd", "triton-autotune", "NEMO_SSA_AUTOTUNE=1", *facts)
         kern = autotuned("fwd", _attn_fwd_kernel, _FWD_TUNE, ("BLOCK_M", "BLOCK_N"),
                          ["HQ", "GROUP", "SEQ_Q", "SEQ_K", "HEAD_DIM", "TRANSFORM", "CAUSAL", "VARLEN", "HAS_DROPOUT"])
         args, meta = bind_kw(_attn_fwd_kernel, tensors, scalars, meta, absent=M)
@@ -377,10 +376,10 @@ def _flash_fwd(
         tma = use_tma(cfg.tma, varlen, q, k, v, o, scores=None if config else bz * hq * sq * sk)
         if not tma and config is None:
             cfg = pointer_fwd_config(cfg, d)
-        note(key, "flash.fwd", "triton-tma" if tma else "triton-pointers",
-             lambda: "tiles given by the caller" if config is not None else
-             f"table row D{d_bucket(d)}" + ("" if tma or not cfg_tma else
-                                             ": TMA row, the call's layout or size cannot take it"))
+        note_call("flash.fwd", "triton-tma" if tma else "triton-pointers",
+                  lambda: "tiles given by the caller" if config is not None else
+                  f"table row D{d_bucket(d)}" + ("" if tma or not cfg_tma else
+                                                  ": TMA row, the call's layout or size cannot take it"), *facts)
         if tma:
             tensors.update(Q=descriptor(q, cfg.block_m, block_d), K=descriptor(k, cfg.block_n, block_d),
                            V=descriptor(v, cfg.block_n, block_d), O=descriptor(o, cfg.block_m, block_d))

@@ -44,7 +44,7 @@ from nemo_ssa.ops.common.bwd_kernels import (
     attn_bwd_preprocess,
 )
 from nemo_ssa.ops.common.device import dropout_rng_layout
-from nemo_ssa.ops.common.dispatch import SINGLE, backward_plan, note
+from nemo_ssa.ops.common.dispatch import SINGLE, backward_plan, note_call
 from nemo_ssa.ops.common.hopper_bwd import gluon_bwd_config, gluon_key_blocks, launch_gluon_bwd
 from nemo_ssa.ops.common.launch import (
     autotune_enabled,
@@ -201,23 +201,22 @@ def attention_bwd(
                                       scores=bz * hq * sq * sk, causal=causal).path != SINGLE
     # the kernels that run (the schedule above, unless the call needs what only the two
     # kernels give), said once per distinct call
-    key = ("attention.bwd.kernels", transform, f"D{d}", q.dtype, "varlen" if varlen else "dense",
-           "causal" if causal else "full", "dropout" if has_dropout else "")
+    facts = (transform, d, q.dtype, varlen, causal, has_dropout)  # the record's call (dispatch.note_call)
     if not deterministic and not tune and not want_db and (not dparams or cstat is not None):
         gcfg = None if config is not None else gluon_bwd_config(transform, q, k, v, do, o, varlen=varlen,
                                                                 dropout=has_dropout,
                                                                 fast_log2=call.meta["FAST_LOG2"])
         if gcfg is not None:  # the Gluon single pass (ops.common.hopper_bwd): D64/D128 on sm_90
-            note(key, "attention.bwd.kernels", "gluon-single-pass", "sm_90 and a Gluon row for the call")
+            note_call("attention.bwd.kernels", "gluon-single-pass", "sm_90 and a Gluon row for the call", *facts)
             return _attention_bwd_gluon(call, do, q, k, v, o, M, cstat if dparams else None, causal, gcfg)
-        note(key, "attention.bwd.kernels", "triton-single-pass",
-             "tiles given by the caller" if config is not None else "no Gluon row or layout for the call")
+        note_call("attention.bwd.kernels", "triton-single-pass",
+                  "tiles given by the caller" if config is not None else "no Gluon row or layout for the call", *facts)
         return _attention_bwd_single(call, do, q, k, v, o, M, cstat if dparams else None,
                                      config or single_config(d, q.dtype), table=config is None)
-    note(key, "attention.bwd.kernels", "triton-two-kernel",
-         "the two-kernel schedule" if deterministic else "NEMO_SSA_AUTOTUNE=1" if tune
-         else "db wanted (b learnable): the dQ kernel's row sums" if want_db
-         else "dn wanted without the forward's row statistic C")
+    note_call("attention.bwd.kernels", "triton-two-kernel",
+              "the two-kernel schedule" if deterministic else "NEMO_SSA_AUTOTUNE=1" if tune
+              else "db wanted (b learnable): the dQ kernel's row sums" if want_db
+              else "dn wanted without the forward's row statistic C", *facts)
     return _attention_bwd_two_kernels(call, do, q, k, v, o, M, config or bwd_config(d, causal, q.dtype),
                                       dparams=dparams, want_db=want_db, tune=tune, table=config is None)
 

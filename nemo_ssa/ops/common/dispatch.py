@@ -29,7 +29,7 @@ from nemo_ssa.ops.common.bwd_config import d_bucket, single_pass_pays
 from nemo_ssa.ops.common.hopper_bwd import GLUON_BWD, gluon_bwd_capable
 from nemo_ssa.ops.common.tma import use_tma
 
-__all__ = ["Choice", "backward_plan", "backward_schedule", "chosen", "note", "reset"]
+__all__ = ["Choice", "backward_plan", "backward_schedule", "chosen", "note", "note_call", "reset"]
 
 logger = logging.getLogger("nemo_ssa.kernels")
 
@@ -62,6 +62,25 @@ def note(key: Tuple, op: str, path: str, reason: Union[str, Callable[[], str]]) 
     return choice
 
 
+#: note_call's choices by the call's raw facts and path (reset() empties it with _SEEN)
+_CALLS: Dict[Tuple, Choice] = {}
+
+
+def note_call(op: str, path: str, reason: Union[str, Callable[[], str]], transform: str, head_dim: int,
+              dtype: torch.dtype, varlen: bool, causal: bool, dropout: bool) -> Choice:
+    """:func:`note` for one attention call's facts under the record's key ``(op, transform,
+    "D<head dim>", dtype, dense | varlen, causal | full, dropout | "")``, which is built (an
+    f-string and four choices of words) only the first time the facts take ``path``: the
+    flash forward and the backward's kernels note on every call of a host-bound attention."""
+    facts = (op, path, transform, head_dim, dtype, varlen, causal, dropout)
+    choice = _CALLS.get(facts)
+    if choice is None:
+        key = (op, transform, f"D{head_dim}", dtype, "varlen" if varlen else "dense", "causal" if causal else "full",
+               "dropout" if dropout else "")
+        choice = _CALLS[facts] = note(key, op, path, reason)
+    return choice
+
+
 def _describe(key: Tuple) -> str:
     return " ".join(str(x).replace("torch.", "") for x in key[1:] if x != "")
 
@@ -75,6 +94,7 @@ def reset() -> None:
     """Forget the decisions (tests; a new run in the same process)."""
     _SEEN.clear()
     _PLANS.clear()
+    _CALLS.clear()
 
 
 def backward_schedule(transform: str, head_dim: int, *, tma: bool = False, gluon: bool = False,

@@ -138,6 +138,40 @@ def test_a_plan_seen_before_is_not_replayed_when_a_fact_changes(monkeypatch):
     assert _paths("attention.bwd") == [dispatch.SINGLE]
 
 
+def test_note_call_builds_the_record_key_once_per_facts_and_path():
+    """``note_call`` keeps its choices by the call's raw facts and path: each fact of the
+    record's key is in them (another value is another entry, with its own key and reason),
+    a seen call is neither logged nor re-keyed, and ``reset`` forgets them with the record."""
+    base = dict(transform="ssa", head_dim=32, dtype=torch.bfloat16, varlen=False, causal=True, dropout=False)
+    reasons = []
+
+    def call(path="triton-pointers", **over):
+        facts = dict(base, **over)
+        return dispatch.note_call("flash.fwd", path, lambda: reasons.append(1) or f"r{len(reasons)}", *facts.values())
+
+    first = call()
+    assert call() is first and len(reasons) == 1  # seen: no new reason, key or record entry
+    assert first.reason == "r1" and dispatch.chosen()[0]["call"] == "ssa D32 bfloat16 dense causal"
+    changes = [dict(transform="softmax"), dict(head_dim=64), dict(dtype=torch.float16), dict(varlen=True),
+               dict(causal=False), dict(dropout=True)]
+    for over in changes:
+        assert call(**over) is not first
+    assert call("triton-tma") is not first
+    assert len(reasons) == 2 + len(changes) and len(dispatch.chosen()) == 2 + len(changes)
+    calls = {c["call"] for c in dispatch.chosen()}
+    assert {"softmax D32 bfloat16 dense causal", "ssa D64 bfloat16 dense causal", "ssa D32 float16 dense causal",
+            "ssa D32 bfloat16 varlen causal", "ssa D32 bfloat16 dense full",
+            "ssa D32 bfloat16 dense causal dropout"} <= calls
+    dispatch.reset()
+    again = call()
+    assert again is not first and len(reasons) == 3 + len(changes) and len(dispatch.chosen()) == 1
+    # the key is note()'s: a decision noted directly under it is the one note_call returns
+    dispatch.reset()
+    direct = dispatch.note(("flash.fwd", "ssa", "D32", torch.bfloat16, "dense", "causal", ""), "flash.fwd",
+                           "triton-pointers", "direct")
+    assert call() is direct
+
+
 def test_the_caller_asking_for_determinism_wins():
     c = dispatch.backward_schedule("ssa", 32, deterministic=True)
     assert c.path == dispatch.TWO_KERNEL and "caller" in c.reason
