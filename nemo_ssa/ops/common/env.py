@@ -86,26 +86,24 @@ _POSIX = os.name == "posix"
 _FS_ENCODING = sys.getfilesystemencoding()
 
 
-def _raw(name: str) -> Optional[str]:
-    """``os.environ.get(name)``, without its Python frames where ``os.environ`` allows."""
+def _get(name: str) -> str:
+    """``os.environ.get(name, "")``, without its Python frames where ``os.environ`` allows."""
     data = getattr(os.environ, "_data", None)
     if not _POSIX or type(data) is not dict:
-        return os.environ.get(name)
+        return os.environ.get(name, "")
     value = data.get(name.encode(_FS_ENCODING, "surrogateescape"))
-    return None if value is None else value.decode(_FS_ENCODING, "surrogateescape")
-
-
-def _get(name: str) -> str:
-    raw = _raw(name)
-    return "" if raw is None else raw
+    return "" if value is None else value.decode(_FS_ENCODING, "surrogateescape")
 
 
 def _flag(name: str, default: bool) -> bool:
-    """Unset -> ``default``; ``""`` or ``"0"`` -> False; anything else -> True."""
-    raw = _raw(name)
-    if raw is None:
-        return default
-    return raw not in ("", "0")
+    """Unset -> ``default``; ``""`` or ``"0"`` -> False; anything else -> True (the store's
+    bytes compared as they are: a flag is read on every attention call)."""
+    data = getattr(os.environ, "_data", None)
+    if not _POSIX or type(data) is not dict:
+        raw = os.environ.get(name)
+        return default if raw is None else raw not in ("", "0")
+    raw = data.get(name.encode(_FS_ENCODING, "surrogateescape"))
+    return default if raw is None else raw not in (b"", b"0")
 
 
 def poison_outputs() -> bool:

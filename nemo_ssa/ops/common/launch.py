@@ -488,7 +488,7 @@ def block_d(d: int) -> int:
 def autotune_enabled() -> bool:
     """``NEMO_SSA_AUTOTUNE=1`` switches the GPU kernels to ``triton.autotune`` over the
     candidate lists (the static tables are then ignored); never under the interpreter."""
-    return env.autotune() and not is_interpreter()
+    return not _INTERPRETED and env.autotune()
 
 
 _AUTOTUNED: Dict[str, object] = {}

@@ -214,7 +214,7 @@ def poly_log2_enabled() -> bool:
 def log2_mode(fast_math: bool, poly: bool = None) -> int:
     """The ``FAST_LOG2`` constexpr: ``int(fast_math) + 2 * poly``."""
     if poly is None:
-        poly = poly_log2_enabled()
+        poly = env.poly_log2()  # (poly_log2_enabled's read, a frame shorter: SSA calls ask per launch)
     return int(bool(fast_math)) + (2 if poly else 0)
 
 
