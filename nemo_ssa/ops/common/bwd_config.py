@@ -54,9 +54,15 @@ class BwdConfig(NamedTuple):
     tma_kv: int = 0
 
 
+_D_BUCKET: Dict[int, int] = {}  # d_bucket by head dim: the tables and the plan ask it on every call
+
+
 def d_bucket(head_dim: int) -> int:
     """Config bucket = the padded ``BLOCK_D`` (16 shares 32's row)."""
-    return max(32, next_pow2(head_dim))
+    b = _D_BUCKET.get(head_dim)
+    if b is None:
+        b = _D_BUCKET[head_dim] = max(32, next_pow2(head_dim))
+    return b
 
 
 # (BLOCK_D bucket, causal, "16bit" | "fp32") -> BwdConfig(dq: BM, BN, warps, stages,

@@ -480,10 +480,16 @@ def next_pow2(x: int) -> int:
 
 
 
+_BLOCK_D: Dict[int, int] = {}  # block_d by head dim: asked on every launch of a host-bound call
+
+
 def block_d(d: int) -> int:
     """The head-dim tile of the attention kernels: a power of two, at least 16 (``tl.dot``'s
     minimum); a head dim below it is masked inside the kernels."""
-    return max(16, next_pow2(int(d)))
+    b = _BLOCK_D.get(d)
+    if b is None:
+        b = _BLOCK_D[d] = max(16, next_pow2(int(d)))
+    return b
 
 def autotune_enabled() -> bool:
     """``NEMO_SSA_AUTOTUNE=1`` switches the GPU kernels to ``triton.autotune`` over the

@@ -502,3 +502,14 @@ def test_attention_kernels_stride_groups():
     dkv = launcher._binder(attn_bwd_kernel_dkv, 16)
     assert dkv.keywords["s_n"] == ("s_nz", "s_nh", "s_ns")
     assert set(dkv.flags) == {"VARLEN", "HAS_DROPOUT", "ATOMIC_DQ", "DN_KV"}
+
+
+def test_block_d_and_d_bucket_are_the_padded_head_dim_every_time():
+    """Both keep their answers per head dim (asked on every launch): the first and any later
+    answer are the formula's, for every head dim the ops accept and a few beyond."""
+    from nemo_ssa.ops.common.bwd_config import d_bucket
+
+    for _ in range(2):
+        for d in range(1, 300):
+            assert launcher.block_d(d) == max(16, 1 << (d - 1).bit_length())
+            assert d_bucket(d) == max(32, 1 << (d - 1).bit_length())
