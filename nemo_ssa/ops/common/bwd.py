@@ -149,6 +149,38 @@ def attention_bwd(
         (single pass) -- in a fixed order, bit-identical run to run), or ``None`` for
         softmax / ``need_dparams=False``.
     """
+    _check_bwd_shapes(do, q, k, v, o, M, cu_seqlens_q is not None)
+    return attention_bwd_trusted(do, q, k, v, o, M, transform, n, b, causal, scale, dropout_p, rng_state,
+                                 cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, input_precision, fast_math,
+                                 need_dparams, config, need_db, cstat, deterministic)
+
+
+def _check_bwd_shapes(do, q, k, v, o, M, varlen: bool) -> None:
+    """What :func:`attention_bwd` checks of a caller's tensors. The flash forward's own
+    backward calls :func:`attention_bwd_trusted` instead: its ``q``, ``k``, ``v`` passed the
+    forward's validation, ``o`` and ``M`` are the forward's, and autograd hands ``do`` in
+    ``o``'s shape."""
+    if varlen:
+        _, hq, d = q.shape
+        m_shape = (hq, q.shape[0])
+    else:
+        bz, hq, sq, d = q.shape
+        m_shape = (bz, hq, sq)
+    hkv = k.shape[1]
+    if do.shape != q.shape or o.shape != q.shape:
+        raise ValueError(f"do {tuple(do.shape)} and o {tuple(o.shape)} must have q's shape {tuple(q.shape)}")
+    if M.dtype != torch.float32 or tuple(M.shape) != m_shape:
+        raise ValueError(f"M must be fp32 of shape {m_shape}, got {M.dtype} {tuple(M.shape)}")
+    if k.shape != v.shape or k.shape[-1] != d or hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"bad k/v shapes {tuple(k.shape)}, {tuple(v.shape)} for q {tuple(q.shape)}: k, v must "
+                         f"match, share q's head dim, and Hq must be a multiple of Hkv")
+
+
+def attention_bwd_trusted(do, q, k, v, o, M, transform, n, b, causal, scale, dropout_p, rng_state, cu_seqlens_q,
+                          cu_seqlens_k, max_seqlen_q, max_seqlen_k, input_precision, fast_math, need_dparams, config,
+                          need_db, cstat, deterministic):
+    """:func:`attention_bwd` past its shape checks, its arguments by position (in its order):
+    for a forward's own backward, whose tensors are that forward's."""
     varlen = cu_seqlens_q is not None
     tid = transform_id(transform)
     is_ssa = tid == TRANSFORM_SSA
@@ -164,14 +196,6 @@ def attention_bwd(
         bz, hq, sq, d = q.shape
         hkv, sk = k.shape[1], k.shape[2]
         total_q = None
-    m_shape = (hq, q.shape[0]) if varlen else (bz, hq, sq)
-    if do.shape != q.shape or o.shape != q.shape:
-        raise ValueError(f"do {tuple(do.shape)} and o {tuple(o.shape)} must have q's shape {tuple(q.shape)}")
-    if M.dtype != torch.float32 or tuple(M.shape) != m_shape:
-        raise ValueError(f"M must be fp32 of shape {m_shape}, got {M.dtype} {tuple(M.shape)}")
-    if k.shape != v.shape or k.shape[-1] != d or hkv == 0 or hq % hkv != 0:
-        raise ValueError(f"bad k/v shapes {tuple(k.shape)}, {tuple(v.shape)} for q {tuple(q.shape)}: k, v must "
-                         f"match, share q's head dim, and Hq must be a multiple of Hkv")
     if scale is None:
         scale = d ** -0.5
     if input_precision is None:

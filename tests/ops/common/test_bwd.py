@@ -109,3 +109,29 @@ def test_one_backward_op_serves_flash_and_elsa(monkeypatch):
     qg = q.clone().requires_grad_()
     elsa_attention(qg, k, v, transform="softmax", causal=True).sum().backward()
     assert calls == ["softmax"]
+
+
+def test_attention_bwd_checks_a_callers_shapes_and_the_flash_backward_takes_the_same_path(monkeypatch):
+    """``attention_bwd`` refuses a caller's mismatched ``do``/``o``, ``M`` and ``k``/``v``
+    before anything runs; the flash forward's own backward skips those checks (its tensors
+    are the forward's) and reaches the same code with the same arguments."""
+    import pytest
+
+    q = torch.zeros(2, 4, 8, 16)
+    k = torch.zeros(2, 2, 8, 16)
+    M = torch.zeros(2, 4, 8)
+    ran = []
+    monkeypatch.setattr(bwd, "attention_bwd_trusted", lambda *a: ran.append(a) or "ran")
+    kw = dict(transform="softmax", causal=True)
+    for bad, match in [((q[:, :, :4], q, k, k, q, M), "must have q's shape"),
+                       ((q, q, k, k, q[:, :2], M), "must have q's shape"),
+                       ((q, q, k, k, q, M.double()), "M must be fp32"),
+                       ((q, q, k, k, q, M[:, :2]), "M must be fp32"),
+                       ((q, q, k, k[:, :1], q, M), "bad k/v shapes"),
+                       ((q, q, k[..., :8], k[..., :8], q, M), "bad k/v shapes")]:
+        with pytest.raises(ValueError, match=match):
+            bwd.attention_bwd(*bad, **kw)
+    assert ran == []
+    assert bwd.attention_bwd(q, q, k, k, q, M, **kw) == "ran"
+    (args,) = ran
+    assert args[:7] == (q, q, k, k, q, M, "softmax") and args[9] is True and args[-1] is None
