@@ -218,9 +218,10 @@ def validate_attention_args(
     if q.dtype not in caps.dtypes:
         exc = UnsupportedError if q.dtype in _FLOAT_DTYPES else ValueError
         raise exc(f"{caps.name}: q, k, v have dtype {q.dtype}; supported dtypes: {_dtype_names(caps.dtypes)}")
-    if q.device != k.device or q.device != v.device:
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    _check_device(caps, q.device)  # Triton ops: target.backend says where their kernels run
+    device = q.device  # (each .device builds a torch.device: asked once, validation runs on every call)
+    if device != k.device or device != v.device:
+        raise ValueError(f"q, k, v must be on one device, got {device}, {k.device}, {v.device}")
+    _check_device(caps, device)  # Triton ops: target.backend says where their kernels run
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     d, dk = q.shape[-1], k.shape[-1]
@@ -247,8 +248,8 @@ def validate_attention_args(
     if transform not in caps.transforms:
         raise UnsupportedError(f"{caps.name}: transform={transform!r} unsupported; supported: {caps.transforms}")
     if transform == "ssa":
-        check_ssa_param("n", n, q.device)
-        check_ssa_param("b", b, q.device)
+        check_ssa_param("n", n, device)
+        check_ssa_param("b", b, device)
     elif n is not None or b is not None:
         raise ValueError(f"transform={transform!r} takes no `n`/`b`: they are SSA parameters, supported only "
                          f"with transform='ssa'")
