@@ -51,3 +51,16 @@ def rope_layout_naive(
     if freqs_k is not None:
         k = apply_rope_sbhd(k, freqs_k, mscale)
     return tuple(t.permute(1, 2, 0, 3).contiguous() for t in (q, k, v))
+
+
+def rope_layout_qkv_naive(
+    mixed_qkv: Tensor, heads_per_group: int, freqs_q: Optional[Tensor], freqs_k: Optional[Tensor] = None,
+    mscale: float = 1.0,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """``rope_layout_naive`` of megatron's split of its QKV buffer [s, b, ng, (p + 2) * d]:
+    q, k, v by ``torch.split`` along the last dim into (p * d, d, d), q reshaped to
+    [s, b, ng * p, d] -- exactly ``get_query_key_value_tensors``."""
+    s, b, ng, w = mixed_qkv.shape
+    d = w // (heads_per_group + 2)
+    q, k, v = torch.split(mixed_qkv, [heads_per_group * d, d, d], dim=3)
+    return rope_layout_naive(q.reshape(s, b, ng * heads_per_group, d), k, v, freqs_q, freqs_k, mscale)

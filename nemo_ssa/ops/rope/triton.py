@@ -6,10 +6,22 @@ non-interleaved RoPE of megatron-core (``naive.py``; rot_dim <= d, the tail pass
 in fp32, and writes the layout the fused attention kernels want -- the seed-000
 contiguous-q/k/v rule met in the same pass as RoPE, with no separate copies.
 
-Backward is the same kernel run the other way, one launch for dq and dk: the grads
-[b, h, s, d] (any strides) are rotated by the transpose (inverse) rotation and written as
-contiguous [s, b, h, d], i.e. megatron's layout; dv goes back as a permuted view. With y_i = x_i cos_i + sgn_i x_p(i) sin_i (p(i) = i +- rot/2,
-sgn = -1 on the first half), dx_i = g_i cos_i - sgn_i g_p(i) sin_p(i).
+Backward is the same kernel run the other way: the grads [b, h, s, d] (any strides) are
+rotated by the transpose (inverse) rotation and written in megatron's layout. With
+y_i = x_i cos_i + sgn_i x_p(i) sin_i (p(i) = i +- rot/2, sgn = -1 on the first half),
+dx_i = g_i cos_i - sgn_i g_p(i) sin_p(i).
+
+Two entry points share the kernel:
+
+* ``rope_layout_qkv_triton`` takes the QKV projection's output itself,
+  [s, b, ng, (p + 2) * d] (per KV group, p query heads, then k, then v), and reads q, k, v
+  from it; q's head h is addressed as (group h // p, place h % p), since a group's query heads
+  are d apart but groups (p + 2) * d apart -- no single head stride, which is why megatron's
+  split copies q into [s, b, np, d]. Backward writes dq, dk and dv in one launch into one
+  dense buffer in the QKV layout: that buffer *is* the projection output's gradient, so
+  neither the copy of q nor the concatenation of megatron's split runs, forward or backward.
+* ``rope_layout_triton`` takes q, k, v as [s, b, h, d] views (e.g. after a q/k layer norm);
+  backward writes dq, dk dense [s, b, h, d] in one launch and hands dv back as a permuted view.
 """
 
 from __future__ import annotations
@@ -25,15 +37,18 @@ from torch import Tensor
 @triton.jit
 def _rope_layout_kernel(
     X0, X1, X2, F0, F1, Y0, Y1, Y2,
-    s0_s, s0_b, s0_h, s0_d, s1_s, s1_b, s1_h, s1_d, s2_s, s2_b, s2_h, s2_d,
+    sx0_s, sx0_b, sx0_g, sx0_h, sx0_d, sx1_s, sx1_b, sx1_h, sx1_d, sx2_s, sx2_b, sx2_h, sx2_d,
+    sy0_s, sy0_b, sy0_g, sy0_h, sy1_s, sy1_b, sy1_h, sy2_s, sy2_b, sy2_h,
     sf0_s, sf0_d, sf1_s, sf1_d,
-    S, B, H0, H1, D, mscale,
-    NT: tl.constexpr, ROT: tl.constexpr, INVERSE: tl.constexpr, OUT_BHSD: tl.constexpr,
+    S, B, H0, H1, D, QPG, mscale,
+    NT: tl.constexpr, ROT: tl.constexpr, INVERSE: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One program: BLOCK_S rows of one (tensor, batch, head); tensors 0, 1 (q, k) rotated
-    when ROT > 0, tensor 2 (v) only re-laid out. Outputs are dense: [b, h, s, d]
-    (OUT_BHSD, the forward) or [s, b, h, d] (the backward)."""
+    when ROT > 0, tensor 2 (v) only re-laid out. Every tensor is an [s, b, h, d] view through
+    its strides (outputs with unit d stride); q's head h sits at group h // QPG, place
+    h % QPG in it, so q can be read from or written into megatron's QKV buffer, whose q heads
+    are no single stride apart (a plain [s, b, h, d] q has sx0_g == QPG * sx0_h)."""
     pid = tl.program_id(0)  # over B * (H0 + H1 + H2), tensor-major (axis 0: no 65535 limit)
     pid_s = tl.program_id(1)
     n0 = B * H0
@@ -43,18 +58,25 @@ def _rope_layout_kernel(
     H = tl.where(t == 0, H0, H1)  # H2 == H1 (k and v share the kv heads)
     ib = r // H
     ih = r % H
+    ig = (ih // QPG).to(tl.int64)  # q only: its group and its place in the group
+    ip = (ih % QPG).to(tl.int64)
     X = tl.where(t == 0, X0, tl.where(t == 1, X1, X2))
     Y = tl.where(t == 0, Y0, tl.where(t == 1, Y1, Y2))
-    sx_s = tl.where(t == 0, s0_s, tl.where(t == 1, s1_s, s2_s)).to(tl.int64)
-    sx_b = tl.where(t == 0, s0_b, tl.where(t == 1, s1_b, s2_b)).to(tl.int64)
-    sx_h = tl.where(t == 0, s0_h, tl.where(t == 1, s1_h, s2_h)).to(tl.int64)
-    sx_d = tl.where(t == 0, s0_d, tl.where(t == 1, s1_d, s2_d)).to(tl.int64)
+    sx_s = tl.where(t == 0, sx0_s, tl.where(t == 1, sx1_s, sx2_s)).to(tl.int64)
+    sx_b = tl.where(t == 0, sx0_b, tl.where(t == 1, sx1_b, sx2_b)).to(tl.int64)
+    sx_d = tl.where(t == 0, sx0_d, tl.where(t == 1, sx1_d, sx2_d)).to(tl.int64)
+    x_head = tl.where(t == 0, ig * sx0_g + ip * sx0_h,
+                      ih.to(tl.int64) * tl.where(t == 1, sx1_h, sx2_h))
+    sy_s = tl.where(t == 0, sy0_s, tl.where(t == 1, sy1_s, sy2_s)).to(tl.int64)
+    sy_b = tl.where(t == 0, sy0_b, tl.where(t == 1, sy1_b, sy2_b)).to(tl.int64)
+    y_head = tl.where(t == 0, ig * sy0_g + ip * sy0_h,
+                      ih.to(tl.int64) * tl.where(t == 1, sy1_h, sy2_h))
     offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     ms = offs_s < S
     md = offs_d < D
     m2 = ms[:, None] & md[None, :]
-    xrow = X + ib.to(tl.int64) * sx_b + ih.to(tl.int64) * sx_h + offs_s[:, None].to(tl.int64) * sx_s
+    xrow = X + ib.to(tl.int64) * sx_b + x_head + offs_s[:, None].to(tl.int64) * sx_s
     x = tl.load(xrow + offs_d[None, :] * sx_d, mask=m2, other=0.0).to(tl.float32)
     if ROT > 0:
         HALF: tl.constexpr = ROT // 2
@@ -79,33 +101,46 @@ def _rope_layout_kernel(
             sgn = tl.where(first, -1.0, 1.0)
         rotated = x * cos + sgn[None, :] * xp * sin
         x = tl.where(in_rot[None, :], rotated, x)
-    if OUT_BHSD:
-        yrow = Y + ((ib * H + ih).to(tl.int64) * S + offs_s[:, None].to(tl.int64)) * D
-    else:
-        yrow = Y + ((offs_s[:, None].to(tl.int64) * B + ib) * H + ih) * D
+    yrow = Y + ib.to(tl.int64) * sy_b + y_head + offs_s[:, None].to(tl.int64) * sy_s
     tl.store(yrow + offs_d[None, :], x.to(Y.dtype.element_ty), mask=m2)
 
 
+# ---------------------------------------------------------------------------- host launcher
+def _grouped(t: Tensor, qpg: int) -> Tensor:
+    """q as [s, b, g, p, d]: a 4-D [s, b, h, d] view splits its heads (a view, no copy)."""
+    return t if t.dim() == 5 else t.unflatten(2, (t.shape[2] // qpg, qpg))
+
+
+def _named(prefix: str, axes: str, strides) -> dict:
+    return {f"{prefix}{a}": st for a, st in zip(axes, strides)}
+
+
 def _launch(xs, ys, freqs_q: Optional[Tensor], freqs_k: Optional[Tensor], mscale: float, inverse: bool,
-            out_bhsd: bool) -> None:
-    """xs: 2 or 3 tensors given as [s, b, h, d] views (any strides), ys: their dense outputs."""
+            qpg: int = 1) -> None:
+    """xs, ys: 2 or 3 tensors as [s, b, h, d] views (any strides; ys with unit d stride); q
+    (the first) may be given as [s, b, g, qpg, d] instead. ys[i] <- RoPE(xs[i]) for q and k
+    (the inverse rotation with ``inverse``), ys[2] <- xs[2]."""
     nt = len(xs)
-    xs3 = list(xs) + [xs[-1]] * (3 - nt)
-    ys3 = list(ys) + [ys[-1]] * (3 - nt)
-    S, B, H0, D = xs3[0].shape
-    H1 = xs3[1].shape[2]
+    x0, y0 = _grouped(xs[0], qpg), _grouped(ys[0], qpg)
+    xs3 = [x0] + list(xs[1:]) + [xs[-1]] * (3 - nt)
+    ys3 = [y0] + list(ys[1:]) + [ys[-1]] * (3 - nt)
+    S, B, G, P, D = x0.shape
+    assert P == qpg and y0.shape == x0.shape and all(y.stride(-1) == 1 for y in ys3), "launcher misuse"
     rot = 0 if freqs_q is None else int(freqs_q.shape[-1])
-    f0 = xs3[0] if freqs_q is None else freqs_q
-    f1 = xs3[0] if freqs_k is None else freqs_k
-    sf = (0, 0, 0, 0) if freqs_q is None else (freqs_q.stride(0), freqs_q.stride(-1),
-                                               freqs_k.stride(0), freqs_k.stride(-1))
     block_d = triton.next_power_of_2(D)
     block_s = max(1, min(triton.next_power_of_2(S), 4096 // block_d, 64))
-    grid = (B * (H0 + H1 * (nt - 1)), triton.cdiv(S, block_s))
+    grid = (B * (G * P + xs3[1].shape[2] * (nt - 1)), triton.cdiv(S, block_s))
     _rope_layout_kernel[grid](
-        *xs3, f0, f1, *ys3, *xs3[0].stride(), *xs3[1].stride(), *xs3[2].stride(), *sf,
-        S, B, H0, H1, D, float(mscale),
-        NT=nt, ROT=rot, INVERSE=inverse, OUT_BHSD=out_bhsd, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4,
+        X0=xs3[0], X1=xs3[1], X2=xs3[2], Y0=ys3[0], Y1=ys3[1], Y2=ys3[2],
+        F0=x0 if freqs_q is None else freqs_q, F1=x0 if freqs_k is None else freqs_k,
+        **_named("sx0_", "sbghd", x0.stride()), **_named("sx1_", "sbhd", xs3[1].stride()),
+        **_named("sx2_", "sbhd", xs3[2].stride()),
+        **_named("sy0_", "sbgh", y0.stride()), **_named("sy1_", "sbh", ys3[1].stride()),
+        **_named("sy2_", "sbh", ys3[2].stride()),
+        **_named("sf0_", "sd", (0, 0) if freqs_q is None else (freqs_q.stride(0), freqs_q.stride(-1))),
+        **_named("sf1_", "sd", (0, 0) if freqs_k is None else (freqs_k.stride(0), freqs_k.stride(-1))),
+        S=S, B=B, H0=G * P, H1=xs3[1].shape[2], D=D, QPG=qpg, mscale=float(mscale),
+        NT=nt, ROT=rot, INVERSE=inverse, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4,
     )
 
 
@@ -114,6 +149,14 @@ def _empty(shape, like: Tensor) -> Tensor:
     return torch.empty(shape, device=like.device, dtype=like.dtype)
 
 
+def _split_qkv(mixed: Tensor, qpg: int, d: int):
+    """Megatron's QKV buffer [s, b, ng, (qpg + 2) * d] as q [s, b, ng, qpg, d], k, v [s, b, ng, d]
+    (views: per group, its query heads, then its key and its value head)."""
+    return (mixed[..., : qpg * d].unflatten(-1, (qpg, d)), mixed[..., qpg * d: (qpg + 1) * d],
+            mixed[..., (qpg + 1) * d: (qpg + 2) * d])
+
+
+# ---------------------------------------------------------------------------- autograd
 class _RopeLayout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, freqs_q, freqs_k, mscale):
@@ -121,7 +164,7 @@ class _RopeLayout(torch.autograd.Function):
         ctx.mscale = mscale
         s, b, _, d = q.shape
         ys = [_empty((b, t.shape[2], s, d), q) for t in (q, k, v)]
-        _launch((q, k, v), ys, freqs_q, freqs_k, mscale, inverse=False, out_bhsd=True)
+        _launch((q, k, v), [y.permute(2, 0, 1, 3) for y in ys], freqs_q, freqs_k, mscale, inverse=False)
         return tuple(ys)
 
     @staticmethod
@@ -133,13 +176,58 @@ class _RopeLayout(torch.autograd.Function):
         gq = _empty((s, b, hq, d), dq)
         gk = _empty((s, b, dk.shape[1], d), dk)
         _launch((dq.permute(2, 0, 1, 3), dk.permute(2, 0, 1, 3)), (gq, gk), freqs_q, freqs_k, ctx.mscale,
-                inverse=True, out_bhsd=False)
+                inverse=True)
         # v only changed layout: its grad goes back as a view, megatron's split takes any strides
         gv = dv.permute(2, 0, 1, 3)
         return gq, gk, gv, None, None, None
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, freqs: Optional[Tensor], name: str) -> None:
+class _RopeLayoutQKV(torch.autograd.Function):
+    """q, k, v as one function of megatron's QKV buffer: autograd records no split and no
+    reshape, so backward concatenates nothing -- the kernel writes dq, dk and dv straight
+    into one buffer laid out like the QKV projection's output."""
+
+    @staticmethod
+    def forward(ctx, mixed, qpg, freqs_q, freqs_k, mscale):
+        ctx.save_for_backward(freqs_q, freqs_k)
+        ctx.mscale, ctx.qpg = mscale, qpg
+        s, b, ng, w = mixed.shape
+        d = w // (qpg + 2)
+        ys = [_empty((b, ng * qpg, s, d), mixed), _empty((b, ng, s, d), mixed), _empty((b, ng, s, d), mixed)]
+        _launch(_split_qkv(mixed, qpg, d), [y.permute(2, 0, 1, 3) for y in ys], freqs_q, freqs_k, mscale,
+                inverse=False, qpg=qpg)
+        return tuple(ys)
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        freqs_q, freqs_k = ctx.saved_tensors
+        qpg = ctx.qpg
+        b, _, s, d = dq.shape
+        # dense and written whole by one launch: dq and dk rotated back, dv copied
+        # (autograd materialises unused outputs' grads as zeros: never None here)
+        g = _empty((s, b, dk.shape[1], (qpg + 2) * d), dq)
+        _launch(tuple(t.permute(2, 0, 1, 3) for t in (dq, dk, dv)), _split_qkv(g, qpg, d), freqs_q, freqs_k,
+                ctx.mscale, inverse=True, qpg=qpg)
+        return g, None, None, None, None
+
+
+# ---------------------------------------------------------------------------- public functions
+def _check_freqs(freqs_q: Optional[Tensor], freqs_k: Optional[Tensor], s: int, d: int) -> None:
+    if (freqs_q is None) != (freqs_k is None) or (freqs_q is not None and freqs_q.shape != freqs_k.shape):
+        raise ValueError("rope_layout: freqs_q and freqs_k must both be given with the same shape (or both None)")
+    for freqs, name in ((freqs_q, "freqs_q"), (freqs_k, "freqs_k")):
+        if freqs is None:
+            continue
+        if freqs.dim() != 4 or freqs.shape[0] != s or freqs.shape[1] != 1 or freqs.shape[2] != 1:
+            raise ValueError(f"rope_layout: {name} must be [s={s}, 1, 1, rot_dim], got {tuple(freqs.shape)}")
+        rot = freqs.shape[-1]
+        if rot % 2 or rot > d or rot == 0:
+            raise ValueError(f"rope_layout: rot_dim={rot} must be even and in (0, head dim {d}]")
+        if freqs.requires_grad:
+            raise NotImplementedError("rope_layout: freqs must not require grad (megatron's do not)")
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
     for t, tn in ((q, "q"), (k, "k"), (v, "v")):
         if t.dim() != 4:
             raise ValueError(f"rope_layout: {tn} must be [s, b, h, d], got shape {tuple(t.shape)}")
@@ -152,16 +240,20 @@ def _check(q: Tensor, k: Tensor, v: Tensor, freqs: Optional[Tensor], name: str) 
         raise ValueError(f"rope_layout: k and v must have the same number of heads, got {k.shape[2]} and {v.shape[2]}")
     if not (q.dtype == k.dtype == v.dtype) or q.device != k.device or q.device != v.device:
         raise ValueError("rope_layout: q, k, v must share dtype and device")
-    if freqs is None:
-        return
-    s, d = q.shape[0], q.shape[3]
-    if freqs.dim() != 4 or freqs.shape[0] != s or freqs.shape[1] != 1 or freqs.shape[2] != 1:
-        raise ValueError(f"rope_layout: {name} must be [s={s}, 1, 1, rot_dim], got {tuple(freqs.shape)}")
-    rot = freqs.shape[-1]
-    if rot % 2 or rot > d or rot == 0:
-        raise ValueError(f"rope_layout: rot_dim={rot} must be even and in (0, head dim {d}]")
-    if freqs.requires_grad:
-        raise NotImplementedError("rope_layout: freqs must not require grad (megatron's do not)")
+
+
+def _check_qkv(mixed_qkv: Tensor, heads_per_group: int) -> int:
+    """Validates megatron's QKV buffer [s, b, ng, (p + 2) * d]; returns the head dim d."""
+    if mixed_qkv.dim() != 4:
+        raise ValueError(f"rope_layout: mixed_qkv must be [s, b, ng, (heads_per_group + 2) * d], got shape "
+                         f"{tuple(mixed_qkv.shape)}")
+    if isinstance(heads_per_group, bool) or not isinstance(heads_per_group, int) or heads_per_group < 1:
+        raise ValueError(f"rope_layout: heads_per_group must be an int >= 1, got {heads_per_group!r}")
+    w = mixed_qkv.shape[-1]
+    if w % (heads_per_group + 2) or w == 0:
+        raise ValueError(f"rope_layout: mixed_qkv's last dim {w} is not (heads_per_group + 2) * d with "
+                         f"heads_per_group={heads_per_group}")
+    return w // (heads_per_group + 2)
 
 
 def rope_layout_triton(
@@ -181,8 +273,34 @@ def rope_layout_triton(
     """
     if freqs_k is None:
         freqs_k = freqs_q
-    _check(q, k, v, freqs_q, "freqs_q")
-    _check(q, k, v, freqs_k, "freqs_k")
-    if (freqs_q is None) != (freqs_k is None) or (freqs_q is not None and freqs_q.shape != freqs_k.shape):
-        raise ValueError("rope_layout: freqs_q and freqs_k must both be given with the same shape (or both None)")
+    _check(q, k, v)
+    _check_freqs(freqs_q, freqs_k, q.shape[0], q.shape[3])
     return _RopeLayout.apply(q, k, v, freqs_q, freqs_k, float(mscale))
+
+
+def rope_layout_qkv_triton(
+    mixed_qkv: Tensor, heads_per_group: int, freqs_q: Optional[Tensor], freqs_k: Optional[Tensor] = None,
+    mscale: float = 1.0,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """``rope_layout_triton`` read straight from megatron's QKV buffer, its gradient one buffer.
+
+    The q, k, v of ``get_query_key_value_tensors`` are a split of this buffer and a reshape
+    of q (a copy: a group's query heads are d apart, groups (p + 2) * d apart); their
+    gradients are concatenated back by the split's backward (a second copy). Here the kernel
+    reads q, k, v from the buffer through a grouped head index and, backward, writes dq, dk
+    and dv into one dense buffer in its layout (one launch each way, no copies).
+
+    Args:
+        mixed_qkv: [s, b, ng, (p + 2) * d], any strides: per KV group its p query heads,
+            then its key head, then its value head (megatron's view of ``linear_qkv``'s output).
+        heads_per_group: p, query heads per KV group (np / ng).
+        freqs_q, freqs_k, mscale: as for ``rope_layout_triton``.
+    Returns:
+        contiguous [b, h, s, d] q (h = ng * p; head h is group h // p, place h % p: megatron's
+        query order, rotated), k (rotated) and v (h = ng), in the input dtype.
+    """
+    if freqs_k is None:
+        freqs_k = freqs_q
+    d = _check_qkv(mixed_qkv, heads_per_group)
+    _check_freqs(freqs_q, freqs_k, mixed_qkv.shape[0], d)
+    return _RopeLayoutQKV.apply(mixed_qkv, heads_per_group, freqs_q, freqs_k, float(mscale))

@@ -1,7 +1,7 @@
 """Fused RoPE + layout (nemo_ssa/ops/rope) vs the torch reference and megatron's own RoPE.
 
 Inputs are megatron-like strided views (q from a transposed buffer, k/v slices of one
-mixed QKV buffer); freqs are built like megatron's RotaryEmbedding ([s, 1, 1, rot] fp32,
+mixed QKV buffer, or that buffer itself for the ``_qkv`` form); freqs are built like megatron's RotaryEmbedding ([s, 1, 1, rot] fp32,
 cat(freqs, freqs)), rot < d as in the 114M recipe (rotary_percent 0.5) and rot == d.
 Triton runs in the CPU interpreter: tiny shapes.
 """
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nemo_ssa.ops.rope import naive as rope_naive
-from nemo_ssa.ops.rope import rope_layout_naive, rope_layout_triton
+from nemo_ssa.ops.rope import rope_layout_naive, rope_layout_qkv_naive, rope_layout_qkv_triton, rope_layout_triton
 from nemo_ssa.ops.rope import triton as rope_triton
 from nemo_ssa.testing import assert_within_2x_eager, rel_err
 
@@ -159,3 +159,139 @@ def test_mismatched_inputs_raise():
         rope_layout_triton(q, k, v.double(), None)
     with pytest.raises(ValueError, match="both"):
         rope_layout_triton(q, k, v, freqs_like_megatron(4, 16), freqs_like_megatron(4, 8))
+
+
+# ------------------------------------------------------------------------------ from the QKV buffer
+QKV_SHAPES = [  # s, b, ng, heads per group, d, rot (None: layout only)
+    (7, 2, 2, 3, 32, 16),   # the recipe's GQA 3:1, rotary_percent 0.5, odd s
+    (5, 3, 3, 1, 16, 16),   # one query head per group (MHA), full rotation, odd b
+    (9, 1, 1, 4, 24, 8),    # non-power-of-2 head dim, one group (MQA)
+    (3, 3, 3, 3, 8, None),  # layout only
+]
+QKV_IDS = [f"s{s}b{b}g{g}p{p}d{d}r{r}" for s, b, g, p, d, r in QKV_SHAPES]
+
+
+def qkv_buffer(s, b, ng, p, d, dtype, pitch=0):
+    """Megatron's QKV projection output viewed [s, b, ng, (p + 2) * d]; ``pitch`` extra columns
+    make it a strided view of a wider buffer (any strides are taken)."""
+    buf = torch.randn(s, b, ng, (p + 2) * d + pitch, dtype=dtype, device=DEVICE)
+    return buf[..., : (p + 2) * d].requires_grad_(True) if pitch == 0 else buf.requires_grad_(True)
+
+
+def _poison(monkeypatch):
+    monkeypatch.setattr(rope_triton, "_empty",
+                        lambda shp, like: torch.full(shp, float("nan"), dtype=like.dtype, device=like.device))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", QKV_SHAPES, ids=QKV_IDS)
+def test_qkv_forward_and_backward_within_2x_eager(shape, dtype, monkeypatch):
+    """Against megatron's split + reshape + RoPE + layout copies in torch: fp64 anchor, the
+    same-dtype eager run as the 2x baseline; every output the op allocates NaN-poisoned."""
+    s, b, ng, p, d, rot = shape
+    _poison(monkeypatch)
+    mixed = qkv_buffer(s, b, ng, p, d, dtype)
+    freqs = None if rot is None else freqs_like_megatron(s, rot)
+    out = rope_layout_qkv_triton(mixed, p, freqs)
+    for o, (hh, name) in zip(out, ((ng * p, "q"), (ng, "k"), (ng, "v"))):
+        assert o.shape == (b, hh, s, d) and o.is_contiguous() and o.dtype == dtype, name
+    grads = [torch.randn_like(o) for o in out]
+    (gmixed,) = torch.autograd.grad(out, mixed, grads)
+    assert gmixed.shape == mixed.shape and gmixed.is_contiguous()
+
+    ref_mixed = mixed.detach().double().requires_grad_(True)
+    ref = rope_layout_qkv_naive(ref_mixed, p, None if freqs is None else freqs.double())
+    (gref,) = torch.autograd.grad(ref, ref_mixed, [g.double() for g in grads])
+    eag_mixed = mixed.detach().clone().requires_grad_(True)
+    eager = rope_layout_qkv_naive(eag_mixed, p, freqs)
+    (geager,) = torch.autograd.grad(eager, eag_mixed, grads)
+    for o, e, r, name in zip(out, eager, ref, "qkv"):
+        assert_within_2x_eager(o, e, r, name=name)
+    assert_within_2x_eager(gmixed, geager, gref, name="grad")
+
+
+@pytest.mark.parametrize("shape", QKV_SHAPES, ids=QKV_IDS)
+def test_qkv_form_is_bitwise_the_views_form(shape):
+    """Same arithmetic, other addressing: the buffer form gives exactly what the [s, b, h, d]
+    form gives on megatron's split of the same buffer, forward and gradient -- so the model
+    trains bit for bit as before. Here on a strided buffer (an odd row pitch)."""
+    s, b, ng, p, d, rot = shape
+    mixed = qkv_buffer(s, b, ng, p, d, torch.bfloat16, pitch=3)
+    freqs = None if rot is None else freqs_like_megatron(s, rot)
+    w = (p + 2) * d
+    new = rope_layout_qkv_triton(mixed[..., :w], p, freqs, mscale=1.1)
+    old = rope_layout_triton(*split(mixed[..., :w], ng * p, ng, d), freqs, mscale=1.1)
+    grads = [torch.randn_like(o) for o in new]
+    (g_new,) = torch.autograd.grad(new, mixed, grads)
+    (g_old,) = torch.autograd.grad(old, mixed, grads)
+    for a, o in zip(new, old):
+        assert torch.equal(a, o)
+    assert torch.equal(g_new, g_old) and torch.all(g_new[..., w:] == 0)
+    # negative control: a wrong grouping (the heads read as if one stride apart) differs
+    if p > 1 and ng > 1:
+        m = mixed.detach()
+        flat = m.as_strided((s, b, ng * p, d), (m.stride(0), m.stride(1), d, 1))
+        wrong = rope_layout_triton(flat, *split(m[..., :w], ng * p, ng, d)[1:], freqs, mscale=1.1)
+        assert not torch.equal(wrong[0], new[0])
+
+
+def test_qkv_separate_freqs_mscale_and_partial_grads():
+    s, b, ng, p, d = 6, 2, 2, 3, 16
+    mixed = qkv_buffer(s, b, ng, p, d, torch.float32)
+    fq, fk = freqs_like_megatron(s, 8, offset=0), freqs_like_megatron(s, 8, offset=5)
+    got = rope_layout_qkv_triton(mixed, p, fq, fk, mscale=1.3)
+    want = rope_layout_qkv_naive(mixed, p, fq, fk, mscale=1.3)
+    for a, w in zip(got, want):
+        torch.testing.assert_close(a, w, atol=1e-5, rtol=1e-5)
+    swapped = rope_layout_qkv_triton(mixed, p, fk, fq, mscale=1.3)
+    assert rel_err(swapped[1], want[1]) > 0.05  # negative control: freqs_k is really used
+    # a loss on k alone: the q and v columns of the one gradient buffer are exact zeros
+    (g,) = torch.autograd.grad(got[1].square().sum(), mixed)
+    (gw,) = torch.autograd.grad(want[1].square().sum(), mixed)
+    torch.testing.assert_close(g, gw, atol=1e-5, rtol=1e-5)
+    assert torch.all(g[..., : p * d] == 0) and torch.all(g[..., (p + 1) * d:] == 0)
+    assert g[..., p * d: (p + 1) * d].abs().max() > 0
+
+
+def test_qkv_autograd_graph_has_no_split_or_cat():
+    """The point of the buffer form: q, k, v hang off one node whose only input is the buffer,
+    so backward runs no split / cat / reshape copy; megatron's split has them (the control)."""
+    mixed = qkv_buffer(4, 2, 2, 3, 8, torch.float32)
+    new = rope_layout_qkv_triton(mixed, 3, freqs_like_megatron(4, 8))
+    nodes = {o.grad_fn for o in new}
+    assert len(nodes) == 1
+    (node,) = nodes
+    assert type(node).__name__ == "_RopeLayoutQKVBackward"
+    inputs = [f for f, _ in node.next_functions if f is not None]
+    assert [type(f).__name__ for f in inputs] == ["AccumulateGrad"] and inputs[0].variable is mixed
+    q, k, v = torch.split(mixed, [3 * 8, 8, 8], dim=3)  # get_query_key_value_tensors
+    old = rope_layout_triton(q.reshape(4, 2, 6, 8), k, v, freqs_like_megatron(4, 8))
+    assert {"SplitWithSizesBackward0", "CloneBackward0"} & graph_node_names(old[0]), graph_node_names(old[0])
+    assert not {"SplitWithSizesBackward0", "SplitBackward0", "CatBackward0", "CloneBackward0",
+                "UnsafeViewBackward0"} & graph_node_names(new[0])
+
+
+def graph_node_names(t):
+    seen, todo, names = set(), [t.grad_fn], set()
+    while todo:
+        f = todo.pop()
+        if f is None or f in seen:
+            continue
+        seen.add(f)
+        names.add(type(f).__name__)
+        todo += [g for g, _ in f.next_functions]
+    return names
+
+
+@pytest.mark.parametrize("bad,p,msg", [
+    (lambda m: m[..., :-1], 3, "last dim"),
+    (lambda m: m[0], 3, "must be"),
+    (lambda m: m, 0, "heads_per_group"),
+    (lambda m: m, 2.0, "heads_per_group"),
+])
+def test_qkv_bad_inputs_raise(bad, p, msg):
+    mixed = qkv_buffer(4, 2, 2, 3, 8, torch.float32)
+    with pytest.raises(ValueError, match=msg):
+        rope_layout_qkv_triton(bad(mixed), p, None)
+    with pytest.raises(ValueError, match="rot_dim"):
+        rope_layout_qkv_triton(mixed, 3, freqs_like_megatron(4, 16))  # rot 16 > head dim 8
