@@ -13,8 +13,10 @@ implements):
 
 RoPE is applied to q/k by ``SelfAttention`` -- except under ``FusedRopeSelfAttention``
 (nemo_ssa/megatron/self_attention.py, the spec's default for softmax_triton/ssa_triton),
-which hands megatron's rotary tensor to the core attention: RoPE and the [s, b, h, d] ->
-contiguous [b, h, s, d] layout are then one Triton pass (nemo_ssa/ops/rope). Otherwise
+which applies it fused with the [s, b, h, d] -> contiguous [b, h, s, d] layout in one Triton
+pass (nemo_ssa/ops/rope): usually itself, reading the QKV buffer (q, k, v then arrive here as
+views of contiguous [b, h, s, d], and the permute below gives that back without a copy), or,
+where megatron's split must run, here, from the rotary tensor it hands over. Otherwise
 tensors are viewed as [b, h, s, d] (no copy; ``force_contiguous_qkv`` copies) and handed
 to ``nemo_ssa.ops`` — the op layer never sees Megatron layouts. An op that takes ``out=``
 writes megatron's [sq, b, h*d] output in place (no copy back).
@@ -318,12 +320,13 @@ class _TransformedSoftmaxAttention(MegatronModule):
 
         sq, b = query.shape[0], query.shape[1]
         if rope is not None:
-            # FusedRopeSelfAttention handed us megatron's RoPE: one Triton pass per tensor
-            # reads the [s, b, h, d] views (any strides), rotates q/k and writes contiguous
+            # FusedRopeSelfAttention handed us megatron's RoPE (its split had to run): one Triton
+            # pass reads the [s, b, h, d] views (any strides), rotates q/k and writes contiguous
             # [b, h, s, d] -- seed 000's contiguous-q/k/v rule met without separate copies.
             q, k, v = rope_layout_triton(query, key, value, *rope)
         else:
-            # [s, b, h, d] -> [b, h, s, d]: views, no copy
+            # [s, b, h, d] -> [b, h, s, d]: views, no copy (and contiguous already where
+            # FusedRopeSelfAttention read them from the QKV buffer: .contiguous() is then free)
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
             if self.force_contiguous_qkv:
                 # Seed 000: materialising q/k/v removed the strided-layout instabilities of

@@ -2,7 +2,9 @@
 
 A tiny GPT built through our spec (rope, rotary_percent 0.5, GQA, odd s) with the fused
 path must give the same loss and gradients (fp32, tight tolerance) as the stock megatron
-RoPE + layout-copy path on the same weights; the Triton kernels run in the interpreter.
+RoPE + layout-copy path on the same weights; reading q, k, v straight from the QKV buffer
+must give bit for bit what the fused pass on megatron's split gives, with no split or cat
+left in the autograd graph. The Triton kernels run in the interpreter.
 """
 
 import pytest
@@ -12,6 +14,7 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 import nemo_ssa.megatron.core_attention as core_attention_mod
+import nemo_ssa.megatron.self_attention as self_attention_mod
 from nemo_ssa.megatron.core_attention import SoftmaxTritonCoreAttention
 from nemo_ssa.megatron.self_attention import FusedRopeSelfAttention
 from nemo_ssa.megatron.spec import layer_spec
@@ -59,13 +62,16 @@ def test_fused_path_matches_megatron_rope_and_copies(megatron_cpu, monkeypatch, 
     for layer in stock.decoder.layers:
         assert type(layer.self_attention) is SelfAttention
     tokens = torch.randint(0, VOCAB, (B, S))
-    rope_kernel = Counter(core_attention_mod.rope_layout_triton)
+    rope_kernel = Counter(self_attention_mod.rope_layout_qkv_triton)
+    views_kernel = Counter(core_attention_mod.rope_layout_triton)
     megatron_rope = Counter(mattn.apply_rotary_pos_emb)
-    monkeypatch.setattr(core_attention_mod, "rope_layout_triton", rope_kernel)
+    monkeypatch.setattr(self_attention_mod, "rope_layout_qkv_triton", rope_kernel)
+    monkeypatch.setattr(core_attention_mod, "rope_layout_triton", views_kernel)
     monkeypatch.setattr(mattn, "apply_rotary_pos_emb", megatron_rope)
 
     loss_f, grads_f = loss_and_grads(fused, tokens)
-    assert (rope_kernel.calls, megatron_rope.calls) == (2, 0)  # one fused pass per layer, no megatron RoPE
+    # one fused pass per layer, from the QKV buffer; no megatron RoPE, no pass on split views
+    assert (rope_kernel.calls, views_kernel.calls, megatron_rope.calls) == (2, 0, 0)
     loss_s, grads_s = loss_and_grads(stock, tokens)
     assert (rope_kernel.calls, megatron_rope.calls) == (2, 4)  # stock: megatron ropes q and k per layer
     torch.testing.assert_close(loss_f, loss_s, atol=1e-6, rtol=1e-6)
@@ -75,10 +81,115 @@ def test_fused_path_matches_megatron_rope_and_copies(megatron_cpu, monkeypatch, 
 
     # negative control: the same model without RoPE at all gives a different loss, so the
     # comparison above can see a missing rotation
-    monkeypatch.setattr(core_attention_mod, "rope_layout_triton",
-                        lambda q, k, v, fq, fk, m: rope_kernel.fn(q, k, v, None, None, m))
+    monkeypatch.setattr(self_attention_mod, "rope_layout_qkv_triton",
+                        lambda mixed, p, fq, fk, m: rope_kernel.fn(mixed, p, None, None, m))
     loss_norope, _ = loss_and_grads(fused, tokens)
     assert abs(loss_norope.item() - loss_s.item()) > 1e-4
+
+
+def split_path(monkeypatch):
+    """The fused pass on megatron's split views (the core attention's), as before the QKV-buffer read."""
+    monkeypatch.setattr(FusedRopeSelfAttention, "_qkv_buffer_fallback_reason", lambda self, kv: "forced by a test")
+
+
+@pytest.mark.parametrize("attention", ["softmax_triton", "ssa_triton"])
+@pytest.mark.parametrize("groups", [GROUPS, HEADS], ids=["gqa3", "mha"])
+def test_qkv_buffer_path_is_bitwise_the_split_path(megatron_cpu, monkeypatch, attention, groups):
+    """Reading q, k, v from the QKV buffer changes addressing only: the loss and every gradient
+    are bit for bit those of the fused pass on megatron's split (the path it replaces)."""
+    cfg = make_config(num_query_groups=groups)
+    model = build_gpt(attention, None, cfg)
+    tokens = torch.randint(0, VOCAB, (B, S))
+    qkv_kernel = Counter(self_attention_mod.rope_layout_qkv_triton)
+    monkeypatch.setattr(self_attention_mod, "rope_layout_qkv_triton", qkv_kernel)
+    loss_new, grads_new = loss_and_grads(model, tokens)
+    assert qkv_kernel.calls == 2
+    with monkeypatch.context() as m:
+        split_path(m)
+        views_kernel = Counter(core_attention_mod.rope_layout_triton)
+        m.setattr(core_attention_mod, "rope_layout_triton", views_kernel)
+        loss_old, grads_old = loss_and_grads(model, tokens)
+        assert (qkv_kernel.calls, views_kernel.calls) == (2, 2)
+    assert torch.equal(loss_new, loss_old)
+    assert set(grads_new) == set(grads_old) and any("linear_qkv" in n for n in grads_new)
+    for name in grads_old:
+        assert torch.equal(grads_new[name], grads_old[name]), name
+    # no parameter or buffer changed: a checkpoint of one path loads into the other as is
+    assert set(model.state_dict()) == set(build_gpt(attention, False, cfg).state_dict())
+
+
+def graph_names(root) -> dict:
+    """Every autograd node reachable from ``root`` (a tensor), counted by type name."""
+    seen, todo, names = set(), [root.grad_fn], {}
+    while todo:
+        f = todo.pop()
+        if f is None or f in seen:
+            continue
+        seen.add(f)
+        names[type(f).__name__] = names.get(type(f).__name__, 0) + 1
+        todo += [g for g, _ in f.next_functions]
+    return names
+
+
+#: megatron's split (its backward is the cat) and q's reshape copy
+_COPY_NODES = ("SplitWithSizesBackward0", "SplitBackward0", "CatBackward0", "UnsafeViewBackward0")
+
+
+@pytest.mark.parametrize("attention", ["softmax_triton", "ssa_triton"])
+def test_qkv_buffer_path_leaves_no_split_or_cat_in_the_graph(megatron_cpu, monkeypatch, attention):
+    """What proves the copies gone without a GPU: from the loss back to the embeddings there is
+    no split, cat or reshape copy anywhere, and q reaches the QKV projection through the one
+    fused node; the split path (the control) has megatron's split and q's reshape copy per layer."""
+    from nemo_ssa.megatron.cpu import cpu_device_shims
+
+    model = build_gpt(attention, None)
+    tokens = torch.randint(0, VOCAB, (B, S))
+    seen_q = []
+    hooks = [layer.self_attention.core_attention.register_forward_pre_hook(lambda mod, args: seen_q.append(args[0]))
+             for layer in model.decoder.layers]
+
+    def loss_graph():
+        with cpu_device_shims():
+            pos = torch.arange(S)[None].expand(B, S)
+            return graph_names(model(tokens, pos, attention_mask=None, labels=tokens).mean())
+
+    names = loss_graph()
+    assert names.get("_RopeLayoutQKVBackward") == 2, names
+    assert not set(_COPY_NODES) & set(names), names
+    for q in seen_q:  # [s, b, h, d] view -> the fused node -> mixed_qkv's view of the projection
+        (node, _), = q.grad_fn.next_functions
+        assert type(node).__name__ == "_RopeLayoutQKVBackward"
+        assert [type(f).__name__ for f, _ in node.next_functions if f is not None] == ["ViewBackward0"]
+    with monkeypatch.context() as m:
+        split_path(m)
+        control = loss_graph()
+    for hook in hooks:
+        hook.remove()
+    assert control.get("SplitWithSizesBackward0") == 2 and control.get("_RopeLayoutBackward") == 2, control
+    assert control.get("UnsafeViewBackward0") == 2, control  # q's reshape, a copy (its clone below)
+    # the only clones left are the output layer's (logits' transpose), in both graphs
+    assert control["CloneBackward0"] - names.get("CloneBackward0", 0) == 2, (names, control)
+
+
+def test_split_path_is_logged_once_per_reason(megatron_cpu, caplog):
+    """A q/k norm between the split and RoPE keeps megatron's split (the core attention fuses
+    RoPE + layout on its views), logged once; the result is that of the QKV-buffer path."""
+    model = build_gpt("softmax_triton", None, make_config(num_layers=1))
+    tokens = torch.randint(0, VOCAB, (B, S))
+    loss_new, grads_new = loss_and_grads(model, tokens)
+    sa = model.decoder.layers[0].self_attention
+    sa.q_layernorm = torch.nn.Identity()  # a norm megatron applies after its split (here an identity)
+    assert sa._qkv_buffer_fallback_reason(None) == "q/k layer norm between the split and RoPE"
+    with caplog.at_level("WARNING", logger="nemo_ssa.megatron.self_attention"):
+        loss_old, grads_old = loss_and_grads(model, tokens)
+        loss_and_grads(model, tokens)
+    assert [r.getMessage() for r in caplog.records if "QKV buffer" in r.getMessage()] == [
+        "q, k, v not read from the QKV buffer (q/k layer norm between the split and RoPE): megatron's split and "
+        "its copies run, RoPE + layout is fused in the core attention"]
+    assert torch.equal(loss_new, loss_old)
+    for name in grads_old:
+        assert torch.equal(grads_new[name], grads_old[name]), name
+    assert sa._qkv_rope is None and sa.core_attention._pending_rope is None
 
 
 def test_unsupported_configs_fall_back_to_megatron(megatron_cpu, caplog):
