@@ -17,7 +17,9 @@ does not install here (0.17+ needs Python 3.12) can be checked too:
 
 :func:`check` matches each call against our module's own signature (``inspect``) or, where our
 class inherits the method from megatron, against that version's megatron method parsed from
-the same source. tests/megatron/test_contracts.py runs it on the installed megatron-core and on
+the same source. It also checks one call the other way, ours into megatron:
+``FusedRopeSelfAttention`` reads q, k, v from what ``get_query_key_value_tensors(...,
+split_qkv=False)`` returns (:func:`qkv_buffer_problems`). tests/megatron/test_contracts.py runs it on the installed megatron-core and on
 the sources scripts/env.sh unpacks (:func:`source_roots`); ``python -m
 nemo_ssa.megatron.contracts [ROOT ...]`` prints the findings.
 """
@@ -34,7 +36,8 @@ import sys
 from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
 __all__ = ["CallSite", "Slot", "SLOTS", "OPAQUE_OK", "MOE_ONLY", "find_calls", "slot_calls", "check",
-           "source_roots", "installed_root", "SOURCES_ENV", "parse_function", "signature_from_ast"]
+           "source_roots", "installed_root", "SOURCES_ENV", "parse_function", "signature_from_ast",
+           "qkv_buffer_problems"]
 
 #: overrides where the unpacked sources are (default ``<sys.prefix>/sources``)
 SOURCES_ENV = "NEMO_SSA_MEGATRON_SOURCES"
@@ -247,6 +250,9 @@ def _slots() -> Tuple[Slot, ...]:
         Slot("self_attention construction", tl, layer, ("submodules.self_attention",),
              (f"{_NSA}.__init__", f"{_ROPE}.__init__"), provided=frozenset({"submodules"})),
         Slot("self_attention forward", tl, layer, ("self.self_attention",), (f"{_NSA}.forward", f"{_ROPE}.forward")),
+        # FusedRopeSelfAttention overrides it (the QKV-buffer path); Attention.forward calls it
+        Slot("qkv tensors", "transformer/attention.py", ("Attention", "SelfAttention"),
+             ("self.get_query_key_value_tensors",), (f"{_ROPE}.get_query_key_value_tensors",)),
         Slot("core_attention construction", "transformer/attention.py", ("Attention", "SelfAttention"),
              ("submodules.core_attention",), tuple(f"{c}.__init__" for c in core)),
         Slot("core_attention forward", "transformer/attention.py", ("Attention", "SelfAttention"),
@@ -355,7 +361,98 @@ def check(root: str) -> Tuple[Tuple[int, ...], List[str], List[str]]:
                         problems.append(f"{slot.name}: {call}: **{expr} cannot be read statically; read it "
                                         "and add it to contracts.OPAQUE_OK with the reason it is safe")
         report += [f"{slot.name}: {c}" for c in calls]
+    attention = _read(root, "transformer/attention.py")
+    problems += [f"qkv buffer: {p}" for p in qkv_buffer_problems(attention)]
+    report.append("qkv buffer: SelfAttention.get_query_key_value_tensors(h, None, split_qkv=False) returns "
+                  "mixed_qkv [s, b, ng, (np/ng + 2) * hn] before anything is applied to q, k or v")
     return version, problems, report
+
+
+# ------------------------------------------------------------------------------ what we call
+#: what megatron's ``get_query_key_value_tensors`` may read before it returns the unsplit
+#: buffer: the projection and the shapes (``world_size``/``pg_collection``: the TP gather,
+#: which FusedRopeSelfAttention refuses)
+_QKV_BUFFER_READS = frozenset({"linear_qkv", "num_query_groups_per_partition", "num_attention_heads_per_partition",
+                               "hidden_size_per_attention_head", "config", "world_size", "pg_collection"})
+_QKV_GATHER_TEST = "self.config.num_query_groups < self.world_size"
+
+
+def qkv_buffer_problems(source: str) -> List[str]:
+    """What ``FusedRopeSelfAttention`` relies on when it calls megatron's
+    ``SelfAttention.get_query_key_value_tensors(hidden_states, None, split_qkv=False)`` and reads
+    q, k, v from the result itself (``source``: that version's transformer/attention.py):
+
+    - the call binds;
+    - it returns ``mixed_qkv, split_arg_list`` under ``if not split_qkv``, after
+      ``mixed_qkv = mixed_qkv.view(*new_tensor_shape)`` with ``new_tensor_shape`` =
+      ``mixed_qkv.size()[:-1] + (self.num_query_groups_per_partition, <n> * self.hidden_size_per_attention_head)``;
+    - ``split_arg_list`` is (q of the group, one key head, one value head) in that order;
+    - nothing before the return touches q or k (a norm, test_mode's checks, RoPE): only the
+      projection and shapes are read; the TP gather (``num_query_groups < world_size``) is the
+      one branch, which the caller refuses, and ``Attention.__init__`` sets ``self.world_size``
+      where it is read.
+    """
+    fn = parse_function(source, "SelfAttention", "get_query_key_value_tensors")
+    if fn is None:
+        return ["SelfAttention.get_query_key_value_tensors not found"]
+    out = []
+    try:
+        signature_from_ast(fn).bind("hidden_states", None, split_qkv=False)
+    except TypeError as e:
+        out.append(f"(hidden_states, None, split_qkv=False) does not bind: {e}")
+    ret = next((n for n in ast.walk(fn) if isinstance(n, ast.If) and ast.unparse(n.test) == "not split_qkv"
+                and any(isinstance(b, ast.Return) and ast.unparse(b.value) == "(mixed_qkv, split_arg_list)"
+                        for b in n.body)), None)
+    if ret is None:
+        return out + ["no `if not split_qkv: return (mixed_qkv, split_arg_list)`"]
+    path: List[ast.stmt] = []
+    if not _run_to(fn.body, ret, path, out):
+        return out + ["the `return mixed_qkv, split_arg_list` is not reached with output_gate=False"]
+    before = [n for st in path for n in ast.walk(st)]
+    texts = {ast.unparse(n) for n in before if isinstance(n, ast.Assign)}
+    if "mixed_qkv = mixed_qkv.view(*new_tensor_shape)" not in texts:
+        out.append("mixed_qkv is not viewed as new_tensor_shape before the return")
+    shapes = [n.value for n in before if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "new_tensor_shape"]
+    ok = (len(shapes) == 1 and isinstance(shapes[0], ast.BinOp) and isinstance(shapes[0].right, ast.Tuple)
+          and ast.unparse(shapes[0].left) == "mixed_qkv.size()[:-1]" and len(shapes[0].right.elts) == 2
+          and ast.unparse(shapes[0].right.elts[0]) == "self.num_query_groups_per_partition"
+          and ast.unparse(shapes[0].right.elts[1]).endswith("* self.hidden_size_per_attention_head"))
+    if not ok:
+        out.append(f"new_tensor_shape is not [s, b, ng, n * hn]: {[ast.unparse(x) for x in shapes]}")
+    lists = [n.value for n in before if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "split_arg_list"
+             and isinstance(n.value, ast.List)]
+    if not lists or len(lists[-1].elts) != 3 or any(ast.unparse(e) != "self.hidden_size_per_attention_head"
+                                                     for e in lists[-1].elts[1:]):
+        out.append(f"split_arg_list is not [q heads * hn, hn, hn]: {[ast.unparse(x) for x in lists]}")
+    reads = {n.attr for n in before if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+             and n.value.id == "self"}
+    if reads - _QKV_BUFFER_READS:
+        out.append(f"reads {sorted(reads - _QKV_BUFFER_READS)} before returning the buffer")
+    if any(ast.unparse(n.test) == _QKV_GATHER_TEST for n in ast.walk(fn) if isinstance(n, ast.If)):
+        init = parse_function(source, "Attention", "__init__")
+        if init is None or "self.world_size = " not in ast.unparse(init):
+            out.append("get_query_key_value_tensors branches on self.world_size but Attention.__init__ does not set it")
+    return out
+
+
+def _run_to(stmts: Sequence[ast.stmt], target: ast.stmt, path: List[ast.stmt], out: List[str]) -> bool:
+    """The statements FusedRopeSelfAttention's call runs before ``target`` (appended to ``path``):
+    ``if output_gate`` takes its else (the call passes no gate), the TP gather is skipped (the
+    caller refuses it); any other branch is a problem (``out``). True when ``target`` is reached."""
+    for st in stmts:
+        if st is target:
+            return True
+        if isinstance(st, ast.If):
+            test = ast.unparse(st.test)
+            if test == "output_gate":
+                if _run_to(st.orelse, target, path, out):
+                    return True
+                continue
+            if test == _QKV_GATHER_TEST:
+                continue
+            out.append(f"a branch before the buffer is returned: `if {test}`")
+        path.append(st)
+    return False
 
 
 # ------------------------------------------------------------------------------ where the sources are

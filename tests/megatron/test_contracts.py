@@ -94,6 +94,7 @@ def test_megatron_source_calls_only_what_our_modules_take(version):
     assert ".".join(map(str, got)) == version
     slots = {line.split(":")[0] for line in report}
     assert {"mlp construction", "mlp forward", "self_attention construction", "self_attention forward",
+            "qkv tensors", "qkv buffer",
             "core_attention construction", "core_attention forward", "layer norm construction",
             "layer norm forward", "final layer norm construction", "final layer norm forward"} <= slots, slots
     assert not problems, "\n".join(problems)
@@ -128,6 +129,58 @@ def test_every_opaque_argument_is_one_we_read(version):
     slot = next(s for s in contracts.SLOTS if s.name == "core_attention forward")
     opaque = {e for c in contracts.slot_calls(root, slot) for e in c.opaque}
     assert opaque <= {e for (name, e) in contracts.OPAQUE_OK if name == slot.name}
+
+
+# ------------------------------------------------------------------------------ the QKV buffer
+def attention_source(version: str) -> str:
+    root = contracts.installed_root() if version == "installed" else source_root(version)
+    with open(os.path.join(root, "megatron", "core", "transformer", "attention.py"), encoding="utf-8") as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("version", ["installed"] + PINNED)
+def test_get_query_key_value_tensors_returns_the_buffer_before_the_split(version):
+    """What FusedRopeSelfAttention reads q, k, v from: split_qkv=False returns the projection's
+    output viewed [s, b, ng, (np/ng + 2) * hn], (q heads, k, v) per group, nothing applied."""
+    assert contracts.qkv_buffer_problems(attention_source(version)) == []
+
+
+@pytest.mark.parametrize("change,problem", [
+    # a q norm moved before the early return: the buffer path would skip it
+    (("        # Return unsplit mixed_qkv and split_arg_list\n",
+      "        mixed_qkv = self.q_layernorm(mixed_qkv)\n"), "reads ['q_layernorm']"),
+    # k and v swapped in the split: the kernel would read v as k
+    (("            self.hidden_size_per_attention_head,\n            self.hidden_size_per_attention_head,\n        ]",
+      "            self.hidden_size_per_attention_head,\n            2 * self.hidden_size_per_attention_head,\n        ]"),
+     "split_arg_list"),
+    (("hidden_states, key_value_states=None, split_qkv=True", "hidden_states, key_value_states=None, unsplit=False"),
+     "does not bind"),
+    (("        if not split_qkv:\n            return mixed_qkv, split_arg_list",
+      "        if not split_qkv:\n            return mixed_qkv.flatten(2), split_arg_list"), "no `if not split_qkv"),
+    (("        if not split_qkv:\n", "        if self.config.test_mode:\n            pass\n        if not split_qkv:\n"),
+     "a branch before the buffer is returned"),
+])
+def test_the_qkv_buffer_check_fails_on_a_changed_megatron(change, problem):
+    source = attention_source("installed")
+    old, new = change
+    assert source.count(old) >= 1, old
+    problems = contracts.qkv_buffer_problems(source.replace(old, new))
+    assert any(problem in p for p in problems), problems
+
+
+@pytest.mark.parametrize("version", [v for v in PINNED if tuple(map(int, v.split("."))) >= (0, 16)])
+def test_an_override_without_output_gate_fails_the_0_16_check(version, monkeypatch):
+    """The qkv-tensors slot can fail: 0.16+ passes ``output_gate=``."""
+    from nemo_ssa.megatron.self_attention import FusedRopeSelfAttention
+
+    root = source_root(version)
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, *, split_qkv=True):
+        raise AssertionError("never run")
+
+    monkeypatch.setattr(FusedRopeSelfAttention, "get_query_key_value_tensors", get_query_key_value_tensors)
+    _, problems, _ = contracts.check(root)
+    assert any(p.startswith("qkv tensors") and "'output_gate' not accepted" in p for p in problems), problems
 
 
 # ------------------------------------------------------------------------------ compat's expectations
