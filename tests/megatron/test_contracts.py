@@ -161,6 +161,10 @@ def test_get_query_key_value_tensors_returns_the_buffer_before_the_split(version
      "a branch before the buffer is returned"),
 ])
 def test_the_qkv_buffer_check_fails_on_a_changed_megatron(change, problem):
+    import megatron.core
+
+    if not megatron.core.__version__.startswith("0.15."):  # the Python 3.13 row installs 0.19
+        pytest.skip(f"the edits are written against megatron-core 0.15's text; {megatron.core.__version__} installed")
     source = attention_source("installed")
     old, new = change
     assert source.count(old) >= 1, old

@@ -92,13 +92,13 @@ def split_path(monkeypatch):
     monkeypatch.setattr(FusedRopeSelfAttention, "_qkv_buffer_fallback_reason", lambda self, kv: "forced by a test")
 
 
-@pytest.mark.parametrize("attention", ["softmax_triton", "ssa_triton"])
+@pytest.mark.parametrize("attention", ["softmax", "softmax_triton", "ssa_triton"])
 @pytest.mark.parametrize("groups", [GROUPS, HEADS], ids=["gqa3", "mha"])
 def test_qkv_buffer_path_is_bitwise_the_split_path(megatron_cpu, monkeypatch, attention, groups):
     """Reading q, k, v from the QKV buffer changes addressing only: the loss and every gradient
     are bit for bit those of the fused pass on megatron's split (the path it replaces)."""
     cfg = make_config(num_query_groups=groups)
-    model = build_gpt(attention, None, cfg)
+    model = build_gpt(attention, True if attention == "softmax" else None, cfg)
     tokens = torch.randint(0, VOCAB, (B, S))
     qkv_kernel = Counter(self_attention_mod.rope_layout_qkv_triton)
     monkeypatch.setattr(self_attention_mod, "rope_layout_qkv_triton", qkv_kernel)
