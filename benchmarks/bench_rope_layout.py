@@ -11,14 +11,20 @@ What runs, per attention (softmax_triton, ssa_triton), from the QKV projection's
 * **old**: megatron-core's ``apply_rotary_pos_emb`` on q and k (unfused, the recipe's
   rotary_percent 0.5), then the core attention's ``.contiguous()`` copies, the kernel and
   the copy back (what ``fused_rope_layout: false`` runs);
-* **new**: the core attention with the rotary tensor handed over (what
-  ``FusedRopeSelfAttention`` does): one Triton RoPE+layout pass per tensor, the kernel, and
-  the output written in place when the op takes ``out=``.
+* **split**: megatron's split, then the core attention with the rotary tensor handed over
+  (what ``FusedRopeSelfAttention`` does where the split must run): one Triton RoPE+layout
+  pass on the split views, the kernel, the output written in place when the op takes ``out=``;
+  backward, the split's concatenation of dq, dk, dv (and q's reshape copy forward) remain;
+* **new**: what ``FusedRopeSelfAttention`` runs otherwise: the pass reads q, k, v from the
+  QKV buffer itself (``rope_layout_qkv_triton``) and its backward writes the buffer's
+  gradient in one launch -- no split, copy or cat.
 
 Prints ms (fwd, fwd+bwd; ``triton.testing.do_bench`` medians), CUDA kernel launches per
-fwd+bwd, and agreement: the rel. error of both paths' output and QKV-buffer gradient vs an
-fp32 run of the old path (new must be <= 2x old + 1e-3: the 2x-eager rule). Exit 1 on
-disagreement.
+fwd+bwd, and agreement: the rel. error of each path's output and QKV-buffer gradient vs an
+fp32 run of the old path (split and new must be <= 2x old + 1e-3: the 2x-eager rule), and
+whether new is bitwise split (it should be: the same arithmetic). Exit 1 on disagreement.
+
+The 114M recipe's micro batch: ``--shape 32,1024,24,8,32``.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ def make_block(attention, b, s, hq, hkv, d, dtype, device):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from nemo_ssa.megatron.spec import CORE_ATTENTIONS
+    from nemo_ssa.ops.rope import rope_layout_qkv_triton
 
     cfg = TransformerConfig(num_layers=1, hidden_size=hq * d, num_attention_heads=hq, num_query_groups=hkv,
                             attention_dropout=0.0, hidden_dropout=0.0, apply_rope_fusion=False)
@@ -65,12 +72,16 @@ def make_block(attention, b, s, hq, hkv, d, dtype, device):
         k = apply_rotary_pos_emb(k, freqs, config=cfg, cp_group=cp)
         return core(q, k, v, None)
 
-    def new(m):
+    def split_path(m):
         q, k, v = split(m)
         core._pending_rope = (freqs, freqs, 1.0)
         return core(q, k, v, None)
 
-    return core, mixed, old, new
+    def new(m):
+        q, k, v = rope_layout_qkv_triton(m, g, freqs, freqs, 1.0)
+        return core(*(t.permute(2, 0, 1, 3) for t in (q, k, v)), None)
+
+    return core, mixed, old, {"split": split_path, "new": new}
 
 
 def run_grad(fn, mixed, dout):
@@ -114,26 +125,28 @@ def main(argv=None) -> int:
     shim = cpu_device_shims() if not cuda else torch.autograd.set_grad_enabled(True)
     with shim:
         for attention in args.attentions.split(","):
-            core, mixed, old, new = make_block(attention, b, s, hq, hkv, d, dtype, device)
+            core, mixed, old, fused = make_block(attention, b, s, hq, hkv, d, dtype, device)
             dout = torch.randn(s, b, hq * d, device=device, dtype=dtype)
             # fp32 truth: the old path in fp32 on the same values
             core32, _, old32, _ = make_block(attention, b, s, hq, hkv, d, torch.float32, device)
             core32.load_state_dict(core.state_dict())
             ref_out, ref_grad = run_grad(old32, mixed.detach().float(), dout.float())
-            o_old, g_old = run_grad(old, mixed, dout)
-            o_new, g_new = run_grad(new, mixed, dout)
-            errs = {k: rel_err(x, r) for k, (x, r) in
-                    {"out_old": (o_old, ref_out), "out_new": (o_new, ref_out),
-                     "grad_old": (g_old, ref_grad), "grad_new": (g_new, ref_grad)}.items()}
-            agree = (errs["out_new"] <= 2 * errs["out_old"] + 1e-3 and errs["grad_new"] <= 2 * errs["grad_old"] + 1e-3)
+            paths = {"old": old, **fused}
+            got = {name: run_grad(fn, mixed, dout) for name, fn in paths.items()}
+            errs = {}
+            for name, (o, gr) in got.items():
+                errs[f"out_{name}"], errs[f"grad_{name}"] = rel_err(o, ref_out), rel_err(gr, ref_grad)
+            agree = all(errs[f"{t}_{name}"] <= 2 * errs[f"{t}_old"] + 1e-3 for t in ("out", "grad") for name in fused)
+            bitwise = all(torch.equal(a, b_) for a, b_ in zip(got["new"], got["split"]))
             ok &= agree
             row = dict(attention=attention, shape=f"B{b} N{s} H{hq}/{hkv} D{d} {str(dtype)[6:]}",
-                       out_takes_out=core._op_takes_out, agree=agree, **{k: float(v) for k, v in errs.items()})
+                       out_takes_out=core._op_takes_out, agree=agree, new_is_split=bitwise,
+                       **{k: float(v) for k, v in errs.items()})
             if cuda:
                 from triton.testing import do_bench
 
                 m = mixed.detach().requires_grad_(True)
-                for name, fn in (("old", old), ("new", new)):
+                for name, fn in paths.items():
                     row[f"{name}_fwd_ms"] = do_bench(lambda: fn(m), warmup=25, rep=200)
                     row[f"{name}_fb_ms"] = do_bench(lambda: fn(m).backward(dout), warmup=25, rep=200,
                                                     grad_to_none=[m])
@@ -141,18 +154,20 @@ def main(argv=None) -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
 
-    head = "| attention | shape | agree | out err old/new | grad err old/new |"
-    lines = [head, "|" + "---|" * 5]
+    head = "| attention | shape | agree | out err old/split/new | grad err old/split/new | new == split |"
+    lines = [head, "|" + "---|" * 6]
     if cuda:
-        lines[0] += " old fwd / fwd+bwd ms | new fwd / fwd+bwd ms | fwd+bwd new/old | kernels old/new | out= |"
-        lines[1] += "---|" * 5
+        lines[0] += (" fwd / fwd+bwd ms old | split | new | fwd+bwd new/old | new/split | kernels old/split/new"
+                     " | out= |")
+        lines[1] += "---|" * 7
     for r in rows:
-        line = (f"| {r['attention']} | {r['shape']} | {r['agree']} | {r['out_old']:.2e} / {r['out_new']:.2e} | "
-                f"{r['grad_old']:.2e} / {r['grad_new']:.2e} |")
+        line = (f"| {r['attention']} | {r['shape']} | {r['agree']} | "
+                f"{r['out_old']:.2e} / {r['out_split']:.2e} / {r['out_new']:.2e} | "
+                f"{r['grad_old']:.2e} / {r['grad_split']:.2e} / {r['grad_new']:.2e} | {r['new_is_split']} |")
         if cuda:
-            line += (f" {r['old_fwd_ms']:.3f} / {r['old_fb_ms']:.3f} | {r['new_fwd_ms']:.3f} / {r['new_fb_ms']:.3f} | "
-                     f"{r['new_fb_ms'] / r['old_fb_ms']:.2f}x | {r['old_kernels']} / {r['new_kernels']} | "
-                     f"{r['out_takes_out']} |")
+            line += "".join(f" {r[f'{n}_fwd_ms']:.3f} / {r[f'{n}_fb_ms']:.3f} |" for n in ("old", "split", "new"))
+            line += (f" {r['new_fb_ms'] / r['old_fb_ms']:.2f}x | {r['new_fb_ms'] / r['split_fb_ms']:.2f}x | "
+                     f"{r['old_kernels']} / {r['split_kernels']} / {r['new_kernels']} | {r['out_takes_out']} |")
         lines.append(line)
     table = "\n".join(lines)
     dev = torch.cuda.get_device_name() if cuda else "cpu (interpreter)"
