@@ -22,7 +22,10 @@ What runs, per attention (softmax_triton, ssa_triton), from the QKV projection's
 Prints ms (fwd, fwd+bwd; ``triton.testing.do_bench`` medians), CUDA kernel launches per
 fwd+bwd, and agreement: the rel. error of each path's output and QKV-buffer gradient vs an
 fp32 run of the old path (split and new must be <= 2x old + 1e-3: the 2x-eager rule), and
-whether new is bitwise split (it should be: the same arithmetic). Exit 1 on disagreement.
+whether new is bitwise split (the same arithmetic) beside whether split is bitwise itself when
+run again: where a core attention's backward is not deterministic run to run (ssa_triton's
+and cuDNN's on an H200: the outputs were bitwise, the gradients not), "new == split" can only
+be as exact as the rerun. Exit 1 on disagreement.
 
 The 114M recipe's micro batch: ``--shape 32,1024,24,8,32``.
 """
@@ -138,9 +141,10 @@ def main(argv=None) -> int:
                 errs[f"out_{name}"], errs[f"grad_{name}"] = rel_err(o, ref_out), rel_err(gr, ref_grad)
             agree = all(errs[f"{t}_{name}"] <= 2 * errs[f"{t}_old"] + 1e-3 for t in ("out", "grad") for name in fused)
             bitwise = all(torch.equal(a, b_) for a, b_ in zip(got["new"], got["split"]))
+            rerun = all(torch.equal(a, b_) for a, b_ in zip(run_grad(fused["split"], mixed, dout), got["split"]))
             ok &= agree
             row = dict(attention=attention, shape=f"B{b} N{s} H{hq}/{hkv} D{d} {str(dtype)[6:]}",
-                       out_takes_out=core._op_takes_out, agree=agree, new_is_split=bitwise,
+                       out_takes_out=core._op_takes_out, agree=agree, new_is_split=bitwise, split_is_split=rerun,
                        **{k: float(v) for k, v in errs.items()})
             if cuda:
                 from triton.testing import do_bench
@@ -154,7 +158,7 @@ def main(argv=None) -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
 
-    head = "| attention | shape | agree | out err old/split/new | grad err old/split/new | new == split |"
+    head = "| attention | shape | agree | out err old/split/new | grad err old/split/new | new == split (split == split) |"
     lines = [head, "|" + "---|" * 6]
     if cuda:
         lines[0] += (" fwd / fwd+bwd ms old | split | new | fwd+bwd new/old | new/split | kernels old/split/new"
@@ -163,7 +167,7 @@ def main(argv=None) -> int:
     for r in rows:
         line = (f"| {r['attention']} | {r['shape']} | {r['agree']} | "
                 f"{r['out_old']:.2e} / {r['out_split']:.2e} / {r['out_new']:.2e} | "
-                f"{r['grad_old']:.2e} / {r['grad_split']:.2e} / {r['grad_new']:.2e} | {r['new_is_split']} |")
+                f"{r['grad_old']:.2e} / {r['grad_split']:.2e} / {r['grad_new']:.2e} | {r['new_is_split']} ({r['split_is_split']}) |")
         if cuda:
             line += "".join(f" {r[f'{n}_fwd_ms']:.3f} / {r[f'{n}_fb_ms']:.3f} |" for n in ("old", "split", "new"))
             line += (f" {r['new_fb_ms'] / r['old_fb_ms']:.2f}x | {r['new_fb_ms'] / r['split_fb_ms']:.2f}x | "

@@ -75,6 +75,10 @@ class FusedRopeSelfAttention(SelfAttention):
     #: around megatron's forward, read by get_query_key_value_tensors)
     _qkv_rope = None
 
+    #: False: always megatron's split (the core attention's fused pass on its views); the
+    #: control of benchmarks/bench_qkv_buffer.py, which sets it per instance between steps
+    read_qkv_buffer = True
+
     def _fallback_reason(self, rotary_pos_emb, inference_context, packed_seq_params, rotary_pos_cos,
                          rotary_pos_sin, rotary_pos_cos_sin, sequence_len_offset) -> Optional[str]:
         core, cfg = self.core_attention, self.config
@@ -104,6 +108,8 @@ class FusedRopeSelfAttention(SelfAttention):
         """Why q, k, v cannot come straight from ``mixed_qkv`` (None: they can): megatron's
         split with ``split_qkv=False`` returns the buffer before these are applied."""
         cfg = self.config
+        if not self.read_qkv_buffer:
+            return "read_qkv_buffer=False"
         if key_value_states is not None:
             return "key_value_states given"
         if not (_is_identity(self.q_layernorm) and _is_identity(self.k_layernorm)):
