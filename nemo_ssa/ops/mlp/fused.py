@@ -52,7 +52,7 @@ import triton.language as tl
 from torch import Tensor
 
 from nemo_ssa.ops.common import env
-from nemo_ssa.ops.common.launch import is_interpreter
+from nemo_ssa.ops.common.launch import cdiv, is_interpreter, launch_kw
 from nemo_ssa.ops.common.target import backend
 from nemo_ssa.ops.mlp.naive import mlp_relu2_naive
 
@@ -196,10 +196,14 @@ def _launch_fwd(x2d: Tensor, w1: Tensor, tile: Sequence[int]) -> Tensor:
     if M == 0:
         return a
     bn, bk = _fit(bn, N), _fit(bk, K)
-    grid = (triton.cdiv(M, bm) * (N // bn),)
-    relu2_fwd_kernel[grid](
-        x2d, w1, a, M, N, K, x2d.stride(0), x2d.stride(1), w1.stride(0), w1.stride(1), a.stride(0), a.stride(1),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, num_stages=stages, num_warps=warps)
+    sx, sw, sa = x2d.stride(), w1.stride(), a.stride()
+    # by name through launch_kw's cached path: on the host-bound micro batch 8 step,
+    # JITFunction.run's per-call binding is most of a launch's host time (ops/common/launch.py)
+    launch_kw(relu2_fwd_kernel, (cdiv(M, bm) * (N // bn),), {"x_ptr": x2d, "w1_ptr": w1, "a_ptr": a},
+              {"M": M, "N": N, "K": K, "stride_xm": sx[0], "stride_xk": sx[1], "stride_w1n": sw[0],
+               "stride_w1k": sw[1], "stride_am": sa[0], "stride_an": sa[1]},
+              {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "num_stages": stages,
+               "num_warps": warps})
     return a
 
 
@@ -211,11 +215,14 @@ def _launch_bwd_du(dy2d: Tensor, w2: Tensor, a: Tensor, tile: Sequence[int]) -> 
     if M == 0:
         return du
     bn, bk = _fit(bn, N), _fit(bk, H)
-    grid = (triton.cdiv(M, bm) * (N // bn),)
-    relu2_bwd_kernel_du[grid](
-        dy2d, w2, a, du, M, N, H, dy2d.stride(0), dy2d.stride(1), w2.stride(0), w2.stride(1),
-        a.stride(0), a.stride(1), du.stride(0), du.stride(1),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, num_stages=stages, num_warps=warps)
+    sdy, sw, sa, sdu = dy2d.stride(), w2.stride(), a.stride(), du.stride()
+    launch_kw(relu2_bwd_kernel_du, (cdiv(M, bm) * (N // bn),),
+              {"dy_ptr": dy2d, "w2_ptr": w2, "a_ptr": a, "du_ptr": du},
+              {"M": M, "N": N, "K": H, "stride_dym": sdy[0], "stride_dyk": sdy[1], "stride_w2k": sw[0],
+               "stride_w2n": sw[1], "stride_am": sa[0], "stride_an": sa[1], "stride_dum": sdu[0],
+               "stride_dun": sdu[1]},
+              {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "num_stages": stages,
+               "num_warps": warps})
     return du
 
 
@@ -255,13 +262,17 @@ def relu2_bwd_du(dy2d: Tensor, w2: Tensor, a: Tensor, tile: Tile) -> Tensor:
 
 
 # ------------------------------------------------------------------------ autograd
+# Eager calls go straight to the launchers; under torch.compile (``via_ops``) the same
+# launchers are reached through the custom ops (no graph break). The custom-op dispatch costs
+# host time on every eager call (as for the layer norm, ops/norm/fused.py).
 class _MLPReLU2(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2d: Tensor, w1: Tensor, w2: Tensor, fwd_tile: List[int], bwd_tile: List[int]) -> Tensor:
-        a = _fwd_call(x2d, w1, fwd_tile)  # [M, N]
+    def forward(ctx, x2d: Tensor, w1: Tensor, w2: Tensor, fwd_tile: List[int], bwd_tile: List[int],
+                via_ops: bool) -> Tensor:
+        a = (_fwd_call if via_ops else _launch_fwd)(x2d, w1, fwd_tile)  # [M, N]
         y = torch.mm(a, w2.t())  # [M, H], cuBLAS
         ctx.save_for_backward(x2d, w1, w2, a)
-        ctx.bwd_tile = bwd_tile
+        ctx.bwd_tile, ctx.via_ops = bwd_tile, via_ops
         return y
 
     @staticmethod
@@ -272,12 +283,12 @@ class _MLPReLU2(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             dw2 = torch.mm(dy.t(), a)  # [H, N]
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            du = _bwd_du_call(dy, w2, a, ctx.bwd_tile)  # [M, N]; dA never stored
+            du = (_bwd_du_call if ctx.via_ops else _launch_bwd_du)(dy, w2, a, ctx.bwd_tile)  # [M, N]; dA never stored
             if ctx.needs_input_grad[1]:
                 dw1 = torch.mm(du.t(), x2d)  # [N, K]
             if ctx.needs_input_grad[0]:
                 dx = torch.mm(du, w1)  # [M, K]
-        return dx, dw1, dw2, None, None
+        return dx, dw1, dw2, None, None, None
 
 
 # -------------------------------------------------------------------------- public
@@ -345,5 +356,6 @@ def mlp_relu2(x: Tensor, w1: Tensor, w2: Tensor, impl: str = "auto") -> Tensor:
         return mlp_relu2_naive(x, w1, w2)
     t = tiles()
     x2d = _unit_last(x.reshape(-1, K))  # a view for megatron's contiguous [s, b, h]
-    y = _MLPReLU2.apply(x2d, _unit_last(w1), _unit_last(w2), t["fwd"].as_list(), t["bwd"].as_list())
+    y = _MLPReLU2.apply(x2d, _unit_last(w1), _unit_last(w2), t["fwd"].as_list(), t["bwd"].as_list(),
+                         torch.compiler.is_compiling())
     return y.view(*x.shape[:-1], H)
