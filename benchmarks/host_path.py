@@ -72,9 +72,12 @@ import torch  # noqa: E402
 
 from benchmarks.ab import worktree  # noqa: E402
 
-__all__ = ["IMPLS", "CALLS", "stubbed", "fwd_bwd", "measure", "main"]
+__all__ = ["IMPLS", "LAYER_OPS", "CALLS", "stubbed", "fwd_bwd", "measure", "main"]
 
 IMPLS = ("softmax_triton", "ssa_triton")
+#: the recipe layer's other Triton ops whose host path is the launch's (one call style: their
+#: call); not the fused MLP, whose cuBLAS GEMMs would run for real on the CPU
+LAYER_OPS = ("rope_qkv",)
 CALLS = ("run", "megatron")
 RECIPE = dict(B=8, Hq=24, Hkv=8, N=1024, D=32)  # micro batch 8 of the training recipe
 
@@ -124,7 +127,8 @@ def stubbed(record: Optional[List[tuple]] = None) -> Iterator[None]:
 
 
 def fwd_bwd(impl: str, call: str, device: torch.device, dtype=torch.bfloat16) -> Callable[[], None]:
-    """One fwd+bwd of ``impl`` at the recipe's micro batch 8, as ``call`` makes it."""
+    """One fwd+bwd of ``impl`` at the recipe's micro batch 8, as ``call`` makes it (the
+    layer ops: as the recipe's layer calls them, whatever ``call``)."""
     from nemo_ssa.ops.attention import flash
 
     B, Hq, Hkv, N, D = (RECIPE[k] for k in ("B", "Hq", "Hkv", "N", "D"))
@@ -133,6 +137,18 @@ def fwd_bwd(impl: str, call: str, device: torch.device, dtype=torch.bfloat16) ->
     def leaf(*shape):
         t = torch.empty(shape, device=device, dtype=dtype)
         return t.normal_().requires_grad_()
+
+    if impl == "rope_qkv":  # FusedRopeSelfAttention: q, k, v from the QKV buffer, rotary_percent 0.5
+        from nemo_ssa.ops.rope import rope_layout_qkv_triton
+
+        p = Hq // Hkv
+        mixed = leaf(N, B, Hkv, (p + 2) * D)
+        freqs = torch.randn(N, 1, 1, D // 2, device=device)
+        gos = [torch.empty(B, h, N, D, device=device, dtype=dtype).normal_() for h in (Hq, Hkv, Hkv)]
+
+        def one():
+            torch.autograd.grad(rope_layout_qkv_triton(mixed, p, freqs, freqs), [mixed], gos)
+        return one
 
     q, k, v = leaf(B, Hq, N, D), leaf(B, Hkv, N, D), leaf(B, Hkv, N, D)
     go = torch.empty(B, Hq, N, D, device=device, dtype=dtype)
@@ -242,7 +258,7 @@ def _table(results: Dict[str, List[List[Dict]]]) -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--impl", default=",".join(IMPLS), help=f"comma list of {IMPLS}")
+    p.add_argument("--impl", default=",".join(IMPLS), help=f"comma list of {IMPLS + LAYER_OPS}")
     p.add_argument("--call", default="run", help=f"comma list of {CALLS}")
     p.add_argument("--calls", type=int, default=2000, help="timed fwd+bwd per impl and process")
     p.add_argument("--profile-calls", type=int, default=50, help="fwd+bwd under cProfile per impl and process")

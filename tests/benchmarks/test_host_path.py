@@ -41,3 +41,15 @@ def test_refused_under_the_interpreter():
     r = subprocess.run([sys.executable, "benchmarks/host_path.py", "--calls", "1"], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode != 0 and "TRITON_INTERPRET" in (r.stdout + r.stderr)
+
+
+def test_rope_qkv_makes_one_launch_each_way():
+    """The QKV-buffer RoPE pass: forward and backward one ``_rope_layout_kernel`` launch each,
+    the backward's INVERSE rotation, through ``launch`` (so the stub sees them)."""
+    r = _run("--calls", "3", "--profile-calls", "1", "--impl", "rope_qkv", "--launches")
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    rows = [line.split("|")[1:-1] for line in r.stdout.splitlines() if line.startswith("| ")][1:]
+    assert len(rows) == 1 and rows[0][-2].strip() == "2", r.stdout
+    launches = [ln for ln in r.stdout.splitlines() if ln.startswith("_rope_layout_kernel ")]
+    assert len(launches) == 2, r.stdout
+    assert "('INVERSE', False)" in launches[0] and "('INVERSE', True)" in launches[1]

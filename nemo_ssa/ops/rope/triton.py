@@ -33,6 +33,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from nemo_ssa.ops.common.launch import cdiv, launch_kw, next_pow2
+
 
 @triton.jit
 def _rope_layout_kernel(
@@ -107,12 +109,22 @@ def _rope_layout_kernel(
 
 # ---------------------------------------------------------------------------- host launcher
 def _grouped(t: Tensor, qpg: int) -> Tensor:
-    """q as [s, b, g, p, d]: a 4-D [s, b, h, d] view splits its heads (a view, no copy)."""
-    return t if t.dim() == 5 else t.unflatten(2, (t.shape[2] // qpg, qpg))
+    """q as [s, b, g, p, d]: a 4-D [s, b, h, d] view splits its heads (a view, no copy;
+    ``view``, not ``unflatten``: a Python function with symbolic-shape checks, on every launch)."""
+    if t.dim() == 5:
+        return t
+    s, b, h, d = t.shape
+    return t.view(s, b, h // qpg, qpg, d)
+
+
+_NAMES: dict = {}  # (prefix, axes) -> the kernel's stride parameter names
 
 
 def _named(prefix: str, axes: str, strides) -> dict:
-    return {f"{prefix}{a}": st for a, st in zip(axes, strides)}
+    names = _NAMES.get((prefix, axes))
+    if names is None:
+        names = _NAMES[(prefix, axes)] = tuple(prefix + a for a in axes)
+    return dict(zip(names, strides))
 
 
 def _launch(xs, ys, freqs_q: Optional[Tensor], freqs_k: Optional[Tensor], mscale: float, inverse: bool,
@@ -127,20 +139,23 @@ def _launch(xs, ys, freqs_q: Optional[Tensor], freqs_k: Optional[Tensor], mscale
     S, B, G, P, D = x0.shape
     assert P == qpg and y0.shape == x0.shape and all(y.stride(-1) == 1 for y in ys3), "launcher misuse"
     rot = 0 if freqs_q is None else int(freqs_q.shape[-1])
-    block_d = triton.next_power_of_2(D)
-    block_s = max(1, min(triton.next_power_of_2(S), 4096 // block_d, 64))
-    grid = (B * (G * P + xs3[1].shape[2] * (nt - 1)), triton.cdiv(S, block_s))
-    _rope_layout_kernel[grid](
-        X0=xs3[0], X1=xs3[1], X2=xs3[2], Y0=ys3[0], Y1=ys3[1], Y2=ys3[2],
-        F0=x0 if freqs_q is None else freqs_q, F1=x0 if freqs_k is None else freqs_k,
-        **_named("sx0_", "sbghd", x0.stride()), **_named("sx1_", "sbhd", xs3[1].stride()),
-        **_named("sx2_", "sbhd", xs3[2].stride()),
-        **_named("sy0_", "sbgh", y0.stride()), **_named("sy1_", "sbh", ys3[1].stride()),
-        **_named("sy2_", "sbh", ys3[2].stride()),
-        **_named("sf0_", "sd", (0, 0) if freqs_q is None else (freqs_q.stride(0), freqs_q.stride(-1))),
-        **_named("sf1_", "sd", (0, 0) if freqs_k is None else (freqs_k.stride(0), freqs_k.stride(-1))),
-        S=S, B=B, H0=G * P, H1=xs3[1].shape[2], D=D, QPG=qpg, mscale=float(mscale),
-        NT=nt, ROT=rot, INVERSE=inverse, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4,
+    block_d = next_pow2(D)
+    block_s = max(1, min(next_pow2(S), 4096 // block_d, 64))
+    grid = (B * (G * P + xs3[1].shape[2] * (nt - 1)), cdiv(S, block_s))
+    # by name through launch_kw's cached binder and launch: two launches per layer and step
+    # on a host-bound step, where JITFunction.run's per-call binding is most of their cost
+    launch_kw(
+        _rope_layout_kernel, grid,
+        {"X0": xs3[0], "X1": xs3[1], "X2": xs3[2], "Y0": ys3[0], "Y1": ys3[1], "Y2": ys3[2],
+         "F0": x0 if freqs_q is None else freqs_q, "F1": x0 if freqs_k is None else freqs_k},
+        {**_named("sx0_", "sbghd", x0.stride()), **_named("sx1_", "sbhd", xs3[1].stride()),
+         **_named("sx2_", "sbhd", xs3[2].stride()),
+         **_named("sy0_", "sbgh", y0.stride()), **_named("sy1_", "sbh", ys3[1].stride()),
+         **_named("sy2_", "sbh", ys3[2].stride()),
+         **_named("sf0_", "sd", (0, 0) if freqs_q is None else (freqs_q.stride(0), freqs_q.stride(-1))),
+         **_named("sf1_", "sd", (0, 0) if freqs_k is None else (freqs_k.stride(0), freqs_k.stride(-1))),
+         "S": S, "B": B, "H0": G * P, "H1": xs3[1].shape[2], "D": D, "QPG": qpg, "mscale": float(mscale)},
+        {"NT": nt, "ROT": rot, "INVERSE": inverse, "BLOCK_S": block_s, "BLOCK_D": block_d, "num_warps": 4},
     )
 
 
@@ -152,7 +167,8 @@ def _empty(shape, like: Tensor) -> Tensor:
 def _split_qkv(mixed: Tensor, qpg: int, d: int):
     """Megatron's QKV buffer [s, b, ng, (qpg + 2) * d] as q [s, b, ng, qpg, d], k, v [s, b, ng, d]
     (views: per group, its query heads, then its key and its value head)."""
-    return (mixed[..., : qpg * d].unflatten(-1, (qpg, d)), mixed[..., qpg * d: (qpg + 1) * d],
+    s, b, ng, _ = mixed.shape
+    return (mixed[..., : qpg * d].view(s, b, ng, qpg, d), mixed[..., qpg * d: (qpg + 1) * d],
             mixed[..., (qpg + 1) * d: (qpg + 2) * d])
 
 
