@@ -22,8 +22,8 @@ kernel time per step and the kernels that differ most between the paths.
 Before timing, a parity check at micro batch 4: the loss and every gradient of one
 forward + backward by each path, beside the split path against itself run again (a core
 attention whose backward is not deterministic run to run cannot be closer to itself).
-Exit 1 if the buffer path did not run when asked, ran when not, or the loss differs by
-more than the rerun's spread plus 1e-6.
+Exit 1 if the buffer path did not run when asked, ran when not, or the loss differs from
+the split path's beyond the split path's own rerun spread (``parity_ok``).
 """
 
 from __future__ import annotations
@@ -87,19 +87,32 @@ def max_diff(a, b) -> float:
     return max((a[n].float() - b[n].float()).abs().max().item() for n in a)
 
 
-def parity(model, data) -> dict:
+def parity(model, run) -> dict:
+    """The buffer path against the split path and the split path against itself:
+    ``run(model)`` gives one forward + backward's ``(loss, {name: grad})``."""
     got = {}
     for path in ("buffer", "split", "split again"):
         use(model, path.split()[0])
         with CallCount() as c:
-            got[path] = loss_and_grads(model, data)
+            got[path] = run(model)
         got[path] += (c.n,)
+    use(model, "buffer")
     (lb, gb, nb), (ls, gs, ns), (la, ga, _) = got["buffer"], got["split"], got["split again"]
     return dict(loss_buffer=lb.item(), loss_split=ls.item(), loss_diff=abs(lb - ls).item(),
                 loss_rerun_diff=abs(ls - la).item(), grad_diff=max_diff(gb, gs), grad_rerun_diff=max_diff(gs, ga),
                 bitwise=torch.equal(lb, ls) and all(torch.equal(gb[n], gs[n]) for n in gb),
                 rerun_bitwise=torch.equal(ls, la) and all(torch.equal(gs[n], ga[n]) for n in gs),
                 buffer_calls=nb, split_calls=ns)
+
+
+def parity_ok(par: dict) -> bool:
+    """The buffer path ran when asked and only then, and its loss is the split path's
+    exactly (or within the split path's own rerun spread): the forward is the same
+    arithmetic, and a tolerance would pass a small error (a 0.1 % scale of q moves a tiny
+    model's loss by ~5e-7; tests/megatron/test_self_attention.py). Gradients are reported,
+    not gated: a backward with atomics differs from itself run to run."""
+    return (par["buffer_calls"] > 0 and par["split_calls"] == 0
+            and par["loss_diff"] <= par["loss_rerun_diff"])
 
 
 def host_and_kernels(model, step) -> tuple:
@@ -140,9 +153,9 @@ def main(argv=None) -> int:
     rows, notes, ok = [], [], True
     for attention in args.attentions.split(","):
         cfg, model = bm.build(attention, args.seq)
-        par = parity(model, bm.batch(4, args.seq))
-        good = (par["buffer_calls"] > 0 and par["split_calls"] == 0
-                and par["loss_diff"] <= par["loss_rerun_diff"] + 1e-6)
+        data4 = bm.batch(4, args.seq)
+        par = parity(model, lambda m: loss_and_grads(m, data4))
+        good = parity_ok(par)
         ok &= good
         notes.append(f"- {attention} parity (micro batch 4): loss {par['loss_buffer']:.6f} / {par['loss_split']:.6f} "
                      f"(|diff| {par['loss_diff']:.2e}, split rerun {par['loss_rerun_diff']:.2e}); max |grad diff| "

@@ -266,3 +266,41 @@ def test_block_benchmark_smoke(tmp_path):
     assert row.startswith("| softmax_triton | B2 N9 H6/2 D16 float32 | True |")
     # the QKV-buffer path is bitwise the split path, and the split path bitwise itself on a rerun
     assert row.endswith("| True (True) |")
+
+
+def _bench_qkv_buffer():
+    import importlib.util
+    import os
+    import sys
+
+    here = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
+    sys.path.insert(0, here)  # its `import bench_model`, as when run as a file
+    try:
+        spec = importlib.util.spec_from_file_location("bench_qkv_buffer", os.path.join(here, "bench_qkv_buffer.py"))
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.remove(here)
+    return bench
+
+
+def test_qkv_buffer_benchmark_parity_check(megatron_cpu, monkeypatch):
+    """benchmarks/bench_qkv_buffer.py's GPU parity check, on the tiny model: it toggles the
+    paths (the buffer kernel runs once per layer on one, never on the other), finds them
+    bitwise equal, and fails a buffer path that is off by a little (negative control)."""
+    bench = _bench_qkv_buffer()
+    model = build_gpt("softmax_triton", None)
+    tokens = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(0))
+    par = bench.parity(model, lambda m: loss_and_grads(m, tokens))
+    assert par["buffer_calls"] == 2 and par["split_calls"] == 0, par
+    assert par["bitwise"] and par["rerun_bitwise"] and bench.parity_ok(par), par
+    assert all(m.read_qkv_buffer for m in model.modules() if isinstance(m, FusedRopeSelfAttention))
+
+    real = self_attention_mod.rope_layout_qkv_triton
+
+    def off_by_a_little(mixed, p, fq, fk, m):
+        q, k, v = real(mixed, p, fq, fk, m)
+        return q * 1.001, k, v
+    monkeypatch.setattr(self_attention_mod, "rope_layout_qkv_triton", off_by_a_little)
+    bad = bench.parity(model, lambda m: loss_and_grads(m, tokens))
+    assert not bad["bitwise"] and bad["rerun_bitwise"] and not bench.parity_ok(bad), bad
