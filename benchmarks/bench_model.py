@@ -4,6 +4,7 @@
     python benchmarks/bench_model.py --mode step --attentions softmax  # + megatron DDP and optimizer (NeMo's inner step)
     python benchmarks/bench_model.py --profile $OUT/model_prof.txt     # + kernel-time breakdown of one mb-8 step
     python benchmarks/bench_model.py --mode both --by-module $OUT/where.md  # + the step by module and kernel family
+    python benchmarks/bench_model.py --mode step --micro-batches 8 --cuda-graph none,local  # megatron's layer graphs
 
 Modes (every attention in one process, same weights and batch):
 
@@ -16,6 +17,11 @@ Modes (every attention in one process, same weights and batch):
   (fp32 grad buffer) + ``get_megatron_optimizer`` (the recipe's optimizer config: Adam,
   bf16, clip 1.0), built as the recipe's optimizer module builds it (``--fast-paths true``:
   sync-free clipping, fused AdamW): the training step NeMo runs, minus Lightning and NeMo.
+
+``--cuda-graph local`` builds the layers with megatron-core's own CUDA graphs
+(``cuda_graph_impl='local'``: each layer's forward and backward captured after
+``cuda_graph_warmup_steps`` and replayed; no Transformer Engine), the remedy megatron offers
+for a host-bound step such as micro batch 8's; one micro batch per run (a graph is one shape).
 
 Step time is the median of CUDA-event-timed steps after warm-up; tokens/s = micro batch x
 seq / step time. ``--micro-batches 8,max`` probes the largest micro batch that fits
@@ -85,6 +91,26 @@ def build(attention: str, seq: int, overrides: Optional[Dict] = None, fused_ce: 
     return cfg, model
 
 
+def use_cuda_graphs(on: bool, seed: int = 1234) -> None:
+    """megatron-core's local CUDA graphs need a cudagraphable RNG tracker when the layers
+    are built (CudaGraphManager asserts it) and fresh global graph state per model (the
+    record of the previous model's graphs): reset both for the next model."""
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
+
+    delete_cuda_graphs()
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=on, force_reset_rng=True)
+
+
+def _after_fwd_bwd(model) -> None:
+    """What megatron's schedule does after a fwd+bwd with local CUDA graphs: capture the
+    graphs the layers recorded (once, after their warm-up steps; a no-op afterwards)."""
+    if getattr(model.config, "cuda_graph_impl", "none") == "local":
+        from megatron.core.transformer.cuda_graphs import create_cudagraphs
+
+        create_cudagraphs()
+
+
 def batch(mb: int, seq: int, seed: int = 0):
     g = torch.Generator(device="cpu").manual_seed(seed)
     tokens = torch.randint(0, 50257, (mb, seq + 1), generator=g).cuda()
@@ -120,6 +146,7 @@ def make_fwdbwd(model, data):
         # over through forward_step); megatron's path ignores it
         out = model(tokens, pos, None, labels=labels, loss_mask=mask)
         loss_fn(out, mask).backward()
+        _after_fwd_bwd(model)
         for p in model.parameters():
             p.grad = None
     return step
@@ -175,6 +202,7 @@ def make_step(model, data):
         out = ddp(tokens, pos, None, labels=labels, loss_mask=mask)
         loss_fn(out, mask).backward()
         ddp.finish_grad_sync()
+        _after_fwd_bwd(model)
         with optimizer_range():  # step_profile reads this range as the optimizer row
             opt.step()
     return step
@@ -329,6 +357,10 @@ def main(argv=None) -> int:
     ap.add_argument("--fused-layernorm", default="false",
                     help="comma list of model.fused_layernorm values, each a row set (e.g. auto,false: the "
                          "Triton layer norms against torch's in one process)")
+    ap.add_argument("--cuda-graph", default="none",
+                    help="comma list of none / local, each a row set: local = megatron-core's own layerwise "
+                         "CUDA graphs (config.cuda_graph_impl='local', no Transformer Engine; cudagraphable RNG "
+                         "tracker; create_cudagraphs() after each fwd+bwd, as megatron's schedule calls it)")
     ap.add_argument("--fast-paths", default="true", choices=("true", "false"),
                     help="step mode: the recipe optimizer module's sync-free clipping and fused AdamW "
                          "(nemo_ssa.nemo.optim, what NeMo trains with); false: megatron's no-apex fallbacks "
@@ -336,6 +368,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="markdown table path")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    cgs = [v.strip() for v in args.cuda_graph.split(",") if v.strip()]
+    if set(cgs) - {"none", "local"}:
+        ap.error(f"--cuda-graph: {args.cuda_graph!r}; supported: none, local")
+    if "local" in cgs and ("max" in args.micro_batches.split(",") or len(args.micro_batches.split(",")) > 1
+                           or args.gaps or args.by_module or args.profile):
+        ap.error("--cuda-graph local: one micro batch and no --gaps / --by-module / --profile (the graphs are "
+                 "captured for one input shape per model)")
     if not torch.cuda.is_available():
         print("bench_model.py needs CUDA", file=sys.stderr)
         return 2
@@ -350,8 +389,12 @@ def main(argv=None) -> int:
     mbs = [int(m) for m in args.micro_batches.split(",") if m != "max"]
     probe = "max" in args.micro_batches.split(",")
     lns = [v.strip() for v in args.fused_layernorm.split(",") if v.strip()]
-    for attention, mode, ln in ((a, m, ln) for a in args.attentions.split(",") for m in modes for ln in lns):
-        cfg, model = build(attention, args.seq, fused_ce=args.fused_ce, fused_ln=ln)
+    variants = [(ln, cg) for ln in lns for cg in cgs]
+    for attention, mode, (ln, cg) in ((a, m, v) for a in args.attentions.split(",") for m in modes for v in variants):
+        use_cuda_graphs(cg == "local")
+        cfg, model = build(attention, args.seq, fused_ce=args.fused_ce, fused_ln=ln,
+                           overrides={"cuda_graph_impl": "local"} if cg == "local" else None)
+        warmup = args.warmup + (cfg.cuda_graph_warmup_steps + 1 if cg == "local" else 0)
         fpt = flops_per_token(cfg, args.seq)
         if mode == "step":
             wrap_for_step(cfg, model, fast_paths=args.fast_paths == "true")
@@ -362,7 +405,7 @@ def main(argv=None) -> int:
             try:
                 step = make(model, data)
                 torch.cuda.reset_peak_memory_stats()
-                times = time_steps(step, args.warmup, args.iters)
+                times = time_steps(step, warmup, args.iters)
             except torch.cuda.OutOfMemoryError:
                 step = data = None
                 for p in model.parameters():
@@ -374,14 +417,16 @@ def main(argv=None) -> int:
             tps = mb * args.seq / (ms / 1e3)
             mem = torch.cuda.max_memory_allocated() / 2 ** 30
             r = dict(attention=attention, mode=mode, mb=mb, ms=ms, tokens_s=tps, fused_ce=args.fused_ce, fused_ln=ln,
+                     cuda_graph=cg,
                      fast_paths=args.fast_paths if mode == "step" else None,
                      mfu=fpt * tps / (peak * 1e12), peak_gib=mem, flops_per_token=fpt)
             rows.append(r)
-            print(f"  {attention:15s} {mode:6s} ln {ln:5s} mb {mb:4d}: {ms:8.2f} ms  {tps:10,.0f} tok/s  "
-                  f"MFU {100 * r['mfu']:5.1f} %  peak {mem:6.1f} GiB", flush=True)
+            print(f"  {attention:15s} {mode:6s} ln {ln:5s} graphs {cg:5s} mb {mb:4d}: {ms:8.2f} ms  "
+                  f"{tps:10,.0f} tok/s  MFU {100 * r['mfu']:5.1f} %  peak {mem:6.1f} GiB", flush=True)
             del data, step
             torch.cuda.empty_cache()
-        label = f"{attention} {mode}" + (f" layernorm {ln}" if len(lns) > 1 else "")
+        label = (f"{attention} {mode}" + (f" layernorm {ln}" if len(lns) > 1 else "")
+                 + (f" cuda graphs {cg}" if len(cgs) > 1 else ""))
         if args.gaps:
             step = make(model, batch(args.profile_mb, args.seq))
             print(gpu_gaps(step, args.gaps, f"{label} mb {args.profile_mb}"), flush=True)
@@ -399,14 +444,18 @@ def main(argv=None) -> int:
             del step
         del model
         torch.cuda.empty_cache()
-    base = {(r["mode"], r["mb"], r["fused_ln"]): r["tokens_s"] for r in rows if r["attention"] == "softmax"}
-    first = {(r["attention"], r["mode"], r["mb"]): r["tokens_s"] for r in reversed(rows) if r["fused_ln"] == lns[0]}
-    lines = [f"| attention | mode | layer norm | micro batch | ms/step | tokens/s | x softmax | x layer norm {lns[0]} "
-             "| MFU | peak GiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    base = {(r["mode"], r["mb"], r["fused_ln"], r["cuda_graph"]): r["tokens_s"] for r in rows
+            if r["attention"] == "softmax"}
+    first = {(r["attention"], r["mode"], r["mb"]): r["tokens_s"] for r in reversed(rows)
+             if (r["fused_ln"], r["cuda_graph"]) == variants[0]}
+    lines = [f"| attention | mode | layer norm | cuda graphs | micro batch | ms/step | tokens/s | x softmax | "
+             f"x layer norm {variants[0][0]}, graphs {variants[0][1]} | MFU | peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        ratio = r["tokens_s"] / base.get((r["mode"], r["mb"], r["fused_ln"]), math.nan)
+        ratio = r["tokens_s"] / base.get((r["mode"], r["mb"], r["fused_ln"], r["cuda_graph"]), math.nan)
         vs_first = r["tokens_s"] / first.get((r["attention"], r["mode"], r["mb"]), math.nan)
-        lines.append(f"| {r['attention']} | {r['mode']} | {r['fused_ln']} | {r['mb']} | {r['ms']:.2f} | "
+        lines.append(f"| {r['attention']} | {r['mode']} | {r['fused_ln']} | {r['cuda_graph']} | {r['mb']} | "
+                     f"{r['ms']:.2f} | "
                      f"{r['tokens_s']:,.0f} | {ratio:.2f} | {vs_first:.2f} | {100 * r['mfu']:.1f} % | "
                      f"{r['peak_gib']:.1f} |")
     md = "\n".join(lines)

@@ -52,3 +52,35 @@ def test_step_optimizer_without_fast_paths_is_megatrons(fake_optimizer):
     make_optimizer(None, object(), fast_paths=False)
     assert fake_optimizer["adamw"] is not fast_paths._FusedAdamW
     assert fake_optimizer["l2"] is mutils.local_multi_tensor_l2_norm
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--cuda-graph", "nope"], "supported: none, local"),
+    (["--cuda-graph", "none,local", "--micro-batches", "8,32"], "one micro batch"),
+    (["--cuda-graph", "local", "--micro-batches", "8,max"], "one micro batch"),
+    (["--cuda-graph", "local", "--micro-batches", "8", "--profile", "p.txt"], "--profile"),
+])
+def test_cuda_graph_requests_it_cannot_time_are_refused_before_anything_runs(argv, says, capsys):
+    """Local CUDA graphs are captured for one input shape per model: more micro batches, the
+    probe or the profiles in one process would replay or re-capture the wrong graph."""
+    from benchmarks.bench_model import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_after_fwd_bwd_captures_only_with_local_graphs(monkeypatch):
+    """The step calls megatron's create_cudagraphs after each fwd+bwd only where the model
+    was built with cuda_graph_impl='local' (the schedule's rule)."""
+    import types
+
+    import megatron.core.transformer.cuda_graphs as cg
+    from benchmarks.bench_model import _after_fwd_bwd
+
+    calls = []
+    monkeypatch.setattr(cg, "create_cudagraphs", lambda: calls.append(1))
+    _after_fwd_bwd(types.SimpleNamespace(config=types.SimpleNamespace(cuda_graph_impl="none")))
+    assert calls == []
+    _after_fwd_bwd(types.SimpleNamespace(config=types.SimpleNamespace(cuda_graph_impl="local")))
+    assert calls == [1]
