@@ -1,6 +1,6 @@
 """One table of op benchmarks: what is timed, at which shapes, against what.
 
-Each op (``attention``, ``nsa``, ``nsa-ssa``, ``elsa``, ``layernorm``) declares once
+Each op (``attention``, ``nsa``, ``nsa-ssa``, ``elsa``, ``layernorm``, ``rope``) declares once
 
 * its entries: a name, a role (``kernel`` under test, ``baseline`` it is timed against in
   the same process, ``reference`` = the unfused/eager path), the baseline each is divided
@@ -295,7 +295,58 @@ LAYERNORM = OpBench(
     build=_build_layernorm,
 )
 
-REGISTRY: Dict[str, OpBench] = {o.op: o for o in (ATTENTION, NSA, NSA_SSA, ELSA, LAYERNORM)}
+# ----------------------------------------------------------------------------- rope
+def _build_rope(shape: Shape, dtype, device, names) -> Built:
+    """RoPE + layout from megatron's QKV buffer [s, b, ng, (p + 2) * d] to contiguous
+    [b, h, s, d] q, k, v, rotary_percent 0.5 (the recipe's): our one-pass kernel
+    (``rope_layout_qkv_triton``, what FusedRopeSelfAttention runs) against the unfused torch
+    path (megatron's split, the rotate-half RoPE and the copies: ``rope_layout_qkv_naive``).
+    The output is the (q, k, v) tuple; fwd+bwd differentiates the QKV buffer."""
+    from nemo_ssa.ops.rope import rope_layout_qkv_naive, rope_layout_qkv_triton
+
+    p, d, rot = shape.Hq // shape.Hkv, shape.D, shape.D // 2
+    g = torch.Generator().manual_seed(0)
+    mixed = torch.randn(shape.N, shape.B, shape.Hkv, (p + 2) * d, generator=g).to(device, dtype).requires_grad_()
+    inv = 1.0 / (10000.0 ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
+    f = torch.outer(torch.arange(shape.N, dtype=torch.float32), inv)
+    freqs = torch.cat((f, f), dim=-1)[:, None, None, :].to(device)  # megatron's rotary tensor
+    go = tuple(torch.randn(shape.B, h, shape.N, d, generator=g).to(device, dtype)
+               for h in (shape.Hq, shape.Hkv, shape.Hkv))
+    built = Built(fns={}, leaves={}, grad_out=go)
+    for name in names:
+        if name == "rope_torch":
+            built.fns[name] = lambda: rope_layout_qkv_naive(mixed, p, freqs, freqs)
+        elif name == "rope_qkv_triton":
+            built.fns[name] = lambda: rope_layout_qkv_triton(mixed, p, freqs, freqs)
+        else:
+            raise KeyError(name)
+        built.leaves[name] = [mixed]
+
+    def ref():
+        return rope_layout_qkv_naive(mixed.detach().double(), p, freqs.double(), freqs.double())
+
+    built.refs.update({n: ref for n in ("rope_torch", "rope_qkv_triton")})
+    return built
+
+
+ROPE = OpBench(
+    op="rope",
+    doc="RoPE + [s, b, h, d] -> [b, h, s, d] layout from the QKV buffer: our one pass (FusedRopeSelfAttention's) "
+        "against the unfused torch split + rotate-half + copies",
+    entries=(
+        Entry("rope_torch", "baseline", None),
+        Entry("rope_qkv_triton", "kernel", "rope_torch"),
+    ),
+    shapes={
+        "recipe": tuple(Shape(s.label, s.B, s.Hq, s.Hkv, s.N, s.D) for s in RECIPE),
+        "wide": (Shape("D64-B8", 8, 16, 4, 1024, 64), Shape("D128-B4", 4, 32, 8, 2048, 128)),
+        "long": (Shape("N8192-B2", 2, 24, 8, 8192, 32),),
+        "tiny": (Shape("tiny", 2, 6, 2, 7, 16),),
+    },
+    build=_build_rope,
+)
+
+REGISTRY: Dict[str, OpBench] = {o.op: o for o in (ATTENTION, NSA, NSA_SSA, ELSA, LAYERNORM, ROPE)}
 
 
 def get(op: str) -> OpBench:

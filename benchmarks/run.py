@@ -138,14 +138,17 @@ def dry_run(ops: List[registry.OpBench], only: str = "") -> List[Dict]:
                 elif name not in built.refs:
                     with torch.no_grad():
                         out = built.fns[name]()
-                    finite = bool(torch.isfinite(out.float()).all()) if out.is_floating_point() else True
+                    outs = out if isinstance(out, tuple) else (out,)
+                    finite = all(bool(torch.isfinite(o.float()).all()) for o in outs if o.is_floating_point())
                     row.update(status="ran" if finite else "FAIL", detail="no reference; output finite" if finite
                                else "non-finite output")
                 else:
                     try:
                         with torch.no_grad():
                             out, ref = built.fns[name](), built.refs[name]()
-                        err = rel_err(out.float(), ref.float())
+                        # an op may return several tensors (rope: q, k, v): the worst of them
+                        pairs = zip(out if isinstance(out, tuple) else (out,), ref if isinstance(ref, tuple) else (ref,))
+                        err = max(rel_err(o.float(), r.float()) for o, r in pairs)
                     except Exception as e:
                         err, row["detail"] = math.nan, f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
                     ok = err <= bench.tiny_rtol  # NaN fails

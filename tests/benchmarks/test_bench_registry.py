@@ -216,3 +216,20 @@ def test_run_takes_the_host_timer_and_refuses_an_unknown_one():
     assert run.parse_args([]).timer == "wall"
     with pytest.raises(SystemExit):
         run.parse_args(["--timer", "gpu"])
+
+
+def test_rope_dry_run_checks_every_output_of_the_tuple(monkeypatch):
+    """The rope op returns (q, k, v): the dry run agrees on all three, and fails when only
+    the last of them (v) is wrong -- the worst of the tuple counts, not the first."""
+    import nemo_ssa.ops.rope as rope
+
+    rows = run.dry_run([registry.get("rope")])
+    assert {r["impl"]: r["status"] for r in rows} == {"rope_torch": "ok", "rope_qkv_triton": "ok"}, rows
+    real = rope.rope_layout_qkv_triton
+
+    def v_off(*a, **k):
+        q, k_, v = real(*a, **k)
+        return q, k_, v * 1.01
+    monkeypatch.setattr(rope, "rope_layout_qkv_triton", v_off)
+    rows = run.dry_run([registry.get("rope")])
+    assert {r["impl"]: r["status"] for r in rows} == {"rope_torch": "ok", "rope_qkv_triton": "FAIL"}, rows
