@@ -251,6 +251,23 @@ def test_out_argument_writes_megatron_layout_in_place(megatron_cpu):
     assert q.grad is not None and torch.isfinite(q.grad).all()
 
 
+def test_rope_tables_are_computed_once_for_every_layer_and_step(megatron_cpu, monkeypatch):
+    """The premise of the op's cos / sin table cache: megatron hands every layer the same
+    rotary tensor object (and, its RotaryEmbedding being lru_cached, the same one every
+    step), so two steps of a 2-layer model (8 RoPE launches) compute one table pair."""
+    from nemo_ssa.ops.rope import triton as rope_triton
+
+    computes = Counter(rope_triton._trig_compute)
+    launches = Counter(rope_triton.launch_kw)
+    monkeypatch.setattr(rope_triton, "_TRIG", {})
+    monkeypatch.setattr(rope_triton, "_trig_compute", computes)
+    monkeypatch.setattr(rope_triton, "launch_kw", launches)
+    model = build_gpt("softmax_triton", None)
+    for _ in range(2):
+        loss_and_grads(model, torch.randint(0, VOCAB, (B, S)))
+    assert launches.calls == 8 and computes.calls == 1
+
+
 def test_block_benchmark_smoke(tmp_path):
     """benchmarks/bench_rope_layout.py (the lead's GPU command) runs and checks agreement on CPU."""
     import importlib.util

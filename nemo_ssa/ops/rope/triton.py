@@ -11,6 +11,14 @@ rotated by the transpose (inverse) rotation and written in megatron's layout. Wi
 y_i = x_i cos_i + sgn_i x_p(i) sin_i (p(i) = i +- rot/2, sgn = -1 on the first half),
 dx_i = g_i cos_i - sgn_i g_p(i) sin_p(i).
 
+cos and sin are not evaluated in the kernel: ``_trig`` turns the rotary tensor into two
+contiguous fp32 tables [s, rot], cos(freqs) * mscale and sin(freqs) * mscale (megatron's
+fp32 arithmetic: mscale after cos / sin), and the kernel loads cos_i and sin_i (sin_p(i)
+backward) from them. Evaluated per program, the ~rot/2 * s distinct values would be
+recomputed by every one of the B * H programs of every launch; the tables are computed once
+per rotary tensor and cached (keyed on the tensor object, its version counter and mscale),
+since megatron hands the same rotary tensor to every layer.
+
 Two entry points share the kernel:
 
 * ``rope_layout_qkv_triton`` takes the QKV projection's output itself,
@@ -26,6 +34,7 @@ Two entry points share the kernel:
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional, Tuple
 
 import torch
@@ -38,11 +47,10 @@ from nemo_ssa.ops.common.launch import cdiv, launch_kw, next_pow2
 
 @triton.jit
 def _rope_layout_kernel(
-    X0, X1, X2, F0, F1, Y0, Y1, Y2,
+    X0, X1, X2, C0, N0, C1, N1, Y0, Y1, Y2,
     sx0_s, sx0_b, sx0_g, sx0_h, sx0_d, sx1_s, sx1_b, sx1_h, sx1_d, sx2_s, sx2_b, sx2_h, sx2_d,
     sy0_s, sy0_b, sy0_g, sy0_h, sy1_s, sy1_b, sy1_h, sy2_s, sy2_b, sy2_h,
-    sf0_s, sf0_d, sf1_s, sf1_d,
-    S, B, H0, H1, D, QPG, mscale,
+    S, B, H0, H1, D, QPG,
     NT: tl.constexpr, ROT: tl.constexpr, INVERSE: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -50,7 +58,8 @@ def _rope_layout_kernel(
     when ROT > 0, tensor 2 (v) only re-laid out. Every tensor is an [s, b, h, d] view through
     its strides (outputs with unit d stride); q's head h sits at group h // QPG, place
     h % QPG in it, so q can be read from or written into megatron's QKV buffer, whose q heads
-    are no single stride apart (a plain [s, b, h, d] q has sx0_g == QPG * sx0_h)."""
+    are no single stride apart (a plain [s, b, h, d] q has sx0_g == QPG * sx0_h). C0, N0
+    (q) and C1, N1 (k): the cos and sin tables [S, ROT], contiguous (``_trig``)."""
     pid = tl.program_id(0)  # over B * (H0 + H1 + H2), tensor-major (axis 0: no 65535 limit)
     pid_s = tl.program_id(1)
     n0 = B * H0
@@ -88,18 +97,15 @@ def _rope_layout_kernel(
         partner = tl.where(first, offs_d + HALF, offs_d - HALF)
         mr = ms[:, None] & in_rot[None, :]
         xp = tl.load(xrow + partner[None, :] * sx_d, mask=mr, other=0.0).to(tl.float32)
-        F = tl.where(t == 0, F0, F1)
-        sf_s = tl.where(t == 0, sf0_s, sf1_s).to(tl.int64)
-        sf_d = tl.where(t == 0, sf0_d, sf1_d).to(tl.int64)
-        frow = F + offs_s[:, None].to(tl.int64) * sf_s
-        f = tl.load(frow + offs_d[None, :] * sf_d, mask=mr, other=0.0).to(tl.float32)
-        cos = tl.cos(f) * mscale
+        trow = offs_s[:, None].to(tl.int64) * ROT  # [BLOCK_S, 1] into the [S, ROT] tables
+        crow = tl.where(t == 0, C0, C1) + trow
+        nrow = tl.where(t == 0, N0, N1) + trow
+        cos = tl.load(crow + offs_d[None, :], mask=mr, other=0.0)
         if INVERSE:
-            fp = tl.load(frow + partner[None, :] * sf_d, mask=mr, other=0.0).to(tl.float32)
-            sin = tl.sin(fp) * mscale
+            sin = tl.load(nrow + partner[None, :], mask=mr, other=0.0)  # sin_p(i): module docstring
             sgn = tl.where(first, 1.0, -1.0)
         else:
-            sin = tl.sin(f) * mscale
+            sin = tl.load(nrow + offs_d[None, :], mask=mr, other=0.0)
             sgn = tl.where(first, -1.0, 1.0)
         rotated = x * cos + sgn[None, :] * xp * sin
         x = tl.where(in_rot[None, :], rotated, x)
@@ -127,18 +133,90 @@ def _named(prefix: str, axes: str, strides) -> dict:
     return dict(zip(names, strides))
 
 
-def _launch(xs, ys, freqs_q: Optional[Tensor], freqs_k: Optional[Tensor], mscale: float, inverse: bool,
-            qpg: int = 1) -> None:
+#: (id(freqs), mscale) -> (weakref to freqs, facts, cos table, sin table), oldest first
+_TRIG: dict = {}
+_TRIG_MAX = 16
+
+
+def _trig_facts(freqs: Tensor) -> tuple:
+    """What must be unchanged for a cached table to still be freqs' table: the version
+    counter (any in-place write bumps it) and the storage, shape and layout."""
+    return (freqs._version, freqs.data_ptr(), freqs.shape, freqs.stride(), freqs.dtype, freqs.device)
+
+
+def _forget(key, ref) -> None:
+    """freqs died: drop its tables (unless the entry is already another tensor's)."""
+    hit = _TRIG.get(key)
+    if hit is not None and hit[0] is ref:
+        del _TRIG[key]
+
+
+def _trig_compute(freqs: Tensor, mscale: float) -> Tuple[Tensor, Tensor]:
+    """``_trig``'s tables, uncached (new tensors: a table a backward holds is never rewritten)."""
+    f = freqs.reshape(freqs.shape[0], freqs.shape[-1]).float()
+    return (torch.cos(f) * mscale).contiguous(), (torch.sin(f) * mscale).contiguous()
+
+
+def _trig(freqs: Tensor, mscale: float) -> Tuple[Tensor, Tensor]:
+    """The kernel's cos and sin tables of the rotary tensor ``freqs`` [s, 1, 1, rot]: two
+    contiguous fp32 [s, rot] tensors, cos(freqs) * mscale and sin(freqs) * mscale, computed
+    in fp32 as megatron computes them (mscale after cos / sin).
+
+    Cached, because megatron builds the rotary tensor once per step (its
+    ``RotaryEmbedding.forward`` is even lru_cached: the same object step after step) and
+    hands that object to every layer: one pair of tables serves every layer's forward and
+    backward launch (the recipe's 12 layers: 24 launches a step), instead of cos and sin
+    evaluated in each of the kernel's B * H programs on every launch.
+    The key holds the tensor weakly (its tables go when it does), its version counter (an
+    in-place write to it recomputes), its storage, shape and layout, and mscale; at most
+    ``_TRIG_MAX`` entries, the oldest evicted. Never cached while a CUDA graph is being
+    captured: the graph must compute its own tables, from whatever its freqs holds at each
+    replay."""
+    mscale = float(mscale)
+    if freqs.is_cuda and torch.cuda.is_current_stream_capturing():
+        # a cached table would be read by every replay as it is now (or after it is freed)
+        return _trig_compute(freqs, mscale)
+    try:
+        facts = _trig_facts(freqs)
+    except RuntimeError:  # an inference tensor has no version counter: compute, never cache
+        return _trig_compute(freqs, mscale)
+    key = (id(freqs), mscale)
+    hit = _TRIG.get(key)
+    if hit is not None and hit[0]() is freqs and hit[1] == facts:
+        return hit[2], hit[3]
+    cos_t, sin_t = _trig_compute(freqs, mscale)
+    _TRIG.pop(key, None)
+    while len(_TRIG) >= _TRIG_MAX:
+        _TRIG.pop(next(iter(_TRIG)), None)
+    _TRIG[key] = (weakref.ref(freqs, lambda ref, key=key: _forget(key, ref)), facts, cos_t, sin_t)
+    return cos_t, sin_t
+
+
+def _tables(freqs_q: Optional[Tensor], freqs_k: Optional[Tensor], mscale: float):
+    """``(cos_q, sin_q, cos_k, sin_k)`` for the kernel, or None for layout only; q and k
+    sharing one rotary tensor (megatron's case) share its tables."""
+    if freqs_q is None:
+        return None
+    tq = _trig(freqs_q, mscale)
+    tk = tq if freqs_k is freqs_q else _trig(freqs_k, mscale)
+    return tq + tk
+
+
+def _launch(xs, ys, tables: Optional[Tuple[Tensor, Tensor, Tensor, Tensor]], inverse: bool, qpg: int = 1) -> None:
     """xs, ys: 2 or 3 tensors as [s, b, h, d] views (any strides; ys with unit d stride); q
     (the first) may be given as [s, b, g, qpg, d] instead. ys[i] <- RoPE(xs[i]) for q and k
-    (the inverse rotation with ``inverse``), ys[2] <- xs[2]."""
+    (the inverse rotation with ``inverse``), ys[2] <- xs[2]. ``tables``: ``_tables``' cos
+    and sin tables of q and k, or None for no rotation."""
     nt = len(xs)
     x0, y0 = _grouped(xs[0], qpg), _grouped(ys[0], qpg)
     xs3 = [x0] + list(xs[1:]) + [xs[-1]] * (3 - nt)
     ys3 = [y0] + list(ys[1:]) + [ys[-1]] * (3 - nt)
     S, B, G, P, D = x0.shape
     assert P == qpg and y0.shape == x0.shape and all(y.stride(-1) == 1 for y in ys3), "launcher misuse"
-    rot = 0 if freqs_q is None else int(freqs_q.shape[-1])
+    if tables is None:
+        rot, (c0, n0, c1, n1) = 0, (x0,) * 4  # placeholders, never read (ROT == 0)
+    else:
+        (c0, n0, c1, n1), rot = tables, int(tables[0].shape[1])  # [S, rot], contiguous by _trig
     block_d = next_pow2(D)
     block_s = max(1, min(next_pow2(S), 4096 // block_d, 64))
     grid = (B * (G * P + xs3[1].shape[2] * (nt - 1)), cdiv(S, block_s))
@@ -146,15 +224,13 @@ def _launch(xs, ys, freqs_q: Optional[Tensor], freqs_k: Optional[Tensor], mscale
     # on a host-bound step, where JITFunction.run's per-call binding is most of their cost
     launch_kw(
         _rope_layout_kernel, grid,
-        {"X0": xs3[0], "X1": xs3[1], "X2": xs3[2], "Y0": ys3[0], "Y1": ys3[1], "Y2": ys3[2],
-         "F0": x0 if freqs_q is None else freqs_q, "F1": x0 if freqs_k is None else freqs_k},
+        {"X0": xs3[0], "X1": xs3[1], "X2": xs3[2], "C0": c0, "N0": n0, "C1": c1, "N1": n1,
+         "Y0": ys3[0], "Y1": ys3[1], "Y2": ys3[2]},
         {**_named("sx0_", "sbghd", x0.stride()), **_named("sx1_", "sbhd", xs3[1].stride()),
          **_named("sx2_", "sbhd", xs3[2].stride()),
          **_named("sy0_", "sbgh", y0.stride()), **_named("sy1_", "sbh", ys3[1].stride()),
          **_named("sy2_", "sbh", ys3[2].stride()),
-         **_named("sf0_", "sd", (0, 0) if freqs_q is None else (freqs_q.stride(0), freqs_q.stride(-1))),
-         **_named("sf1_", "sd", (0, 0) if freqs_k is None else (freqs_k.stride(0), freqs_k.stride(-1))),
-         "S": S, "B": B, "H0": G * P, "H1": xs3[1].shape[2], "D": D, "QPG": qpg, "mscale": float(mscale)},
+         "S": S, "B": B, "H0": G * P, "H1": xs3[1].shape[2], "D": D, "QPG": qpg},
         {"NT": nt, "ROT": rot, "INVERSE": inverse, "BLOCK_S": block_s, "BLOCK_D": block_d, "num_warps": 4},
     )
 
@@ -176,23 +252,23 @@ def _split_qkv(mixed: Tensor, qpg: int, d: int):
 class _RopeLayout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, freqs_q, freqs_k, mscale):
-        ctx.save_for_backward(freqs_q, freqs_k)
-        ctx.mscale = mscale
+        tables = _tables(freqs_q, freqs_k, mscale)
+        # backward takes forward's tables, not freqs: no second lookup, and an in-place change
+        # of freqs between the two passes cannot make backward's rotation differ from forward's
+        ctx.tables = tables
         s, b, _, d = q.shape
         ys = [_empty((b, t.shape[2], s, d), q) for t in (q, k, v)]
-        _launch((q, k, v), [y.permute(2, 0, 1, 3) for y in ys], freqs_q, freqs_k, mscale, inverse=False)
+        _launch((q, k, v), [y.permute(2, 0, 1, 3) for y in ys], tables, inverse=False)
         return tuple(ys)
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
-        freqs_q, freqs_k = ctx.saved_tensors
         # one launch rotates dq and dk back (inverse rotation) into megatron's [s, b, h, d]
         # (autograd materialises unused outputs' grads as zeros: never None here)
         b, hq, s, d = dq.shape
         gq = _empty((s, b, hq, d), dq)
         gk = _empty((s, b, dk.shape[1], d), dk)
-        _launch((dq.permute(2, 0, 1, 3), dk.permute(2, 0, 1, 3)), (gq, gk), freqs_q, freqs_k, ctx.mscale,
-                inverse=True)
+        _launch((dq.permute(2, 0, 1, 3), dk.permute(2, 0, 1, 3)), (gq, gk), ctx.tables, inverse=True)
         # v only changed layout: its grad goes back as a view, megatron's split takes any strides
         gv = dv.permute(2, 0, 1, 3)
         return gq, gk, gv, None, None, None
@@ -205,25 +281,23 @@ class _RopeLayoutQKV(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, mixed, qpg, freqs_q, freqs_k, mscale):
-        ctx.save_for_backward(freqs_q, freqs_k)
-        ctx.mscale, ctx.qpg = mscale, qpg
+        tables = _tables(freqs_q, freqs_k, mscale)
+        ctx.tables, ctx.qpg = tables, qpg  # the tables, not freqs: as in _RopeLayout
         s, b, ng, w = mixed.shape
         d = w // (qpg + 2)
         ys = [_empty((b, ng * qpg, s, d), mixed), _empty((b, ng, s, d), mixed), _empty((b, ng, s, d), mixed)]
-        _launch(_split_qkv(mixed, qpg, d), [y.permute(2, 0, 1, 3) for y in ys], freqs_q, freqs_k, mscale,
-                inverse=False, qpg=qpg)
+        _launch(_split_qkv(mixed, qpg, d), [y.permute(2, 0, 1, 3) for y in ys], tables, inverse=False, qpg=qpg)
         return tuple(ys)
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
-        freqs_q, freqs_k = ctx.saved_tensors
         qpg = ctx.qpg
         b, _, s, d = dq.shape
         # dense and written whole by one launch: dq and dk rotated back, dv copied
         # (autograd materialises unused outputs' grads as zeros: never None here)
         g = _empty((s, b, dk.shape[1], (qpg + 2) * d), dq)
-        _launch(tuple(t.permute(2, 0, 1, 3) for t in (dq, dk, dv)), _split_qkv(g, qpg, d), freqs_q, freqs_k,
-                ctx.mscale, inverse=True, qpg=qpg)
+        _launch(tuple(t.permute(2, 0, 1, 3) for t in (dq, dk, dv)), _split_qkv(g, qpg, d), ctx.tables,
+                inverse=True, qpg=qpg)
         return g, None, None, None, None
 
 

@@ -295,3 +295,117 @@ def test_qkv_bad_inputs_raise(bad, p, msg):
         rope_layout_qkv_triton(bad(mixed), p, None)
     with pytest.raises(ValueError, match="rot_dim"):
         rope_layout_qkv_triton(mixed, 3, freqs_like_megatron(4, 16))  # rot 16 > head dim 8
+
+
+def test_backward_takes_sin_at_the_partner_index():
+    """Megatron's freqs are cat(f, f): position i and its partner p(i) = i +- rot/2 share a
+    frequency, so sin_i == sin_p(i) and a backward reading sin at i would pass every other
+    test. Here the two halves differ, and the gradient (g_i cos_i - sgn_i g_p(i) sin_p(i))
+    must match the reference's autograd."""
+    s, b, ng, p, d, rot = 5, 2, 2, 2, 16, 8
+    mixed = qkv_buffer(s, b, ng, p, d, torch.float32)
+    freqs = torch.rand(s, 1, 1, rot, device=DEVICE) * 6.0
+    assert rel_err(freqs[..., : rot // 2], freqs[..., rot // 2:]) > 0.1
+    got = rope_layout_qkv_triton(mixed, p, freqs, mscale=1.1)
+    ref_mixed = mixed.detach().double().requires_grad_(True)
+    want = rope_layout_qkv_naive(ref_mixed, p, freqs.double(), mscale=1.1)
+    grads = [torch.randn_like(o) for o in got]
+    (g,) = torch.autograd.grad(got, mixed, grads)
+    (gw,) = torch.autograd.grad(want, ref_mixed, [x.double() for x in grads])
+    for a, w in zip(got, want):
+        torch.testing.assert_close(a, w.float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(g, gw.float(), atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------ the cos / sin tables
+@pytest.fixture
+def trig_cache(monkeypatch):
+    """An empty table cache of the op's own, and a count of the tables it computes."""
+    cache, computed = {}, []
+    real = rope_triton._trig_compute
+
+    def counting(freqs, mscale):
+        computed.append((id(freqs), mscale))
+        return real(freqs, mscale)
+    monkeypatch.setattr(rope_triton, "_TRIG", cache)
+    monkeypatch.setattr(rope_triton, "_trig_compute", counting)
+    return cache, computed
+
+
+@pytest.mark.parametrize("change", ["mul_", "copy_"])
+def test_inplace_change_of_freqs_is_seen(change, trig_cache):
+    """The same rotary tensor object, rewritten in place between two calls: the second call
+    rotates by the new values, forward and backward (a cache keyed on the object alone would
+    serve the first call's tables, and the comparison with the reference would fail)."""
+    s, b, ng, p, d, rot = 6, 2, 2, 3, 16, 8
+    mixed = qkv_buffer(s, b, ng, p, d, torch.float32)
+    freqs = freqs_like_megatron(s, rot)
+    first = rope_layout_qkv_triton(mixed, p, freqs, mscale=1.3)
+    if change == "mul_":
+        freqs.mul_(0.5)
+    else:
+        freqs.copy_(freqs_like_megatron(s, rot, offset=3))
+    got = rope_layout_qkv_triton(mixed, p, freqs, mscale=1.3)
+    want = rope_layout_qkv_naive(mixed, p, freqs, mscale=1.3)
+    for a, w in zip(got, want):
+        torch.testing.assert_close(a, w, atol=1e-5, rtol=1e-5)
+    assert rel_err(got[0], first[0]) > 0.05 and rel_err(got[1], first[1]) > 0.05  # the change mattered
+    grads = [torch.randn_like(o) for o in got]
+    (g,) = torch.autograd.grad(got, mixed, grads)
+    (gw,) = torch.autograd.grad(want, mixed, grads)
+    torch.testing.assert_close(g, gw, atol=1e-5, rtol=1e-5)
+    assert len(trig_cache[1]) == 2  # one table pair per version of freqs (q and k share it)
+
+
+def test_backward_rotates_by_the_forwards_tables(trig_cache):
+    """freqs rewritten between forward and backward: the gradient is still the one of the
+    forward that ran (backward keeps forward's tables, it does not look freqs up again)."""
+    s, b, ng, p, d, rot = 5, 2, 1, 2, 8, 8
+    mixed = qkv_buffer(s, b, ng, p, d, torch.float32)
+    freqs = freqs_like_megatron(s, rot)
+    want = rope_layout_qkv_naive(mixed, p, freqs.clone())
+    got = rope_layout_qkv_triton(mixed, p, freqs)
+    freqs.mul_(0.5)
+    grads = [torch.randn_like(o) for o in got]
+    (g,) = torch.autograd.grad(got, mixed, grads)
+    (gw,) = torch.autograd.grad(want, mixed, grads)
+    torch.testing.assert_close(g, gw, atol=1e-5, rtol=1e-5)
+
+
+def test_tables_are_computed_once_per_freqs_and_mscale(trig_cache):
+    """Two forward + backward calls with one rotary tensor (q and k sharing it, as megatron
+    passes it): one table pair, computed once, the same tensor objects on every lookup;
+    another mscale is another pair; the entry goes when the rotary tensor does."""
+    cache, computed = trig_cache
+    s, b, ng, p, d, rot = 4, 2, 2, 2, 8, 8
+    mixed = qkv_buffer(s, b, ng, p, d, torch.float32)
+    freqs = freqs_like_megatron(s, rot)
+    for _ in range(2):
+        out = rope_layout_qkv_triton(mixed, p, freqs, freqs, mscale=1.3)
+        torch.autograd.grad(out, mixed, [torch.randn_like(o) for o in out])
+    assert computed == [(id(freqs), 1.3)] and list(cache) == [(id(freqs), 1.3)]
+    cos_t, sin_t = rope_triton._trig(freqs, 1.3)
+    assert rope_triton._trig(freqs, 1.3)[0] is cos_t and rope_triton._trig(freqs, 1.3)[1] is sin_t
+    assert cos_t.shape == (s, rot) and cos_t.is_contiguous() and cos_t.dtype == torch.float32
+    assert torch.equal(cos_t, torch.cos(freqs[:, 0, 0]) * 1.3) and torch.equal(sin_t, torch.sin(freqs[:, 0, 0]) * 1.3)
+    assert rope_triton._trig(freqs, 1.0)[0] is not cos_t and len(cache) == 2 and len(computed) == 2
+    del freqs
+    import gc
+
+    gc.collect()
+    assert not cache
+
+
+def test_table_cache_is_bounded(trig_cache):
+    """More live rotary tensors than the cache holds: at most ``_TRIG_MAX`` entries, the
+    oldest evicted, and every call still rotates by its own tensor."""
+    cache, _ = trig_cache
+    s, b, ng, p, d, rot = 3, 1, 1, 1, 8, 8
+    mixed = qkv_buffer(s, b, ng, p, d, torch.float32)
+    n = rope_triton._TRIG_MAX + 4
+    freqs = [freqs_like_megatron(s, rot, offset=i) for i in range(n)]  # all alive throughout
+    for f in freqs:
+        got = rope_layout_qkv_triton(mixed, p, f)
+        torch.testing.assert_close(got[0], rope_layout_qkv_naive(mixed, p, f)[0], atol=1e-5, rtol=1e-5)
+        assert len(cache) <= rope_triton._TRIG_MAX
+    assert rope_triton._TRIG_MAX == 16 and list(cache) == [(id(f), 1.0) for f in freqs[4:]]
