@@ -37,7 +37,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -141,14 +141,21 @@ def time_steps(step, warmup: int, iters: int) -> List[float]:
 def make_fwdbwd(model, data):
     tokens, pos, labels, mask = data
 
-    def step():
+    def step(probe: bool = False):
         # loss_mask: the fused loss weights its in-forward weight gradient by it (NeMo hands it
         # over through forward_step); megatron's path ignores it
         out = model(tokens, pos, None, labels=labels, loss_mask=mask)
-        loss_fn(out, mask).backward()
+        loss = loss_fn(out, mask)
+        loss.backward()
         _after_fwd_bwd(model)
+        # probe: the row's fingerprint (loss, gradient norm) -- rows of one attention share
+        # weights (build seeds them) and the batch, so a variant (CUDA graphs, layer norm)
+        # that changes the numerics shows here, next to its speed
+        fp = (loss.item(), math.sqrt(sum(float(p.grad.float().pow(2).sum()) for p in model.parameters()
+                                         if p.grad is not None))) if probe else None
         for p in model.parameters():
             p.grad = None
+        return fp
     return step
 
 
@@ -206,6 +213,41 @@ def make_step(model, data):
         with optimizer_range():  # step_profile reads this range as the optimizer row
             opt.step()
     return step
+
+
+def format_rows(rows: List[Dict], variants: List[Tuple[str, str]], baseline: str) -> str:
+    """The markdown table of ``main``'s rows, then one parity line per variant row.
+
+    ``x <baseline>``: tokens/s over the baseline attention's (the first of ``--attentions``)
+    at the same mode, micro batch and variant; ``x <first variant>``: over the same
+    attention's row with the first (layer norm, graphs) variant. Parity (fwd+bwd rows): the
+    loss and gradient norm of a variant row against the first variant's row of the same
+    attention and micro batch (same weights, same batch): a variant that changes the
+    numerics beyond the last bits shows here."""
+    key = lambda r: (r["mode"], r["mb"], r["fused_ln"], r["cuda_graph"])  # noqa: E731
+    base = {key(r): r["tokens_s"] for r in rows if r["attention"] == baseline}
+    first = {(r["attention"], r["mode"], r["mb"]): r for r in reversed(rows)
+             if (r["fused_ln"], r["cuda_graph"]) == variants[0]}
+    v0 = f"layer norm {variants[0][0]}, graphs {variants[0][1]}"
+    lines = [f"| attention | mode | layer norm | cuda graphs | micro batch | ms/step | tokens/s | x {baseline} | "
+             f"x {v0} | MFU | peak GiB | loss | grad norm |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    parity = []
+    for r in rows:
+        ratio = r["tokens_s"] / base.get(key(r), math.nan)
+        ref = first.get((r["attention"], r["mode"], r["mb"]))
+        vs_first = r["tokens_s"] / ref["tokens_s"] if ref else math.nan
+        loss, gn = r.get("loss"), r.get("grad_norm")
+        lines.append(f"| {r['attention']} | {r['mode']} | {r['fused_ln']} | {r['cuda_graph']} | {r['mb']} | "
+                     f"{r['ms']:.2f} | "
+                     f"{r['tokens_s']:,.0f} | {ratio:.2f} | {vs_first:.2f} | {100 * r['mfu']:.1f} % | "
+                     f"{r['peak_gib']:.1f} | {'-' if loss is None else f'{loss:.6f}'} | "
+                     f"{'-' if gn is None else f'{gn:.6g}'} |")
+        if ref is not None and ref is not r and loss is not None and ref.get("loss") is not None:
+            parity.append(f"- parity {r['attention']} mb {r['mb']} layer norm {r['fused_ln']}, graphs "
+                          f"{r['cuda_graph']} vs {v0}: loss {loss - ref['loss']:+.2e}, grad norm "
+                          f"{(gn - ref['grad_norm']) / ref['grad_norm']:+.2e} relative")
+    return "\n".join(lines + ([""] + parity if parity else []))
 
 
 def flops_per_token(cfg, seq: int) -> float:
@@ -414,12 +456,14 @@ def main(argv=None) -> int:
                 print(f"  {attention:15s} {mode:6s} mb {mb:4d}: OOM", flush=True)
                 break
             ms = statistics.median(times)
+            fp = step(probe=True) if mode == "fwdbwd" else None
             tps = mb * args.seq / (ms / 1e3)
             mem = torch.cuda.max_memory_allocated() / 2 ** 30
             r = dict(attention=attention, mode=mode, mb=mb, ms=ms, tokens_s=tps, fused_ce=args.fused_ce, fused_ln=ln,
                      cuda_graph=cg,
                      fast_paths=args.fast_paths if mode == "step" else None,
-                     mfu=fpt * tps / (peak * 1e12), peak_gib=mem, flops_per_token=fpt)
+                     mfu=fpt * tps / (peak * 1e12), peak_gib=mem, flops_per_token=fpt,
+                     loss=fp[0] if fp else None, grad_norm=fp[1] if fp else None)
             rows.append(r)
             print(f"  {attention:15s} {mode:6s} ln {ln:5s} graphs {cg:5s} mb {mb:4d}: {ms:8.2f} ms  "
                   f"{tps:10,.0f} tok/s  MFU {100 * r['mfu']:5.1f} %  peak {mem:6.1f} GiB", flush=True)
@@ -444,21 +488,7 @@ def main(argv=None) -> int:
             del step
         del model
         torch.cuda.empty_cache()
-    base = {(r["mode"], r["mb"], r["fused_ln"], r["cuda_graph"]): r["tokens_s"] for r in rows
-            if r["attention"] == "softmax"}
-    first = {(r["attention"], r["mode"], r["mb"]): r["tokens_s"] for r in reversed(rows)
-             if (r["fused_ln"], r["cuda_graph"]) == variants[0]}
-    lines = [f"| attention | mode | layer norm | cuda graphs | micro batch | ms/step | tokens/s | x softmax | "
-             f"x layer norm {variants[0][0]}, graphs {variants[0][1]} | MFU | peak GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        ratio = r["tokens_s"] / base.get((r["mode"], r["mb"], r["fused_ln"], r["cuda_graph"]), math.nan)
-        vs_first = r["tokens_s"] / first.get((r["attention"], r["mode"], r["mb"]), math.nan)
-        lines.append(f"| {r['attention']} | {r['mode']} | {r['fused_ln']} | {r['cuda_graph']} | {r['mb']} | "
-                     f"{r['ms']:.2f} | "
-                     f"{r['tokens_s']:,.0f} | {ratio:.2f} | {vs_first:.2f} | {100 * r['mfu']:.1f} % | "
-                     f"{r['peak_gib']:.1f} |")
-    md = "\n".join(lines)
+    md = format_rows(rows, variants, args.attentions.split(",")[0])
     print("\n" + md)
     if args.out:
         with open(args.out, "w") as f:
