@@ -20,6 +20,10 @@ device-side wait (``timing.enqueue_ms``): no device round trip in the time (``ho
 a first launch on an idle device, and read the same SDPA call up to 1.7x apart between
 processes); a row whose calls waited on the device (a
 synchronization inside the call) is marked ``late k/31``.
+``--timer kernel``: GPU time per call, the profiler's sum of the call's device activity over 50
+calls (``timing.kernel_ms``): no host cost, no launch gaps -- on a host-bound row, the part a
+kernel change moves (a wall A/B of the RoPE pass read 0.68-1.21 both ways; this timer read
+its kernel 2.5x faster in all six processes, docs/results/2026-11-29-rope-tables-graphs).
 
 ``--ab REF``: the same entries, shapes and timer, run a second time in a subprocess whose
 ``nemo_ssa`` is git ref REF's (``git worktree add`` into a temp dir, put first on
@@ -68,10 +72,11 @@ def parse_args(argv=None):
     p.add_argument("--modes", default="fwd,fwd+bwd", help="comma list of fwd, fwd+bwd")
     p.add_argument("--warmup-ms", type=float, default=25)
     p.add_argument("--rep-ms", type=float, default=100)
-    p.add_argument("--timer", default="wall", choices=("wall", "host", "enqueue"),
+    p.add_argument("--timer", default="wall", choices=("wall", "host", "enqueue", "kernel"),
                    help="wall: do_bench median (kernels + launch gaps); host: median CPU time of one call "
                         "started on an idle device (timing.host_ms); enqueue: median host time per call "
-                        "issued behind a device-side wait (timing.enqueue_ms), for host-bound shapes")
+                        "issued behind a device-side wait (timing.enqueue_ms), for host-bound shapes; kernel: GPU time "
+                        "per call, the profiler's sum of device activity (timing.kernel_ms)")
     p.add_argument("--host-calls", type=int, default=200, help="calls per row of --timer host")
     p.add_argument("--out", default=None, help="x.csv, x.md, or a directory (gets ops.csv and ops.md)")
     p.add_argument("--list", action="store_true", help="print the registry and exit (CPU)")
@@ -161,7 +166,7 @@ def dry_run(ops: List[registry.OpBench], only: str = "") -> List[Dict]:
 
 # ---------------------------------------------------------------------------------- timing
 def time_ops(ops: List[registry.OpBench], args) -> List[Dict]:
-    from benchmarks.timing import enqueue_ms, host_ms, median_ms, peak_mib
+    from benchmarks.timing import enqueue_ms, host_ms, kernel_ms, median_ms, peak_mib
 
     dtype, dev = DTYPES[args.dtype], torch.device("cuda")
     modes = [m for m in args.modes.split(",") if m]
@@ -196,6 +201,8 @@ def time_ops(ops: List[registry.OpBench], args) -> List[Dict]:
                         try:
                             if args.timer == "host":
                                 row["ms"] = host_ms(call, n=args.host_calls)
+                            elif args.timer == "kernel":
+                                row["ms"] = kernel_ms(call)
                             elif args.timer == "enqueue":
                                 row["ms"], late = enqueue_ms(call, reps=ENQUEUE_REPS)
                                 if late:  # samples that waited on the device: a sync in the call

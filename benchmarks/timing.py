@@ -164,6 +164,29 @@ def graph_ms(fn: Callable[[], None], n: int = 30) -> float:
     return e0.elapsed_time(e1) / n
 
 
+def kernel_ms(fn: Callable[[], object], calls: int = 50, warmup: int = 10) -> float:
+    """GPU time per call of ``fn``: the sum of its device activity (kernels, copies, memsets)
+    as the profiler records it over ``calls`` calls, divided by ``calls``. Neither the host
+    cost nor the gaps between launches count: what a host-bound row's wall time hides (the
+    part a change to a kernel moves), and what it costs once the host is out of the way
+    (CUDA graphs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return device_us(prof.events()) / calls / 1e3
+
+
+def device_us(events: Iterable) -> float:
+    """Microseconds of device activity in profiler ``events`` (``kernel_ms``'s sum)."""
+    return sum(e.device_time for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
 def peak_mib(fn: Callable[[], object]) -> float:
     """MiB allocated by one call of ``fn`` above what was allocated before it (CUDA)."""
     torch.cuda.synchronize()

@@ -213,9 +213,26 @@ def test_run_takes_the_host_timer_and_refuses_an_unknown_one():
 
     assert run.parse_args(["--timer", "host"]).timer == "host"
     assert run.parse_args(["--timer", "enqueue"]).timer == "enqueue"
+    assert run.parse_args(["--timer", "kernel"]).timer == "kernel"
     assert run.parse_args([]).timer == "wall"
     with pytest.raises(SystemExit):
         run.parse_args(["--timer", "gpu"])
+
+
+def test_kernel_timer_sums_device_activity_only():
+    """--timer kernel: the profiler events of the device count (kernels, copies), the host's
+    (the CPU ops that launched them) do not."""
+    import types
+
+    import torch
+
+    from benchmarks import timing
+
+    dev, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    ev = [types.SimpleNamespace(device_type=dev, device_time=30.5), types.SimpleNamespace(device_type=cpu, device_time=0.0),
+          types.SimpleNamespace(device_type=dev, device_time=12.0), types.SimpleNamespace(device_type=cpu, device_time=99.0)]
+    assert timing.device_us(ev) == 42.5
+    assert timing.device_us([]) == 0
 
 
 def test_rope_dry_run_checks_every_output_of_the_tuple(monkeypatch):
