@@ -145,6 +145,7 @@ def pretrain_recipe(
     fused_cross_entropy: Any = "auto",
     fused_mlp: Any = "auto",
     fused_layernorm: Any = False,
+    cuda_graphs: str = "none",
     num_workers: int = 2,
     precision: str = "bf16-mixed",
     use_distributed_optimizer: Optional[bool] = None,
@@ -194,6 +195,12 @@ def pretrain_recipe(
             (nemo_ssa.megatron.layernorm, docs/fused-layers.md): auto (on with CUDA), true
             (refused when the model's hidden size or dtype is not supported), false (the
             default: the op's host cost slows the micro batch 8 step).
+        cuda_graphs: ``none`` (the default) or ``local``: megatron-core's layerwise CUDA graphs
+            (``cuda_graph_impl='local'``, nemo_ssa/megatron/cuda_graphs.py: each layer's forward
+            and backward captured after the first step and replayed, the cudagraphable RNG
+            tracker set up by a callback before the model is built). ``local`` needs CUDA, TP 1,
+            CP 1 and an attention whose layers ran under the graphs (``check_cuda_graphs``); off
+            until the NeMo step with graphs is measured with loss parity.
         vocab_size: padded vocabulary; None derives it from the tokenizer.
         num_workers: data-loader workers.
         precision: ``bf16-mixed`` (default), ``16-mixed`` or ``32``.
@@ -234,14 +241,19 @@ def pretrain_recipe(
     recipe = nemotron3_4b.pretrain_recipe(**kwargs)
 
     # Parallelism: checked before anything is built (one line naming what is supported)
-    from nemo_ssa.config.check import check_fused_layernorm, check_fused_mlp, check_parallel
+    from nemo_ssa.config.check import check_cuda_graphs, check_fused_layernorm, check_fused_mlp, check_parallel
     from nemo_ssa.megatron.output_layer import check_fused_cross_entropy
 
     check_fused_cross_entropy(fused_cross_entropy, tensor_parallel, sequence_parallel)
     check_fused_mlp(fused_mlp, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel)
     check_fused_layernorm(fused_layernorm)
+    # the device and the environment are the launcher's to check: a recipe may be built where it
+    # does not run (a login node submitting to Slurm)
+    check_cuda_graphs(cuda_graphs, cuda=None, attention=attention, tensor_parallel=tensor_parallel,
+                      context_parallel=context_parallel, sequence_parallel=sequence_parallel, env={})
     _apply_arch(recipe.model.config, attention, attention_options, policy, seq_length, vocab_size,
                 fused_cross_entropy, fused_mlp, fused_layernorm)
+    apply_cuda_graphs(recipe, cuda_graphs)
 
     world = int(num_nodes) * int(num_gpus_per_node)
     dp = check_parallel(attention=attention, world=world, tensor_parallel=tensor_parallel,
@@ -322,6 +334,22 @@ def pretrain_recipe(
     recipe.log.use_datetime_version = False
     recipe.log.tensorboard.name = name
     return recipe
+
+
+def apply_cuda_graphs(recipe, cuda_graphs: str = "none") -> None:
+    """``cuda_graphs=local``: megatron's local CUDA graph fields on the model config and the
+    callback that makes megatron's RNG tracker cudagraphable before the model is built. With
+    ``none`` the recipe is left exactly as it was (no field set, no callback)."""
+    from nemo_ssa.megatron.cuda_graphs import cuda_graph_fields
+
+    fields = cuda_graph_fields(cuda_graphs)
+    if not fields:
+        return
+    for key, value in fields.items():
+        setattr(recipe.model.config, key, value)
+    from nemo_ssa.nemo.callbacks import CudaGraphRNGCallback
+
+    recipe.trainer.callbacks = list(recipe.trainer.callbacks or []) + [run.Config(CudaGraphRNGCallback)]
 
 
 def apply_parallel(recipe, tensor_parallel: int = 1, context_parallel: int = 1, sequence_parallel: bool = False,

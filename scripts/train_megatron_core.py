@@ -4,6 +4,7 @@
     torchrun --nproc-per-node=2 scripts/train_megatron_core.py --attention ssa_triton --tp 2
     python scripts/train_megatron_core.py --attention ssa --save ck --save-at 10     # stop at 10 ...
     python scripts/train_megatron_core.py --attention ssa --load ck                  # ... resume 11-20
+    python scripts/train_megatron_core.py --attention ssa --cuda-graph local         # 1 GPU: megatron's layer graphs
 
 What a megatron-core user needs from nemo-ssa is three things, and this script is their
 whole use (docs/megatron-core.md walks through it):
@@ -18,6 +19,12 @@ whole use (docs/megatron-core.md walks through it):
    inside bf16 models, the distributed optimizer's checkpoints with torch's Adam);
 3. nothing else: the core attention applies causality itself (no attention mask), TP/CP
    reductions of n are inside the module.
+
+``--cuda-graph local`` trains with megatron-core's own layerwise CUDA graphs
+(``nemo_ssa.megatron.cuda_graphs``: the config fields, the cudagraphable RNG tracker, and
+``create_cudagraphs()`` after each fwd+bwd, which megatron's schedules would call and this
+loop, calling the model itself, calls); refused without CUDA, at TP or CP > 1 and for
+attentions whose layers have not run under the graphs (``check_cuda_graphs``).
 
 Data here is random tokens with a learnable pattern (each next token = token + 1 mod V), so
 the loss falls within a few steps; bring your own dataset in its place. On a machine without
@@ -47,6 +54,7 @@ def build(args, cuda: bool):
 
     from nemo_ssa.megatron import layer_specs
     from nemo_ssa.megatron.compat import get_megatron_optimizer_compat
+    from nemo_ssa.megatron.cuda_graphs import cuda_graph_fields
     from nemo_ssa.megatron.introspect import no_weight_decay_cond
     from nemo_ssa.megatron.optimizer_fixes import patch_megatron_optimizer
     from nemo_ssa.megatron.spec import layer_spec
@@ -62,6 +70,7 @@ def build(args, cuda: bool):
         masked_softmax_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
         persist_layer_norm=False, hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False,
         layernorm_zero_centered_gamma=True, activation_func=squared_relu, bf16=cuda, params_dtype=torch.bfloat16 if cuda else torch.float32,
+        **cuda_graph_fields(args.cuda_graph),
     )
     # the block spec (all layers + our final LayerNorm1P): megatron's own final norm would
     # refuse zero-centred gamma and sequence parallel; layer_specs.<name> (one layer) is for
@@ -121,6 +130,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cp", type=int, default=1)
     ap.add_argument("--fused-mlp", default="false", choices=("auto", "true", "false"),
                     help="the squared-ReLU MLP fused into its GEMMs (CUDA, TP 1); auto: where it runs")
+    ap.add_argument("--cuda-graph", default="none", choices=("none", "local"),
+                    help="local: megatron-core's layerwise CUDA graphs (cuda_graph_impl='local'; CUDA, TP 1, CP 1)")
     ap.add_argument("--out", default=None, help="write {losses, n} as JSON (global rank 0)")
     ap.add_argument("--save", default=None, help="checkpoint directory: megatron dist_checkpointing (torch_dist) "
                                                  "through nemo_ssa.train.checkpoint_io, at --save-at (default: the end)")
@@ -132,13 +143,26 @@ def main(argv=None) -> int:
     from megatron.core import parallel_state
 
     from nemo_ssa.megatron.compat import apply_megatron_compat
+    from nemo_ssa.megatron.cuda_graphs import capture_recorded_graphs
     from nemo_ssa.megatron.introspect import ssa_values
 
-    apply_megatron_compat()
     cuda = torch.cuda.is_available()
+    if args.cuda_graph != "none":
+        from nemo_ssa.config.check import check_cuda_graphs
+
+        try:
+            check_cuda_graphs(args.cuda_graph, cuda=cuda, attention=args.attention, tensor_parallel=args.tp,
+                              context_parallel=args.cp, name="--cuda-graph")
+        except (ValueError, NotImplementedError) as e:
+            raise SystemExit(f"[megatron-core] {e}") from None
+    apply_megatron_compat()
     from nemo_ssa.megatron.single import init_single_process
 
     init_single_process(1234, tp=args.tp, cp=args.cp)
+    if args.cuda_graph == "local":
+        from nemo_ssa.megatron.cuda_graphs import use_cudagraphable_rng_tracker
+
+        use_cudagraphable_rng_tracker()  # before the layers are built: their CudaGraphManager asserts it
     from nemo_ssa.megatron.cpu import cpu_device_shims
     import contextlib
 
@@ -168,6 +192,7 @@ def main(argv=None) -> int:
             loss = per_token.float().mean()
             loss.backward()
             ddp.finish_grad_sync()
+            capture_recorded_graphs(config)  # after the first step: each layer's graphs (a no-op without)
             opt.step()
             reduced = loss.detach().clone()
             dist.all_reduce(reduced, group=parallel_state.get_data_parallel_group(with_context_parallel=True))

@@ -225,6 +225,7 @@ def build_recipe(cfg: DictConfig, train: DictConfig, prefix: str, tokenizer_dir:
         fused_cross_entropy=cfg.model.get("fused_cross_entropy", "auto"),
         fused_mlp=cfg.model.get("fused_mlp", "auto"),
         fused_layernorm=cfg.model.get("fused_layernorm", False),
+        cuda_graphs=cfg.model.get("cuda_graphs") or "none",
         init_on_cpu=bool(cfg.model.get("init_on_cpu", False)),
         num_workers=int(train.get("num_workers", 2)),
         precision=str(train.precision),
@@ -277,7 +278,8 @@ def run_gpu(cfg, train, recipe, resolved, run_dir) -> None:
               f"attention={resolved.name}, world {world} = DP{world // (strategy.tensor_model_parallel_size * strategy.context_parallel_size)}"
               f" x TP{strategy.tensor_model_parallel_size}{'+SP' if strategy.sequence_parallel else ''}"
               f" x CP{strategy.context_parallel_size}, distributed optimizer "
-              f"{'on' if recipe.optim.config.use_distributed_optimizer else 'off'}", flush=True)
+              f"{'on' if recipe.optim.config.use_distributed_optimizer else 'off'}, CUDA graphs "
+              f"{getattr(recipe.model.config, 'cuda_graph_impl', 'none')}", flush=True)
     run.run(recipe, direct=True)
     _end_process_group()
 
@@ -336,7 +338,7 @@ def _nemo_log_dirs(run_dir: str) -> tuple:
 #: options added after runs were recorded, at the value that means "as before": left out of the
 #: identity there, so a run finished before the option existed is still reused (a sweep resumed
 #: across sessions from its returned run directories)
-_NEUTRAL_DEFAULTS = {("data", "tokenizer_from"): None}
+_NEUTRAL_DEFAULTS = {("data", "tokenizer_from"): None, ("model", "cuda_graphs"): "none"}
 
 
 def _identity(resolved_cfg: dict) -> str:

@@ -6,8 +6,9 @@ with their defaults) and how it is implemented (the ``nemo_ssa.ops.registry`` ke
 op and the megatron module that calls it). From this table come the policy's list of
 attentions and kernel option keys (``nemo_ssa.config.policy``), the layer spec's
 core-attention mapping (``nemo_ssa.megatron.spec.CORE_ATTENTIONS``), each core attention's
-``attention_name`` / ``op_key`` (``nemo_ssa.megatron.core_attention``), the head dims the
-config check accepts, and what nemo_ssa/configs/attention/<name>.yaml must offer (tests/config).
+``attention_name`` / ``op_key`` (``nemo_ssa.megatron.core_attention``), the head dims and
+the CUDA-graph attentions the config check accepts, and what
+nemo_ssa/configs/attention/<name>.yaml must offer (tests/config).
 
 Pure Python (no torch / megatron import): modules are named by ``"module:Class"`` strings
 so launchers and config checks stay cheap; megatron code imports them.
@@ -86,6 +87,9 @@ class AttentionInfo:
     module: str = ""
     #: (lowest, highest) head dim the kernel compiles for; None = any
     head_dims: Optional[Tuple[int, int]] = None
+    #: its layers ran under megatron-core's local CUDA graphs on a GPU (captured and replayed:
+    #: benchmarks/bench_model.py --cuda-graph local); ``model.cuda_graphs=local`` takes only these
+    cuda_graphs: bool = False
 
     def __post_init__(self):
         if not self.transform:
@@ -122,12 +126,12 @@ ATTENTIONS: Dict[str, AttentionInfo] = {
                       "fused Triton softmax: the SSA kernel with the identity transform",
                       kernel_options={**_FUSED_ROPE, **_DETERMINISTIC}, op_key=("softmax", "triton"),
                       varlen_op_key=("softmax", "triton_varlen"), module=f"{_CORE}:SoftmaxTritonCoreAttention",
-                      head_dims=_TRITON_HEAD_DIMS),
+                      head_dims=_TRITON_HEAD_DIMS, cuda_graphs=True),
         AttentionInfo("ssa_triton", "ssa", "stable",
                       "fused Triton SSA, stable design (tutorial-06 structure, split backward)",
                       kernel_options={**_FUSED_ROPE, **_DETERMINISTIC}, op_key=("ssa", "triton"),
                       varlen_op_key=("ssa", "triton_varlen"),
-                      module=f"{_CORE}:SSATritonCoreAttention", head_dims=_TRITON_HEAD_DIMS),
+                      module=f"{_CORE}:SSATritonCoreAttention", head_dims=_TRITON_HEAD_DIMS, cuda_graphs=True),
         AttentionInfo("ssa_flex", "ssa", "stable",
                       "SSA through FlexAttention (any mask; dn in a separate deterministic pass)",
                       kernel_options={"dn_mode": None, "backend": None, "compile": None}, op_key=("ssa", "flex"),

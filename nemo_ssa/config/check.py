@@ -2,7 +2,8 @@
 
 ``check_parallel`` validates a parallel layout against an attention and the model's
 shape; ``check_run_config`` validates a whole launcher configuration (``attention=``,
-``policy=``, ``train.*``, parallel sizes) and is what ``scripts/pretrain.py`` calls first.
+``policy=``, ``train.*``, parallel sizes, the ``model.*`` options) and is what
+``scripts/pretrain.py`` calls first.
 Each failure is one ``ValueError`` / ``NotImplementedError`` line naming the supported
 values. Pure Python (no torch / megatron import): cheap enough to fuzz
 (nemo_ssa/config_fuzz.py, tests/test_config_fuzz.py).
@@ -11,9 +12,10 @@ values. Pure Python (no torch / megatron import): cheap enough to fuzz
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-from nemo_ssa.config.policy import ATTENTIONS, resolve_attention
+from nemo_ssa.config.policy import ATTENTIONS, PINNED, resolve_attention
 
 #: attentions that replace the whole self attention (no core attention): TP/CP refused
 _NSA_FAMILY = tuple(n for n, a in ATTENTIONS.items() if a.family == "nsa")
@@ -131,6 +133,63 @@ def check_fused_layernorm(value: Any) -> None:
         raise ValueError(f"model.fused_layernorm={value!r} is not supported (supported: auto, true, false)")
 
 
+CUDA_GRAPHS_VALUES = ("none", "local")
+#: attentions whose layers megatron-core's local CUDA graphs captured and replayed on a GPU
+#: (the attention table's ``cuda_graphs`` rows)
+CUDA_GRAPH_ATTENTIONS = tuple(n for n, a in ATTENTIONS.items() if a.cuda_graphs)
+
+
+def check_cuda_graphs(value: Any, *, cuda: Optional[bool] = None, attention: Optional[str] = None,
+                      tensor_parallel: Any = 1, context_parallel: Any = 1, sequence_parallel: bool = False,
+                      profile: bool = False, env: Optional[Mapping[str, str]] = None,
+                      name: str = "model.cuda_graphs") -> str:
+    """``model.cuda_graphs``: ``none`` (the default; None = unset = none) or ``local``,
+    megatron-core's layerwise CUDA graphs (``cuda_graph_impl='local'``,
+    nemo_ssa/megatron/cuda_graphs.py). Returns the value, lower-case.
+
+    ``local`` needs a CUDA device (``cuda=None``: not known where the check runs, e.g. a recipe
+    built on a login node); an attention in :data:`CUDA_GRAPH_ATTENTIONS` (``ssa`` is the pinned
+    kernel: graphs run on CUDA); tensor and context parallel 1 (the graphs would capture the
+    collectives inside each layer, which no run has checked; data parallel reduces outside
+    them); no ``profile`` (its module ranges are forward pre-hooks, which megatron refuses on
+    a graphed layer); and no ``expandable_segments:True`` in ``PYTORCH_CUDA_ALLOC_CONF``
+    (megatron-core 0.15 refuses it; ``env=None`` reads this process's environment).
+    One-line ValueError (a value or device that cannot work) or NotImplementedError (a
+    combination not supported yet).
+    """
+    if value is None:
+        return "none"
+    if not isinstance(value, str) or value.strip().lower() not in CUDA_GRAPHS_VALUES:
+        raise ValueError(f"{name}={value!r} is not supported (supported: {', '.join(CUDA_GRAPHS_VALUES)})")
+    value = value.strip().lower()
+    if value == "none":
+        return value
+    if cuda is False:
+        raise ValueError(f"{name}=local needs a CUDA device (CUDA graphs replay GPU work); supported without "
+                         "one: none")
+    impl = PINNED.pinned_kernel if attention == "ssa" else attention
+    if impl is not None and impl not in CUDA_GRAPH_ATTENTIONS:
+        raise NotImplementedError(f"{name}=local with attention={attention} is not supported (supported: "
+                                  f"{', '.join(CUDA_GRAPH_ATTENTIONS)} and ssa, the attentions whose layers ran "
+                                  "under the graphs; as the story's baseline: compare_to=[softmax_triton])")
+    tp = 1 if tensor_parallel is None else tensor_parallel
+    cp = 1 if context_parallel is None else context_parallel
+    if tp != 1 or cp != 1 or sequence_parallel:
+        raise NotImplementedError(f"{name}=local with tensor_parallel={tp}, context_parallel={cp}, "
+                                  f"sequence_parallel={sequence_parallel} is not supported (supported: tensor and "
+                                  "context parallel 1, any data parallel: the graphs would capture the collectives "
+                                  "inside each layer, which no run has checked)")
+    if profile:
+        raise NotImplementedError(f"{name}=local with profile.start is not supported (supported: profile.start=null; "
+                                  "the profile's module ranges are forward pre-hooks, which megatron refuses on a "
+                                  "graphed layer)")
+    alloc = (os.environ if env is None else env).get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if "expandable_segments:True" in alloc:
+        raise ValueError(f"{name}=local with PYTORCH_CUDA_ALLOC_CONF={alloc!r}: megatron-core refuses "
+                         "expandable_segments:True with CUDA graphs (supported: PYTORCH_CUDA_ALLOC_CONF without it)")
+    return value
+
+
 def held_out_every(max_steps: int, val_check_interval: Optional[int]) -> Tuple[int, Optional[str]]:
     """Steps between held-out evaluations, and a line to print when the configured value was
     changed: ``None`` is one evaluation at the end; a value above ``max_steps`` is clamped to
@@ -224,6 +283,10 @@ def check_run_config(cfg: Mapping[str, Any], *, cuda: bool, world: Optional[int]
     check_fused_mlp(model.get("fused_mlp", "auto"), tensor_parallel=train.get("tensor_parallel"),
                     sequence_parallel=bool(train.get("sequence_parallel") or False))
     check_fused_layernorm(model.get("fused_layernorm", "auto"))
+    check_cuda_graphs(model.get("cuda_graphs"), cuda=cuda, attention=resolved.name,
+                      tensor_parallel=train.get("tensor_parallel"), context_parallel=train.get("context_parallel"),
+                      sequence_parallel=bool(train.get("sequence_parallel") or False),
+                      profile=bool((cfg.get("profile") or {}).get("start")))
     if arch.get("hidden_size") and arch.get("num_attention_heads"):
         head_dim = int(arch["hidden_size"]) // int(arch["num_attention_heads"])
         lo_hi = ATTENTIONS[resolved.name].head_dims

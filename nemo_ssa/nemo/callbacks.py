@@ -1,4 +1,5 @@
-"""Lightning callbacks for NeMo runs: our metrics log and the RNG-safe attention warm-up."""
+"""Lightning callbacks for NeMo runs: our metrics log, the RNG-safe attention warm-up and the
+RNG tracker megatron's local CUDA graphs need."""
 
 from __future__ import annotations
 
@@ -194,6 +195,25 @@ class AttentionWarmupCallback(Callback):
         tokens = torch.zeros(self.micro_batch_size, self.seq_length, dtype=torch.long, device=device)
         with preserved_rng(self.restore_rng):
             warmup_attention(_unwrap(pl_module), {"tokens": tokens})
+
+
+class CudaGraphRNGCallback(Callback):
+    """megatron-core's local CUDA graphs in NeMo's trainer (``model.cuda_graphs=local``): the
+    cudagraphable RNG tracker, before the model is built.
+
+    NeMo seeds megatron's tracker in the strategy's environment set-up, without the
+    cudagraphable variant megatron's ``CudaGraphManager`` asserts when a layer is built.
+    Lightning calls ``setup`` after that and before ``configure_model``: here the tracker is
+    swapped for the cudagraphable one with the same streams
+    (``nemo_ssa.megatron.cuda_graphs.use_cudagraphable_rng_tracker``), so the weights start as
+    they would without graphs. The rest is megatron's: the config fields the recipe set, and
+    ``create_cudagraphs()``, which the schedule NeMo's step runs calls after each fwd+bwd.
+    """
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        from nemo_ssa.megatron.cuda_graphs import use_cudagraphable_rng_tracker
+
+        use_cudagraphable_rng_tracker()
 
 
 class StopAfterCallback(Callback):

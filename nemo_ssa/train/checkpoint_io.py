@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from nemo_ssa.train.faults import fault_injection
 from nemo_ssa.train.process import ParallelLayout
-from nemo_ssa.train.rng import RNGSnapshot, restore_rng, snapshot_rng
+from nemo_ssa.train.rng import RNGSnapshot, restore_rng, snapshot_rng, tracker_states_as_tensors
 
 _CKPT_PREFIX = "step_"
 _PARTIAL = ".partial"
@@ -61,7 +61,7 @@ def _rng_to_obj(snap: RNGSnapshot) -> Dict[str, Any]:
     # loads it so), which refuses numpy arrays: numpy's key goes in as a list of ints.
     kind, key, *rest = snap.numpy
     return {"python": snap.python, "numpy": (kind, [int(k) for k in key], *rest), "torch_cpu": snap.torch_cpu,
-            "megatron_tracker": snap.megatron_tracker}
+            "megatron_tracker": tracker_states_as_tensors(snap.megatron_tracker)}
 
 
 def _rng_from_obj(obj: Dict[str, Any]) -> RNGSnapshot:

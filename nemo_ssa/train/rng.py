@@ -37,11 +37,22 @@ def _megatron_tracker():
     return mrandom.get_cuda_rng_tracker()
 
 
+def _copy_state(state: Any) -> Any:
+    """A copy of one tracker state: a byte tensor, or -- in the cudagraphable tracker megatron's
+    CUDA graphs need (nemo_ssa/megatron/cuda_graphs.py) -- a generator, which its draws advance
+    in place, so keeping the object itself would keep nothing."""
+    if torch.is_tensor(state):
+        return state.clone()
+    if isinstance(state, torch.Generator):
+        return state.clone_state()
+    return state
+
+
 def snapshot_rng() -> RNGSnapshot:
     tracker = _megatron_tracker()
     tracker_states = None
     if tracker is not None and hasattr(tracker, "get_states"):
-        tracker_states = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in tracker.get_states().items()}
+        tracker_states = {k: _copy_state(v) for k, v in tracker.get_states().items()}
     return RNGSnapshot(
         python=random.getstate(),
         numpy=np.random.get_state(),
@@ -60,7 +71,26 @@ def restore_rng(snap: RNGSnapshot) -> None:
     if snap.megatron_tracker is not None:
         tracker = _megatron_tracker()
         if tracker is not None:
-            tracker.set_states({k: (v.clone() if torch.is_tensor(v) else v) for k, v in snap.megatron_tracker.items()})
+            current = tracker.get_states()
+            restored = {}
+            for k, v in snap.megatron_tracker.items():
+                state = v.get_state() if isinstance(v, torch.Generator) else v
+                if isinstance(current.get(k), torch.Generator):
+                    # in place: a captured CUDA graph holds this generator object and reads its
+                    # state at every replay, so a new object would take the stream out of the graph
+                    current[k].set_state(state)
+                    restored[k] = current[k]
+                else:
+                    restored[k] = _copy_state(state)
+            tracker.set_states(restored)
+
+
+def tracker_states_as_tensors(states: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """Tracker states as byte tensors, whichever tracker held them: what a checkpoint stores
+    (a generator does not pickle), and what :func:`restore_rng` sets into either tracker."""
+    if states is None:
+        return None
+    return {k: (v.get_state() if isinstance(v, torch.Generator) else v) for k, v in states.items()}
 
 
 @contextlib.contextmanager

@@ -16,18 +16,21 @@ RECORDED = {
     "train": {"lr": 0.0012, "max_steps": 1000, "limit_val_batches": 8},
     "data": {"source": "site-packages", "vocab_size": 50257, "max_bytes": None, "dir": None, "prefix": None,
              "tokenizer_dir": None},
+    "model": {"recipe": "nemotron_114m", "vocab_size": None, "fused_cross_entropy": "auto", "fused_mlp": "auto",
+              "fused_layernorm": False, "init_on_cpu": False},
     "seed": 1234, "run_dir": "/tmp/sweep/ssa-lr0.0012-s1234", "resume": False, "reuse_if_complete": True,
 }
 
 
 def test_a_new_option_at_its_neutral_default_keeps_a_recorded_runs_identity():
     assert ("data", "tokenizer_from") in _NEUTRAL_DEFAULTS  # added 2026-11-28, after the sweep's first runs
+    assert _NEUTRAL_DEFAULTS[("model", "cuda_graphs")] == "none"  # megatron's CUDA graphs, opt-in
     before = _identity(RECORDED)
     for (group, key), neutral in _NEUTRAL_DEFAULTS.items():
         now = copy.deepcopy(RECORDED)
         now[group][key] = neutral
         assert _identity(now) == before, (group, key)
-        now[group][key] = "/somewhere/tokenizer.json"
+        now[group][key] = "/somewhere/tokenizer.json" if key == "tokenizer_from" else "local"
         assert _identity(now) != before, (group, key)
 
 

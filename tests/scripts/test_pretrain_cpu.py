@@ -143,6 +143,10 @@ def test_main_job_cli_trains_and_says_where_logs_are(tiny_corpus, tmp_path):
     assert "Overriding n=2.0" in out
     policy = json.load(open(run_dir / "attention_policy.json"))
     assert policy["name"] == "ssa_reference" and policy["options"]["n"] == 1.5
+    # the run's config record carries the model options, megatron's CUDA graphs off (the default)
+    import yaml
+
+    assert yaml.safe_load(open(run_dir / "config.yaml"))["model"]["cuda_graphs"] == "none"
     rows = list(csv.DictReader(open(run_dir / "metrics.csv")))
     assert len(rows) == 12
     losses = [float(r["loss"]) for r in rows]

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "scripts", "train_megatron_core.py")
@@ -72,3 +73,21 @@ def test_checkpoint_save_and_resume_continue_the_run_bitwise(tmp_path, one_rank)
     resumed, out = _run(tmp_path, "resumed", "--attention", "ssa", "--load", str(ck))
     assert "loaded" in out and resumed["first_step"] == 5
     assert resumed["losses"] == full["losses"][4:] and resumed["n"] == full["n"]
+
+
+def test_cuda_graph_local_is_refused_without_cuda_before_anything_starts(monkeypatch):
+    """--cuda-graph local (megatron's layer graphs) needs CUDA: one line, in this process
+    before a process group or a model exists."""
+    import importlib.util
+
+    import torch.distributed as dist
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts the repository first
+    spec = importlib.util.spec_from_file_location("train_megatron_core_script", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    was_initialized = dist.is_initialized()
+    with pytest.raises(SystemExit, match=r"^\[megatron-core\] --cuda-graph=local needs a CUDA device"):
+        script.main(["--cuda-graph", "local", "--steps", "1"])
+    assert dist.is_initialized() == was_initialized

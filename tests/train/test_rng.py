@@ -76,3 +76,47 @@ def test_preserved_rng_disabled_does_not_restore():
     seed_all(4)
     draw()
     assert draw() == after
+
+
+@pytest.fixture
+def generator_tracker(monkeypatch):
+    """megatron's tracker holding generators, as the cudagraphable variant megatron's CUDA graphs
+    need does (nemo_ssa/megatron/cuda_graphs.py), on CPU generators; globals restored after."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    monkeypatch.setattr(mrandom, "_CUDA_RNG_STATE_TRACKER", None)
+    monkeypatch.setattr(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", False)
+    mrandom.initialize_rng_tracker()
+    tracker = mrandom.get_cuda_rng_tracker()
+    tracker.set_states({"model-parallel-rng": torch.Generator().manual_seed(5)})
+    return tracker
+
+
+def test_generator_states_of_megatrons_tracker_are_restored_in_place(generator_tracker):
+    g = generator_tracker.get_states()["model-parallel-rng"]
+    torch.rand(2, generator=g)
+    snap = snapshot_rng()
+    first = torch.rand(4, generator=g)  # a draw advances the generator object itself
+    restore_rng(snap)
+    after = generator_tracker.get_states()["model-parallel-rng"]
+    assert after is g  # the object a captured graph holds stays the tracker's
+    assert torch.equal(torch.rand(4, generator=g), first)
+    with preserved_rng():
+        torch.rand(100, generator=g)
+    assert not torch.equal(torch.rand(4, generator=g), first)  # the stream went on from where it was
+
+
+def test_checkpointed_tracker_states_are_tensors_and_restore_into_either_tracker(generator_tracker):
+    from nemo_ssa.train.checkpoint_io import _rng_from_obj, _rng_to_obj
+
+    g = generator_tracker.get_states()["model-parallel-rng"]
+    obj = _rng_to_obj(snapshot_rng())
+    assert torch.is_tensor(obj["megatron_tracker"]["model-parallel-rng"])  # a generator does not pickle
+    first = torch.rand(4, generator=g)
+    restore_rng(_rng_from_obj(obj))
+    assert torch.equal(torch.rand(4, generator=g), first)
+    # into a tracker of byte tensors (a run without graphs resuming this checkpoint)
+    generator_tracker.set_states({"model-parallel-rng": torch.Generator().get_state()})
+    restore_rng(_rng_from_obj(obj))
+    state = generator_tracker.get_states()["model-parallel-rng"]
+    assert torch.is_tensor(state) and torch.equal(state, obj["megatron_tracker"]["model-parallel-rng"])

@@ -1,0 +1,95 @@
+"""megatron-core's local CUDA graphs (``model.cuda_graphs=local``): what a training path must set.
+
+With ``TransformerConfig.cuda_graph_impl='local'`` every ``TransformerLayer`` gets a
+``CudaGraphManager`` (megatron/core/transformer/module.py, ``GraphableMegatronModule``). The
+first training fwd+bwd runs eagerly and records each layer's call; ``create_cudagraphs()``
+then captures one forward and one backward graph per layer (after ``cuda_graph_warmup_steps``
+eager runs inside the capture call) and later steps replay them: the host launches one graph
+per layer and direction instead of every kernel, which is what the host-bound micro batch 8
+step lacks. Three things are on the caller:
+
+1. the config fields (:func:`cuda_graph_fields`): ``cuda_graph_impl='local'`` -- not the
+   deprecated ``enable_cuda_graph=True``, which NeMo 2.7's ``GPTConfig.configure_model``
+   answers by asserting Transformer Engine -- and the warm-up runs; ``cuda_graph_scope`` stays
+   megatron's default, which means layerwise in every supported version (a string in 0.15, a
+   list in 0.16+);
+2. a cudagraphable RNG tracker before the layers are built (``CudaGraphManager.__init__``
+   asserts it): :func:`use_cudagraphable_rng_tracker`, which keeps the tracker's streams;
+3. ``create_cudagraphs()`` after each fwd+bwd: megatron's schedules call it
+   (``forward_backward_no_pipelining`` and the pipelined ones, so NeMo's step needs nothing);
+   a loop that calls the model itself calls :func:`capture_recorded_graphs`.
+
+What the project supports with it is decided in one place, ``nemo_ssa.config.check.check_cuda_graphs``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+
+__all__ = ["CUDA_GRAPH_WARMUP_STEPS", "cuda_graph_fields", "use_cudagraphable_rng_tracker",
+           "capture_recorded_graphs"]
+
+#: eager runs of each layer inside the capture call before it is captured (megatron's default,
+#: the value benchmarks/bench_model.py --cuda-graph local ran with), pinned here so that a change
+#: of megatron's default does not change a run
+CUDA_GRAPH_WARMUP_STEPS = 3
+
+
+def cuda_graph_fields(cuda_graphs: Any) -> Dict[str, Any]:
+    """The ``TransformerConfig`` fields ``model.cuda_graphs`` sets: ``{}`` for ``none`` (megatron's
+    defaults, the config as without the option), ``cuda_graph_impl`` and the warm-up runs for
+    ``local``. The value is validated (``check_cuda_graphs``); where it may run is the caller's
+    check."""
+    from nemo_ssa.config.check import check_cuda_graphs
+
+    if check_cuda_graphs(cuda_graphs) == "none":
+        return {}
+    return {"cuda_graph_impl": "local", "cuda_graph_warmup_steps": CUDA_GRAPH_WARMUP_STEPS}
+
+
+def use_cudagraphable_rng_tracker(generator: Optional[torch.Generator] = None) -> bool:
+    """Replace megatron's CUDA RNG tracker by its cudagraphable variant with the same streams.
+
+    NeMo seeds megatron's tracker itself (``nemo.lightning.megatron_init._set_random_seed``:
+    ``model_parallel_cuda_manual_seed(seed)``, with no way to ask for the cudagraphable
+    variant), so re-seeding would have to repeat NeMo's seed. Instead each named state of the
+    tracker becomes a graph-safe generator (a clone of ``generator``'s state, by default the
+    current CUDA device's generator, as megatron's ``add`` makes them) holding that same state:
+    the weights initialised afterwards and any dropout draw the numbers they drew before.
+
+    Returns True when it replaced the tracker; False when the tracker already suits megatron's
+    graphs (cudagraphable, inference or Transformer Engine's) or was never initialised.
+    """
+    from megatron.core.tensor_parallel import random as mrandom
+
+    if not mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED:
+        return False
+    old = mrandom.get_cuda_rng_tracker()
+    if type(old) is not mrandom.CudaRNGStatesTracker or old.use_cudagraphable_rng or old.is_inference_rng_tracker:
+        return False
+    if generator is None:
+        generator = torch.cuda.default_generators[torch.cuda.current_device()]
+    states, seeds = old.get_states(), set(old.seeds_)
+    mrandom.initialize_rng_tracker(use_cudagraphable_rng=True, force_reset=True)
+    new = mrandom.get_cuda_rng_tracker()
+    graph_safe = {}
+    for name, state in states.items():
+        g = generator.clone_state()
+        g.set_state(state)
+        graph_safe[name] = g
+    new.set_states(graph_safe)
+    new.seeds_ = seeds  # megatron's bookkeeping: a later add() of a used seed still fails
+    return True
+
+
+def capture_recorded_graphs(config) -> None:
+    """What megatron's schedules do after a fwd+bwd with local CUDA graphs: capture the graphs
+    the layers recorded (after the first step; a no-op afterwards). For loops that call the
+    model themselves (scripts/train_megatron_core.py); never call it after a schedule, which
+    has."""
+    if getattr(config, "cuda_graph_impl", "none") == "local":
+        from megatron.core.transformer.cuda_graphs import create_cudagraphs
+
+        create_cudagraphs()

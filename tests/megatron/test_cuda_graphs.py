@@ -1,0 +1,304 @@
+"""``model.cuda_graphs`` (nemo_ssa/megatron/cuda_graphs.py, nemo_ssa/config/check.py) on CPU.
+
+Nothing here runs a graph (they need a GPU). What is checked:
+
+- the option: values, and every refusal of ``check_cuda_graphs`` (no CUDA, an attention whose
+  layers never ran under graphs, TP / CP / SP, a profile, expandable segments), through the
+  run-config check and the launcher as a user meets them;
+- the plumbing: ``local`` puts ``cuda_graph_impl='local'`` and the warm-up runs on the recipe's
+  TransformerConfig (built: megatron accepts them) and asks for the cudagraphable RNG tracker
+  (the callback); ``none`` leaves the recipe exactly as without the option;
+- the tracker swap keeps every stream, on CPU generators;
+- the contracts this rests on, read from the installed megatron-core, Lightning and NeMo:
+  the layer's graph manager asserts the cudagraphable tracker, megatron's no-pipelining
+  schedule captures the graphs itself, and Lightning calls a callback's ``setup`` after NeMo
+  seeded the tracker and before the model is built.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import pytest
+import torch
+
+from nemo_ssa.config.check import CUDA_GRAPH_ATTENTIONS, check_cuda_graphs, check_run_config
+from nemo_ssa.megatron.cuda_graphs import (CUDA_GRAPH_WARMUP_STEPS, capture_recorded_graphs, cuda_graph_fields,
+                                           use_cudagraphable_rng_tracker)
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+OK = dict(cuda=True, attention="ssa_triton", env={})
+
+
+# ----------------------------------------------------------------------------- the option
+
+
+def test_values():
+    assert [check_cuda_graphs(v, **OK) for v in ("none", None, "None", "local", " LOCAL ")] == [
+        "none", "none", "none", "local", "local"]
+    for bad in ("full", "full_iteration", "transformer_engine", True, False, 1):
+        with pytest.raises(ValueError, match=r"model.cuda_graphs=.* is not supported \(supported: none, local\)"):
+            check_cuda_graphs(bad, **OK)
+
+
+@pytest.mark.parametrize("kw, error, says", [
+    (dict(cuda=False), ValueError, "needs a CUDA device"),
+    (dict(attention="softmax"), NotImplementedError, "attention=softmax is not supported .*softmax_triton, ssa_triton"),
+    (dict(attention="ssa_reference"), NotImplementedError, "ssa_reference is not supported"),
+    (dict(attention="nsa"), NotImplementedError, "nsa is not supported"),
+    (dict(tensor_parallel=2), NotImplementedError, "tensor_parallel=2.*supported: tensor and context parallel 1"),
+    (dict(context_parallel=2), NotImplementedError, "context_parallel=2"),
+    (dict(sequence_parallel=True), NotImplementedError, "sequence_parallel=True"),
+    (dict(profile=True), NotImplementedError, "profile.start.*pre-hooks"),
+    (dict(env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}), ValueError, "expandable_segments:True"),
+])
+def test_local_refuses_what_it_cannot_run(kw, error, says):
+    with pytest.raises(error, match=says):
+        check_cuda_graphs("local", **{**OK, **kw})
+    assert check_cuda_graphs("none", **{**OK, **kw}) == "none"  # none runs everywhere
+
+
+def test_local_takes_the_attentions_that_ran_under_graphs():
+    # widening this is a GPU run's decision (bench_model --cuda-graph local, then the NeMo step)
+    assert CUDA_GRAPH_ATTENTIONS == ("softmax_triton", "ssa_triton")
+    for name in ("softmax_triton", "ssa_triton", "ssa"):  # ssa: the pinned kernel (graphs run on CUDA)
+        assert check_cuda_graphs("local", **{**OK, "attention": name}) == "local"
+    # not known where it runs (a recipe built on a login node), other allocator settings
+    assert check_cuda_graphs("local", attention="ssa", env={"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}) \
+        == "local"
+
+
+def _run_config(**model):
+    return {"attention": {"name": "ssa"}, "policy": "pinned", "seed": 1234,
+            "train": {"micro_batch_size": 8, "global_batch_size": 8, "precision": "bf16-mixed"},
+            "model": model}
+
+
+def test_run_config_check(monkeypatch):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    check_run_config(_run_config(cuda_graphs="local"), cuda=True)
+    on_cpu = {"micro_batch_size": 2, "global_batch_size": 2, "precision": "32"}
+    check_run_config({**_run_config(), "train": on_cpu}, cuda=False)  # unset: none
+    with pytest.raises(ValueError, match="model.cuda_graphs=local needs a CUDA device"):
+        check_run_config({**_run_config(cuda_graphs="local"), "train": on_cpu}, cuda=False)
+    cfg = _run_config(cuda_graphs="local")
+    cfg["train"]["tensor_parallel"], cfg["train"]["num_gpus_per_node"] = 2, 2
+    with pytest.raises(NotImplementedError, match="tensor_parallel=2"):
+        check_run_config(cfg, cuda=True)
+    with pytest.raises(NotImplementedError, match="profile.start"):
+        check_run_config({**_run_config(cuda_graphs="local"), "profile": {"start": 40}}, cuda=True)
+    check_run_config({**_run_config(cuda_graphs="none"), "profile": {"start": 40}}, cuda=True)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    with pytest.raises(ValueError, match="expandable_segments"):
+        check_run_config(_run_config(cuda_graphs="local"), cuda=True)
+
+
+def _compose(*overrides):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=os.path.join(REPO, "nemo_ssa", "configs"), version_base=None):
+        return compose("config", overrides=list(overrides))
+
+
+def test_launcher_default_is_none_and_local_is_refused_on_cpu_in_one_line():
+    from nemo_ssa.cli import pretrain
+
+    assert _compose().model.cuda_graphs == "none"
+    pretrain._check_config(_compose("train=cpu_smoke"), cuda=False)
+    with pytest.raises(SystemExit, match=r"^\[pretrain\] invalid configuration: model.cuda_graphs=local needs a CUDA"):
+        pretrain._check_config(_compose("train=cpu_smoke", "model.cuda_graphs=local"), cuda=False)
+
+
+# ----------------------------------------------------------------------------- the plumbing
+
+
+def test_fields_are_ones_the_installed_megatron_builds():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    assert cuda_graph_fields("none") == {} and cuda_graph_fields(None) == {}
+    assert cuda_graph_fields("local") == {"cuda_graph_impl": "local",
+                                          "cuda_graph_warmup_steps": CUDA_GRAPH_WARMUP_STEPS}
+    small = dict(num_layers=1, hidden_size=32, num_attention_heads=4)
+    cfg = TransformerConfig(**small, **cuda_graph_fields("local"))  # a misspelt field is a TypeError here
+    assert (cfg.cuda_graph_impl, cfg.cuda_graph_warmup_steps, cfg.enable_cuda_graph) == ("local", 3, False)
+    # megatron's own refusal, at config time: activation recompute (the recipe sets none)
+    with pytest.raises((ValueError, AssertionError), match="recomput"):
+        TransformerConfig(**small, **cuda_graph_fields("local"), recompute_granularity="full",
+                          recompute_method="uniform", recompute_num_layers=1)
+    with pytest.raises(ValueError, match="supported: none, local"):
+        cuda_graph_fields("on")
+
+
+@pytest.fixture(scope="module")
+def recipes(tmp_path_factory):
+    from recipes import nemotron_114m
+
+    d = str(tmp_path_factory.mktemp("cg"))
+    return {v: nemotron_114m.pretrain_recipe(dir=d, attention="ssa", max_steps=2, **kw)
+            for v, kw in (("default", {}), ("none", {"cuda_graphs": "none"}), ("local", {"cuda_graphs": "local"}))}
+
+
+def _callbacks(recipe):
+    return [c.__fn_or_cls__.__name__ for c in recipe.trainer.callbacks or []]
+
+
+def test_recipe_local_sets_megatrons_fields_and_asks_for_the_cudagraphable_tracker(recipes):
+    import fiddle as fdl
+
+    cfg = fdl.build(recipes["local"].model.config)  # the TransformerConfig NeMo builds the model from
+    assert (cfg.cuda_graph_impl, cfg.cuda_graph_warmup_steps, cfg.enable_cuda_graph) == ("local", 3, False)
+    assert cfg.recompute_granularity is None and not cfg.cpu_offloading  # what megatron refuses with graphs
+    assert _callbacks(recipes["local"]) == _callbacks(recipes["none"]) + ["CudaGraphRNGCallback"]
+
+
+def test_recipe_none_is_the_recipe_without_the_option(recipes, tmp_path, monkeypatch):
+    from nemo_run.core.serialization.yaml import YamlSerializer
+
+    from recipes import nemotron_114m
+
+    ser = YamlSerializer().serialize
+    assert ser(recipes["none"]) == ser(recipes["default"])
+    assert "cuda_graph_impl" not in recipes["none"].model.config.__arguments__
+    assert "CudaGraphRNGCallback" not in _callbacks(recipes["none"])
+    # the recipe as it was before the option: the same with the option's step taken out
+    monkeypatch.setattr(nemotron_114m, "apply_cuda_graphs", lambda recipe, cuda_graphs="none": None)
+    without = nemotron_114m.pretrain_recipe(dir=recipes["none"].log.log_dir, attention="ssa", max_steps=2)
+    assert ser(without) == ser(recipes["none"])
+    # and local differs from none by the two fields and the callback alone
+    diff = [ln for ln in ser(recipes["local"]).splitlines() if ln not in set(ser(recipes["none"]).splitlines())]
+    assert sorted(s.strip() for s in diff) == ["- _target_: nemo_ssa.nemo.callbacks.CudaGraphRNGCallback",
+                                               "cuda_graph_impl: local", "cuda_graph_warmup_steps: 3"]
+
+
+@pytest.mark.parametrize("kw, says", [
+    (dict(attention="softmax"), "attention=softmax is not supported"),
+    (dict(tensor_parallel=2, num_gpus_per_node=2), "tensor_parallel=2"),
+    (dict(cuda_graphs="full"), "supported: none, local"),
+])
+def test_recipe_refuses_before_building(kw, says, tmp_path):
+    from recipes import nemotron_114m
+
+    kw = {"attention": "ssa", "cuda_graphs": "local", **kw}
+    with pytest.raises((ValueError, NotImplementedError), match=says):
+        nemotron_114m.pretrain_recipe(dir=str(tmp_path), max_steps=2, **kw)
+
+
+def test_launcher_hands_the_field_to_the_recipe(tmp_path):
+    from omegaconf import OmegaConf
+
+    from nemo_ssa.cli import pretrain
+
+    gpu = ("train=gpu_9min", "train.global_batch_size=32", "attention=ssa_triton", f"run_dir={tmp_path}")
+    cfg = _compose(*gpu, "model.cuda_graphs=local")
+    recipe, resolved = pretrain.build_recipe(cfg, cfg.train, "/data/none", "/tok/none", str(tmp_path))
+    assert resolved.name == "ssa_triton" and recipe.model.config.cuda_graph_impl == "local"
+    assert "CudaGraphRNGCallback" in _callbacks(recipe)
+    none = _compose(*gpu)
+    recipe, _ = pretrain.build_recipe(none, none.train, "/data/none", "/tok/none", str(tmp_path))
+    assert "cuda_graph_impl" not in recipe.model.config.__arguments__
+    assert OmegaConf.to_container(none)["model"]["cuda_graphs"] == "none"  # what config.yaml records
+
+
+def test_capture_is_called_only_for_local_graphs(monkeypatch):
+    import types
+
+    import megatron.core.transformer.cuda_graphs as cg
+
+    calls = []
+    monkeypatch.setattr(cg, "create_cudagraphs", lambda: calls.append(1))
+    capture_recorded_graphs(types.SimpleNamespace(cuda_graph_impl="none"))
+    capture_recorded_graphs(types.SimpleNamespace())
+    assert calls == []
+    capture_recorded_graphs(types.SimpleNamespace(cuda_graph_impl="local"))
+    assert calls == [1]
+
+
+# ----------------------------------------------------------------------------- the RNG tracker
+
+
+@pytest.fixture
+def plain_tracker(monkeypatch):
+    """megatron's tracker as NeMo leaves it (byte-tensor states from seeds), on CPU generators;
+    the module globals are restored afterwards. A CPU build of torch lacks the graph API the
+    cudagraphable tracker checks for (nothing here captures a graph): a stand-in is set."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "register_generator_state", lambda self, g: None, raising=False)
+
+    monkeypatch.setattr(mrandom, "_CUDA_RNG_STATE_TRACKER", None)
+    monkeypatch.setattr(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", False)
+    mrandom.initialize_rng_tracker()
+    tracker = mrandom.get_cuda_rng_tracker()
+    seeds = {"data-parallel-rng": 1234, "model-parallel-rng": 1234 + 2718, "expert-parallel-rng": 1234 + 1024}
+    tracker.set_states({k: torch.Generator().manual_seed(s).get_state() for k, s in seeds.items()})
+    tracker.seeds_ = set(seeds.values())
+    return mrandom, seeds
+
+
+def test_tracker_swap_keeps_every_stream(plain_tracker):
+    mrandom, seeds = plain_tracker
+    torch.rand(3, generator=None)  # the default generator is not the tracker's
+    assert use_cudagraphable_rng_tracker(generator=torch.Generator()) is True
+    tracker = mrandom.get_cuda_rng_tracker()
+    assert tracker.use_cudagraphable_rng and tracker.seeds_ == set(seeds.values())
+    for name, seed in seeds.items():
+        g = tracker.get_states()[name]
+        assert isinstance(g, torch.Generator)
+        assert torch.equal(torch.rand(5, generator=g), torch.rand(5, generator=torch.Generator().manual_seed(seed)))
+    states = tracker.get_states()
+    assert use_cudagraphable_rng_tracker(generator=torch.Generator()) is False  # already cudagraphable
+    assert mrandom.get_cuda_rng_tracker() is tracker and tracker.get_states() == states
+    with pytest.raises(Exception, match="seed 1234 already exists"):
+        tracker.add("again", 1234)  # megatron's bookkeeping came along
+
+
+def test_tracker_swap_leaves_inference_and_uninitialised_trackers(monkeypatch):
+    from megatron.core.tensor_parallel import random as mrandom
+
+    monkeypatch.setattr(mrandom, "_CUDA_RNG_STATE_TRACKER", None)
+    monkeypatch.setattr(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", False)
+    assert use_cudagraphable_rng_tracker(generator=torch.Generator()) is False
+    mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)  # the CPU paths' tracker
+    tracker = mrandom.get_cuda_rng_tracker()
+    assert use_cudagraphable_rng_tracker(generator=torch.Generator()) is False
+    assert mrandom.get_cuda_rng_tracker() is tracker
+
+
+def test_callback_swaps_the_tracker_in_setup(monkeypatch):
+    import nemo_ssa.megatron.cuda_graphs as mcg
+    from nemo_ssa.nemo.callbacks import CudaGraphRNGCallback
+
+    calls = []
+    monkeypatch.setattr(mcg, "use_cudagraphable_rng_tracker", lambda: calls.append(1) or True)
+    CudaGraphRNGCallback().setup(None, None, "fit")
+    assert calls == [1]
+
+
+# ----------------------------------------------------------------------------- the contracts
+
+
+def test_installed_megatron_asserts_the_tracker_and_its_schedule_captures():
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.transformer import module
+    from megatron.core.transformer.cuda_graphs import CudaGraphManager
+
+    assert "use_cudagraphable_rng" in inspect.getsource(CudaGraphManager.__init__)
+    assert "CudaGraphManager(config" in inspect.getsource(module.GraphableMegatronModule.__init__)
+    # NeMo's step runs megatron's schedule (PP 1: forward_backward_no_pipelining), which captures:
+    # the recipe must not call create_cudagraphs() a second time
+    assert "create_cudagraphs()" in inspect.getsource(schedules.forward_backward_no_pipelining)
+    assert schedules.get_forward_backward_func.__module__ == schedules.__name__
+
+
+def test_lightning_calls_setup_after_nemo_seeded_and_before_the_model_is_built():
+    from lightning.pytorch.trainer.trainer import Trainer
+    from nemo.lightning.pytorch.strategies.megatron_strategy import MegatronStrategy
+
+    run = inspect.getsource(Trainer._run)
+    env, setup, build = (run.index(s) for s in ("strategy.setup_environment()", "_call_setup_hook(self)",
+                                                "_call_configure_model(self)"))
+    assert env < setup < build
+    # NeMo seeds megatron's tracker (init_parallel_ranks -> model_parallel_cuda_manual_seed) in
+    # setup_distributed, which the DDP strategy's setup_environment runs
+    assert "setup_parallel_ranks(self)" in inspect.getsource(MegatronStrategy.setup_distributed)
