@@ -253,6 +253,7 @@ def pretrain_recipe(
                       context_parallel=context_parallel, sequence_parallel=sequence_parallel, env={})
     _apply_arch(recipe.model.config, attention, attention_options, policy, seq_length, vocab_size,
                 fused_cross_entropy, fused_mlp, fused_layernorm)
+    apply_seed(recipe, seed)  # before apply_cuda_graphs: its callback keeps the seeded streams
     apply_cuda_graphs(recipe, cuda_graphs)
 
     world = int(num_nodes) * int(num_gpus_per_node)
@@ -334,6 +335,18 @@ def pretrain_recipe(
     recipe.log.use_datetime_version = False
     recipe.log.tensorboard.name = name
     return recipe
+
+
+def apply_seed(recipe, seed: int) -> None:
+    """The run's seed for the weights on NeMo's path: NeMo's strategy seeds every generator
+    with 1234 whatever the recipe says (``nemo_ssa.nemo.callbacks.SeedCallback``), so a seed
+    other than that one puts the callback that re-seeds them first in the trainer's callbacks
+    (before the model is built). At 1234 the recipe is left as it was."""
+    from nemo_ssa.nemo.callbacks import NEMO_DEFAULT_SEED, SeedCallback
+
+    if int(seed) == NEMO_DEFAULT_SEED:
+        return
+    recipe.trainer.callbacks = [run.Config(SeedCallback, seed=int(seed))] + list(recipe.trainer.callbacks or [])
 
 
 def apply_cuda_graphs(recipe, cuda_graphs: str = "none") -> None:

@@ -1,5 +1,5 @@
-"""Lightning callbacks for NeMo runs: our metrics log, the RNG-safe attention warm-up and the
-RNG tracker megatron's local CUDA graphs need."""
+"""Lightning callbacks for NeMo runs: our metrics log, the RNG-safe attention warm-up, the run's
+seed for the weights and the RNG tracker megatron's local CUDA graphs need."""
 
 from __future__ import annotations
 
@@ -195,6 +195,48 @@ class AttentionWarmupCallback(Callback):
         tokens = torch.zeros(self.micro_batch_size, self.seq_length, dtype=torch.long, device=device)
         with preserved_rng(self.restore_rng):
             warmup_attention(_unwrap(pl_module), {"tokens": tokens})
+
+
+#: the seed NeMo's strategy gives every generator (``init_parallel_ranks``' default; nothing
+#: in NeMo's trainer passes a run's seed there)
+NEMO_DEFAULT_SEED = 1234
+
+
+def seed_like_nemo(seed: int) -> None:
+    """Python's, numpy's and torch's generators and megatron's CUDA RNG tracker seeded with
+    ``seed`` as NeMo's strategy seeds them (``seed + 100 x`` the pipeline rank; megatron's
+    ``model_parallel_cuda_manual_seed`` derives the tensor-parallel streams from it)."""
+    import random
+
+    import numpy as np
+    from megatron.core import parallel_state, tensor_parallel
+
+    s = int(seed) + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(s)
+    np.random.seed(s)
+    torch.manual_seed(s)
+    if torch.cuda.device_count() > 0:
+        tensor_parallel.model_parallel_cuda_manual_seed(s)
+
+
+class SeedCallback(Callback):
+    """The run's ``seed`` for the weights on NeMo's path.
+
+    NeMo seeds Python, numpy, torch and megatron's tracker in the strategy's environment
+    set-up, always with 1234: without this callback every NeMo run starts from the same
+    weights whatever its seed, and the seed changes only the data order. Lightning calls
+    ``setup`` after that seeding and before ``configure_model`` builds the model: here the
+    same generators are seeded again with the run's seed, the way NeMo does it. At NeMo's own
+    1234 nothing is done, so those runs keep their bits. Runs before an order of callbacks
+    that puts it first (``recipes.nemotron_114m.apply_seed``): the CUDA graph callback keeps
+    the tracker's streams, so it must see the run's."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = int(seed)
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if self.seed != NEMO_DEFAULT_SEED:
+            seed_like_nemo(self.seed)
 
 
 class CudaGraphRNGCallback(Callback):
