@@ -5,6 +5,7 @@ Named presets (the GPU test plan; ``PRESETS`` below lists what each runs)::
     python scripts/device/gpu_session.py --preset quick  --out $OUT --commit <sha>   # after any kernel change, <= 4 min
     python scripts/device/gpu_session.py --preset full-1 --out $OUT --commit <sha>   # flash, flex, ELSA, extreme logits
     python scripts/device/gpu_session.py --preset full-2 --out $OUT --commit <sha>   # NSA, CUDA runs of the CPU op tests, ops fuzz
+    python scripts/device/gpu_session.py --preset graphs --out $OUT --commit <sha>   # model.cuda_graphs=local: speed + parity
     python scripts/device/gpu_session.py --list-presets
 
 Every session (a preset or free-form steps) installs the offline wheel bundle first when ``.whl/`` is present (as
@@ -89,6 +90,30 @@ PRESETS = {
                ("cmd", "ops-fuzz", 95,
                 "{py} -m nemo_ssa.testing.ops_fuzz --device cuda --cases 3000 --time-budget 50 "
                 "--out {out}/ops-fuzz-cuda.md")]),
+    "graphs": dict(
+        about="megatron-core's local CUDA graphs (model.cuda_graphs=local) before they can become the default: "
+              "the RoPE tests on CUDA, the 114M fwd+bwd with and without graphs (speed and the loss / "
+              "gradient-norm parity lines), the plain megatron-core loop 20 steps each way, and the NeMo "
+              "main job at micro batch 8, 50 steps each way (step-1 loss equal, held-out at 25 and 50, tokens/s)",
+        expect=420, budget=540,
+        steps=[("pytest", "tests-rope", 110, ["tests/ops/rope/test_rope.py", "tests/megatron/test_self_attention.py"],
+                None, 100),
+               ("cmd", "bench-graphs-mb8", 90,
+                "{py} benchmarks/bench_model.py --attentions softmax_triton,ssa_triton --micro-batches 8 "
+                "--cuda-graph none,local --out {out}/graphs-mb8.md"),
+               ("cmd", "megatron-core-none", 45,
+                "{py} scripts/train_megatron_core.py --attention ssa_triton --steps 20 --out {out}/mc-none.json"),
+               ("cmd", "megatron-core-local", 45,
+                "{py} scripts/train_megatron_core.py --attention ssa_triton --steps 20 --cuda-graph local "
+                "--out {out}/mc-local.json"),
+               ("cmd", "nemo-none", 120,
+                "{py} scripts/pretrain.py attention=ssa compare_to=[] train=gpu_9min train.micro_batch_size=8 "
+                "train.global_batch_size=8 train.max_steps=50 train.val_check_interval=25 model.cuda_graphs=none "
+                "run_dir={out}/nemo-none"),
+               ("cmd", "nemo-local", 120,
+                "{py} scripts/pretrain.py attention=ssa compare_to=[] train=gpu_9min train.micro_batch_size=8 "
+                "train.global_batch_size=8 train.max_steps=50 train.val_check_interval=25 model.cuda_graphs=local "
+                "run_dir={out}/nemo-local")]),
 }
 
 

@@ -49,7 +49,7 @@ def test_presets_fit_the_device_limits():
     """Every preset: at most 9 minutes per command; quick within 4; full-1 + full-2 cover
     every GPU test file and every op test that runs on CUDA."""
     gs = _load_session()
-    assert set(gs.PRESETS) == {"quick", "full-1", "full-2"}
+    assert set(gs.PRESETS) == {"quick", "full-1", "full-2", "graphs"}
     for name, p in gs.PRESETS.items():
         assert p["budget"] <= 540 and sum(s[2] for s in p["steps"]) <= p["budget"], name
     assert gs.PRESETS["quick"]["budget"] <= 240
@@ -58,6 +58,26 @@ def test_presets_fit_the_device_limits():
     assert gpu_files <= full, gpu_files - full
     assert {"tests/ops/attention/test_flash.py", "tests/ops/elsa/test_elsa.py", "tests/ops/nsa/test_nsa.py",
             "tests/ops/test_fused_attention_range.py"} <= full
+
+
+def test_graphs_preset_runs_what_exists():
+    """The graphs preset's commands name scripts, flags and config keys that exist (a renamed
+    flag would burn a device call), and run both settings of every comparison."""
+    import re
+
+    gs = _load_session()
+    cmds = [s[3] for s in gs.PRESETS["graphs"]["steps"] if s[0] == "cmd"]
+    for cmd in cmds:
+        script = cmd.split()[1]
+        src = open(os.path.join(REPO, script)).read()
+        for flag in re.findall(r" (--[a-z-]+)", cmd):
+            assert f'"{flag}"' in src, (script, flag)
+    cfg = open(os.path.join(REPO, "nemo_ssa/configs/model/nemotron_114m.yaml")).read()
+    assert re.search(r"^cuda_graphs: none", cfg, re.M)
+    for what in ("train_megatron_core.py", "pretrain.py"):
+        runs = [c for c in cmds if what in c]
+        assert len(runs) == 2 and sum("local" in c for c in runs) == 1, what
+    assert any("--cuda-graph none,local" in c for c in cmds)
 
 
 def test_memory_heavy_cases_run_alone():
