@@ -237,6 +237,10 @@ class SeedCallback(Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         if self.seed != NEMO_DEFAULT_SEED:
             seed_like_nemo(self.seed)
+            # the start-up log is where a run shows which weights it began from
+            if getattr(trainer, "global_rank", 0) == 0:
+                print(f"[seed] weights seeded with {self.seed} (NeMo's strategy seeded {NEMO_DEFAULT_SEED})",
+                      flush=True)
 
 
 class CudaGraphRNGCallback(Callback):

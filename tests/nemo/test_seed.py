@@ -51,9 +51,10 @@ def _draws():
     return random.random(), float(np.random.rand()), float(torch.rand(()))
 
 
-def test_callback_seeds_every_generator_with_the_runs_seed(fake_megatron):
+def test_callback_seeds_every_generator_with_the_runs_seed(fake_megatron, capsys):
     random.seed(1), np.random.seed(1), torch.manual_seed(1)
     SeedCallback(7).setup(None, None, "fit")
+    assert "[seed] weights seeded with 7" in capsys.readouterr().out
     got = _draws()
     random.seed(7), np.random.seed(7), torch.manual_seed(7)
     assert got == _draws()
@@ -68,12 +69,13 @@ def test_callback_offsets_by_the_pipeline_rank_as_nemo_does(fake_megatron, monke
     assert fake_megatron == [207] and torch.initial_seed() == 207
 
 
-def test_callback_leaves_nemos_own_seed_alone(fake_megatron):
+def test_callback_leaves_nemos_own_seed_alone(fake_megatron, capsys):
     torch.manual_seed(NEMO_DEFAULT_SEED)
     torch.rand(5)  # whatever ran since NeMo seeded stays as it is
     state = torch.get_rng_state()
     SeedCallback(NEMO_DEFAULT_SEED).setup(None, None, "fit")
     assert torch.equal(torch.get_rng_state(), state) and fake_megatron == []
+    assert "[seed]" not in capsys.readouterr().out
 
 
 def _callbacks(recipe):
