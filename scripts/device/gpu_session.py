@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import io
 import importlib.util
 import json
 import os
@@ -160,6 +161,38 @@ def install_bundle(out: str) -> str:
         return f"bundle install FAILED (rc {proc.returncode}, see bundle.log)"
     os.environ["PYTHONPATH"] = site + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
     return f"installed {len(wheels)} wheels to {site} in {time.time() - t0:.0f} s"
+
+
+#: what the archive leaves out: a run's checkpoints (a 50-step NeMo run writes ~2 GB of them;
+#: packing two took a call's last 230 s and the archive could not come back anyway) and any
+#: file over this size; ``left-out.txt`` in the archive names each
+PACK_SKIP_DIRS = ("checkpoints",)
+PACK_MAX_FILE = 32 << 20
+
+
+def pack(out: str) -> list:
+    """``{out}/session.tgz`` of everything under ``out`` but checkpoints and large files (named
+    in ``left-out.txt``); returns the top-level entries packed."""
+    tgz = os.path.join(out, "session.tgz")
+    entries = [e for e in sorted(os.listdir(out)) if e != "session.tgz"]
+    left = []
+
+    def keep(info):
+        parts = info.name.split("/")
+        if info.isdir() and parts[-1] in PACK_SKIP_DIRS or info.isfile() and info.size > PACK_MAX_FILE:
+            left.append(f"{info.name} ({'a checkpoint folder' if info.isdir() else f'{info.size:,} bytes'})")
+            return None
+        return info
+
+    with tarfile.open(tgz, "w:gz") as tar:
+        for entry in entries:
+            tar.add(os.path.join(out, entry), arcname=entry, filter=keep)
+        if left:
+            data = ("\n".join(left) + "\n").encode()
+            info = tarfile.TarInfo("left-out.txt")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return entries
 
 
 def _device_info() -> dict:
@@ -332,11 +365,7 @@ def main(argv=None) -> int:
         path = os.path.join(out, f"{name}.log")
         if os.path.isfile(path):
             tails[name] = open(path, errors="replace").read().splitlines()[-args.tail:]
-    tgz = os.path.join(out, "session.tgz")
-    entries = [e for e in sorted(os.listdir(out)) if e != "session.tgz"]
-    with tarfile.open(tgz, "w:gz") as tar:
-        for entry in entries:
-            tar.add(os.path.join(out, entry), arcname=entry)
+    entries = pack(out)
     for entry in entries:  # only the archive (and a preset's results file) goes back
         if entry == results_name:
             continue

@@ -179,3 +179,22 @@ def test_a_packed_bundle_is_installed_where_there_is_no_whl_dir(tmp_path, monkey
     assert seen == [["a-1.0-py3-none-any.whl", "b-2.0-py3-none-any.whl"]]
     os.rename(repo / ".bundle", repo / "gone")
     assert gs.install_bundle(str(tmp_path / "out")).startswith("no .whl/ or .bundle/ bundle")
+
+
+def test_the_archive_leaves_out_checkpoints_and_large_files(tmp_path, monkeypatch):
+    """A preset's NeMo runs write checkpoints under ``--out``: packing two of them (4 GB) took a
+    call's last 230 s and the archive was too large to come back."""
+    gs = _load_session()
+    monkeypatch.setattr(gs, "PACK_MAX_FILE", 1000)
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step=10").mkdir(parents=True)
+    (run / "checkpoints" / "step=10" / "w.distcp").write_bytes(b"x" * 10)
+    (run / "metrics.csv").write_text("step,loss\n1,2.0\n")
+    (tmp_path / "big.bin").write_bytes(b"x" * 2000)
+    (tmp_path / "a.log").write_text("hello\n")
+    gs.pack(str(tmp_path))
+    with tarfile.open(tmp_path / "session.tgz") as tar:
+        names = set(tar.getnames())
+        left = tar.extractfile("left-out.txt").read().decode()
+    assert {"a.log", "run", "run/metrics.csv", "left-out.txt"} == names
+    assert "run/checkpoints (a checkpoint folder)" in left and "big.bin (2,000 bytes)" in left
