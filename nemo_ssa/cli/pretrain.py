@@ -238,7 +238,7 @@ def run_gpu(cfg, train, recipe, resolved, run_dir) -> None:
     import nemo_run as run
 
     from nemo_ssa.tools.metrics_log import flops_per_token
-    from nemo_ssa.nemo.callbacks import AttentionWarmupCallback, MetricsCallback
+    from nemo_ssa.nemo.callbacks import AttentionWarmupCallback, MetricsCallback, ResumeCadenceCallback
 
     callbacks = list(recipe.trainer.callbacks or [])
     mc = recipe.model.config
@@ -249,6 +249,7 @@ def run_gpu(cfg, train, recipe, resolved, run_dir) -> None:
     callbacks.append(run.Config(MetricsCallback, run_dir=run_dir, seq_length=int(train.seq_length),
                                 global_batch_size=int(train.global_batch_size), attention=resolved.name,
                                 flush_every=int(train.log_every_n_steps), flops_per_token=fpt))
+    callbacks.append(run.Config(ResumeCadenceCallback))
     if cfg.warmup:
         callbacks.append(run.Config(AttentionWarmupCallback, micro_batch_size=int(train.micro_batch_size),
                                     seq_length=int(train.seq_length)))

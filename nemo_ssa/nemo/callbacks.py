@@ -243,6 +243,32 @@ class SeedCallback(Callback):
                       flush=True)
 
 
+class ResumeCadenceCallback(Callback):
+    """Validation and the last step where they were before a resume from a mid-step checkpoint.
+
+    NeMo's checkpoints every ``ckpt_every_n_steps`` are saved in ``on_train_batch_end``, before
+    Lightning counts the batch completed: the checkpoint holds ``completed = global_step - 1``.
+    A run resumed from it has Lightning's batch index one behind the step (Lightning 2.4), so
+    the validation cadence runs one step late (held-out at 1751, 1876, ... instead of 1875,
+    2000, ...) and the validation at ``max_steps`` never runs -- a study resumed at step 1750
+    lost its final held-out loss that way. Training itself is untouched (NeMo's sampler resumes
+    from the consumed samples and the schedule from the step). Lightning calls
+    ``on_train_start`` after restoring and before the epoch loop resets its counters: here the
+    one uncounted batch is counted, and Lightning then runs the validation the checkpoint was
+    taken before (a repeat where the killed run had already run it; ``heldout.csv`` keeps the
+    later row)."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        loop = trainer.fit_loop.epoch_loop
+        progress = loop.batch_progress
+        step = trainer.global_step
+        if not (loop.restarting and step > 0 and trainer.accumulate_grad_batches == 1):
+            return
+        for p in (progress.total, progress.current):
+            if p.ready == step and p.completed == step - 1:
+                p.completed = step
+
+
 class CudaGraphRNGCallback(Callback):
     """megatron-core's local CUDA graphs in NeMo's trainer (``model.cuda_graphs=local``): the
     cudagraphable RNG tracker, before the model is built.
