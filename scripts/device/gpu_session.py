@@ -6,6 +6,7 @@ Named presets (the GPU test plan; ``PRESETS`` below lists what each runs)::
     python scripts/device/gpu_session.py --preset full-1 --out $OUT --commit <sha>   # flash, flex, ELSA, extreme logits
     python scripts/device/gpu_session.py --preset full-2 --out $OUT --commit <sha>   # NSA, CUDA runs of the CPU op tests, ops fuzz
     python scripts/device/gpu_session.py --preset graphs --out $OUT --commit <sha>   # model.cuda_graphs=local: speed + parity
+    python scripts/device/gpu_session.py --preset graphs-default --out $OUT --commit <sha>   # 2 GPUs: before the default flips
     python scripts/device/gpu_session.py --list-presets
 
 Every session (a preset or free-form steps) installs the offline wheel bundle first when ``.whl/`` is present (as
@@ -115,6 +116,12 @@ PRESETS = {
                 "{py} scripts/pretrain.py attention=ssa compare_to=[] train=gpu_9min train.micro_batch_size=8 "
                 "train.global_batch_size=8 train.max_steps=50 train.val_check_interval=25 model.cuda_graphs=local "
                 "run_dir={out}/nemo-local")]),
+    "graphs-default": dict(
+        about="the checks before model.cuda_graphs=local can be the default, on two GPUs "
+              "(scripts/device/graphs_default.py): softmax_triton's 1,000-step parity through NeMo, a graphed "
+              "run killed and resumed, data parallel 2 with graphs",
+        expect=460, budget=540,
+        steps=[("cmd", "graphs-default", 530, "{py} scripts/device/graphs_default.py --out {out}/graphs-default")]),
 }
 
 
