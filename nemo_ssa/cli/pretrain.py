@@ -256,8 +256,13 @@ def run_gpu(cfg, train, recipe, resolved, run_dir) -> None:
     if cfg.get("profile") and cfg.profile.get("start"):
         from nemo_ssa.nemo.callbacks import ProfilerCallback
 
+        graphed = str(cfg.model.get("cuda_graphs") or "none").lower() == "local"
+        if graphed:
+            print("[pretrain] profile under model.cuda_graphs=local: kernel families and the trace, no module "
+                  "table (its ranges are pre-hooks megatron refuses on a graphed layer)", flush=True)
         callbacks.append(run.Config(ProfilerCallback, run_dir=run_dir, start=int(cfg.profile.start),
-                                    num_steps=int(cfg.profile.steps), with_stack=bool(cfg.profile.with_stack)))
+                                    num_steps=int(cfg.profile.steps), with_stack=bool(cfg.profile.with_stack),
+                                    module_ranges=not graphed))
     if cfg.get("stop_after"):
         from nemo_ssa.nemo.callbacks import StopAfterCallback
 

@@ -141,7 +141,7 @@ CUDA_GRAPH_ATTENTIONS = tuple(n for n, a in ATTENTIONS.items() if a.cuda_graphs)
 
 def check_cuda_graphs(value: Any, *, cuda: Optional[bool] = None, attention: Optional[str] = None,
                       tensor_parallel: Any = 1, context_parallel: Any = 1, sequence_parallel: bool = False,
-                      profile: bool = False, env: Optional[Mapping[str, str]] = None,
+                      env: Optional[Mapping[str, str]] = None,
                       name: str = "model.cuda_graphs") -> str:
     """``model.cuda_graphs``: ``none`` (the default; None = unset = none) or ``local``,
     megatron-core's layerwise CUDA graphs (``cuda_graph_impl='local'``,
@@ -151,8 +151,7 @@ def check_cuda_graphs(value: Any, *, cuda: Optional[bool] = None, attention: Opt
     built on a login node); an attention in :data:`CUDA_GRAPH_ATTENTIONS` (``ssa`` is the pinned
     kernel: graphs run on CUDA); tensor and context parallel 1 (the graphs would capture the
     collectives inside each layer, which no run has checked; data parallel reduces outside
-    them); no ``profile`` (its module ranges are forward pre-hooks, which megatron refuses on
-    a graphed layer); and no ``expandable_segments:True`` in ``PYTORCH_CUDA_ALLOC_CONF``
+    them); and no ``expandable_segments:True`` in ``PYTORCH_CUDA_ALLOC_CONF``
     (megatron-core 0.15 refuses it; ``env=None`` reads this process's environment).
     One-line ValueError (a value or device that cannot work) or NotImplementedError (a
     combination not supported yet).
@@ -179,10 +178,6 @@ def check_cuda_graphs(value: Any, *, cuda: Optional[bool] = None, attention: Opt
                                   f"sequence_parallel={sequence_parallel} is not supported (supported: tensor and "
                                   "context parallel 1, any data parallel: the graphs would capture the collectives "
                                   "inside each layer, which no run has checked)")
-    if profile:
-        raise NotImplementedError(f"{name}=local with profile.start is not supported (supported: profile.start=null; "
-                                  "the profile's module ranges are forward pre-hooks, which megatron refuses on a "
-                                  "graphed layer)")
     alloc = (os.environ if env is None else env).get("PYTORCH_CUDA_ALLOC_CONF", "")
     if "expandable_segments:True" in alloc:
         raise ValueError(f"{name}=local with PYTORCH_CUDA_ALLOC_CONF={alloc!r}: megatron-core refuses "
@@ -285,8 +280,7 @@ def check_run_config(cfg: Mapping[str, Any], *, cuda: bool, world: Optional[int]
     check_fused_layernorm(model.get("fused_layernorm", "auto"))
     check_cuda_graphs(model.get("cuda_graphs"), cuda=cuda, attention=resolved.name,
                       tensor_parallel=train.get("tensor_parallel"), context_parallel=train.get("context_parallel"),
-                      sequence_parallel=bool(train.get("sequence_parallel") or False),
-                      profile=bool((cfg.get("profile") or {}).get("start")))
+                      sequence_parallel=bool(train.get("sequence_parallel") or False))
     if arch.get("hidden_size") and arch.get("num_attention_heads"):
         head_dim = int(arch["hidden_size"]) // int(arch["num_attention_heads"])
         lo_hi = ATTENTIONS[resolved.name].head_dims

@@ -314,13 +314,20 @@ class ProfilerCallback(Callback):
     the optimizer, the loss reduction -- is the ``other`` row). ``python -m nemo_ssa.tools.profile_summary <trace>`` turns a trace
     into per-step wall time, GPU-busy time and the host functions that leave the GPU idle.
     Enable from the launcher with ``profile.start=40`` (``profile.steps``, ``profile.with_stack``).
+
+    ``module_ranges=False`` (the launcher's choice under ``model.cuda_graphs=local``): no module
+    table. The ranges are forward pre-hooks, which megatron refuses on a graphed layer; the
+    kernel families, the ops outside modules and the trace -- the host gaps between graph
+    replays -- are what such a step is profiled for.
     """
 
-    def __init__(self, run_dir: str, start: int, num_steps: int = 2, with_stack: bool = True):
+    def __init__(self, run_dir: str, start: int, num_steps: int = 2, with_stack: bool = True,
+                 module_ranges: bool = True):
         if start < 1 or num_steps < 1:
             raise ValueError(f"profile: start ({start}) and steps ({num_steps}) must be >= 1")
         self.out = os.path.join(run_dir, "profile")
         self.start, self.num_steps, self.with_stack = int(start), int(num_steps), bool(with_stack)
+        self.module_ranges = bool(module_ranges)
         self._prof = None
         self._ranges = None
         self._profiled = 0
@@ -329,10 +336,12 @@ class ProfilerCallback(Callback):
         if self._prof is None and trainer.global_step == self.start:
             from torch.profiler import ProfilerActivity, profile
 
+            from contextlib import nullcontext
+
             from nemo_ssa.tools.step_profile import module_ranges
 
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-            self._ranges = module_ranges(pl_module)
+            self._ranges = module_ranges(pl_module) if self.module_ranges else nullcontext()
             self._ranges.__enter__()
             self._prof = profile(activities=acts, with_stack=self.with_stack, record_shapes=False)
             self._prof.__enter__()
@@ -366,8 +375,11 @@ class ProfilerCallback(Callback):
         device = torch.cuda.is_available()
         what = "device" if device else "CPU"
         with open(os.path.join(self.out, "where.md"), "w") as f:
+            modules = (sp.table(sp.by_module(events, device=device), "module", self._profiled) if self.module_ranges
+                       else "No module table: the layers replay as CUDA graphs (model.cuda_graphs=local), and "
+                            "the module ranges are forward pre-hooks, which megatron refuses on a graphed layer.")
             f.write(f"# Where the step goes: {what} time per step over {self._profiled} profiled steps\n\n"
-                    + sp.table(sp.by_module(events, device=device), "module", self._profiled) + "\n\n"
+                    + modules + "\n\n"
                     + sp.table(sp.by_family(events, device=device), "kernel family", self._profiled) + "\n\n"
                     + "What the rows without a module hold:\n\n"
                     + sp.top_ops_table(sp.top_ops(events, device=device), self._profiled) + "\n")

@@ -3,7 +3,7 @@
 Nothing here runs a graph (they need a GPU). What is checked:
 
 - the option: values, and every refusal of ``check_cuda_graphs`` (no CUDA, an attention whose
-  layers never ran under graphs, TP / CP / SP, a profile, expandable segments), through the
+  layers never ran under graphs, TP / CP / SP, expandable segments), through the
   run-config check and the launcher as a user meets them;
 - the plumbing: ``local`` puts ``cuda_graph_impl='local'`` and the warm-up runs on the recipe's
   TransformerConfig (built: megatron accepts them) and asks for the cudagraphable RNG tracker
@@ -50,7 +50,6 @@ def test_values():
     (dict(tensor_parallel=2), NotImplementedError, "tensor_parallel=2.*supported: tensor and context parallel 1"),
     (dict(context_parallel=2), NotImplementedError, "context_parallel=2"),
     (dict(sequence_parallel=True), NotImplementedError, "sequence_parallel=True"),
-    (dict(profile=True), NotImplementedError, "profile.start.*pre-hooks"),
     (dict(env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}), ValueError, "expandable_segments:True"),
 ])
 def test_local_refuses_what_it_cannot_run(kw, error, says):
@@ -86,8 +85,8 @@ def test_run_config_check(monkeypatch):
     cfg["train"]["tensor_parallel"], cfg["train"]["num_gpus_per_node"] = 2, 2
     with pytest.raises(NotImplementedError, match="tensor_parallel=2"):
         check_run_config(cfg, cuda=True)
-    with pytest.raises(NotImplementedError, match="profile.start"):
-        check_run_config({**_run_config(cuda_graphs="local"), "profile": {"start": 40}}, cuda=True)
+    # a profile runs under graphs (without its module ranges: ProfilerCallback(module_ranges=False))
+    check_run_config({**_run_config(cuda_graphs="local"), "profile": {"start": 40}}, cuda=True)
     check_run_config({**_run_config(cuda_graphs="none"), "profile": {"start": 40}}, cuda=True)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     with pytest.raises(ValueError, match="expandable_segments"):

@@ -182,3 +182,26 @@ def test_top_kernels_say_which_kernels_make_up_the_step():
     text = sp.top_kernels_table(top, steps=2, width=20)
     assert "| `vectorized_elemen...` | elementwise | other | 8 | 1.0 |" in text, text
     assert "| `sm90_xmma_gemm` | gemm | decoder.layers.*.mlp fwd | 20 | 0.5 |" in text, text
+
+
+def test_under_cuda_graphs_the_profile_has_no_module_ranges(tmp_path):
+    """model.cuda_graphs=local: megatron refuses forward pre-hooks on a graphed layer, so the
+    launcher asks for no module ranges; the kernel families and the trace are still written."""
+    from types import SimpleNamespace
+
+    from nemo_ssa.nemo.callbacks import ProfilerCallback
+
+    torch.manual_seed(0)
+    model = _Model()
+    seen = []
+    cb = ProfilerCallback(str(tmp_path), start=1, num_steps=1, with_stack=False, module_ranges=False)
+    trainer = SimpleNamespace(global_step=1)
+    for _ in range(2):
+        cb.on_train_batch_start(trainer, model, None, 0)
+        seen.append(sum(len(m._forward_pre_hooks) for m in model.modules()))
+        model(torch.randint(0, 50, (2, 8))).sum().backward()
+        trainer.global_step += 1
+        cb.on_train_batch_end(trainer, model, None, None, 0)
+    where = (tmp_path / "profile" / "where.md").read_text()
+    assert seen == [0, 0] and "No module table" in where and "| kernel family |" in where, where
+    assert (tmp_path / "profile" / "trace.json.gz").is_file()
