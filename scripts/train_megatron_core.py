@@ -208,11 +208,15 @@ def main(argv=None) -> int:
                     print(f"[megatron-core] saved {path}", flush=True)
         n = {int(k): float(v) for k, v in ssa_values(ddp)["n"].items()}
     if dist.get_rank() == 0:
+        from nemo_ssa.megatron.cuda_graphs import graphs_created
+
+        graphs = {"mode": args.cuda_graph, "captured": graphs_created()}
         print(f"[megatron-core] {args.attention}: steps {first + 1}-{args.steps} in {time.time() - t0:.1f} s, "
-              f"loss {losses[0]:.3f} -> {losses[-1]:.3f}" + (f", n {n}" if n else ""), flush=True)
+              f"loss {losses[0]:.3f} -> {losses[-1]:.3f}" + (f", n {n}" if n else "")
+              + f", CUDA graphs {graphs['mode']} (captured: {graphs['captured']})", flush=True)
         if args.out:
             with open(args.out, "w") as f:
-                json.dump({"first_step": first + 1, "losses": losses, "n": n}, f)
+                json.dump({"first_step": first + 1, "losses": losses, "n": n, "cuda_graphs": graphs}, f)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return 0

@@ -29,7 +29,7 @@ from typing import Any, Dict, Optional
 import torch
 
 __all__ = ["CUDA_GRAPH_WARMUP_STEPS", "cuda_graph_fields", "use_cudagraphable_rng_tracker",
-           "capture_recorded_graphs"]
+           "capture_recorded_graphs", "graphs_created"]
 
 #: eager runs of each layer inside the capture call before it is captured (megatron's default,
 #: the value benchmarks/bench_model.py --cuda-graph local ran with), pinned here so that a change
@@ -93,3 +93,12 @@ def capture_recorded_graphs(config) -> None:
         from megatron.core.transformer.cuda_graphs import create_cudagraphs
 
         create_cudagraphs()
+
+
+def graphs_created() -> bool:
+    """Whether megatron has captured the layers' graphs in this process: what a run reports
+    beside its losses, so that equal losses with and without graphs cannot hide graphs that
+    never ran (a 20-step A/B whose losses matched to the last digit had no other evidence)."""
+    from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
+
+    return bool(_CudagraphGlobalRecord.cudagraph_created)

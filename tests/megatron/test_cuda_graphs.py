@@ -301,3 +301,16 @@ def test_lightning_calls_setup_after_nemo_seeded_and_before_the_model_is_built()
     # NeMo seeds megatron's tracker (init_parallel_ranks -> model_parallel_cuda_manual_seed) in
     # setup_distributed, which the DDP strategy's setup_environment runs
     assert "setup_parallel_ranks(self)" in inspect.getsource(MegatronStrategy.setup_distributed)
+
+
+def test_graphs_created_reads_megatrons_record(monkeypatch):
+    """What train_megatron_core.py reports beside its losses: megatron's own flag, set when
+    ``create_cudagraphs`` has captured the layers."""
+    from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
+
+    from nemo_ssa.megatron.cuda_graphs import graphs_created
+
+    monkeypatch.setattr(_CudagraphGlobalRecord, "cudagraph_created", False)
+    assert graphs_created() is False
+    monkeypatch.setattr(_CudagraphGlobalRecord, "cudagraph_created", True)
+    assert graphs_created() is True

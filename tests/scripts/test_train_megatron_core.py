@@ -44,6 +44,8 @@ def test_plain_megatron_core_trains_with_the_ssa_spec(one_rank):
     assert res["losses"][-1] < res["losses"][0] - 0.3, res["losses"]
     assert len(res["n"]) == 2 and all(abs(v - 1.5) > 1e-4 for v in res["n"].values())
     assert "[megatron-core] ssa: steps 1-8" in out
+    # the run says whether graphs were captured (none here: a CPU run without --cuda-graph)
+    assert res["cuda_graphs"] == {"mode": "none", "captured": False} and "CUDA graphs none (captured: False)" in out
 
 
 @pytest.mark.slow
