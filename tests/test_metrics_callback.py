@@ -65,6 +65,7 @@ def test_rows_every_step_flushed_in_blocks(tmp_path, monkeypatch):
     summary = json.load(open(tmp_path / "summary.json"))
     assert summary["flops_per_token"] == 100.0 and summary["loss"]["7"] == 3.0
     assert summary["mfu"] is None  # no GPU here: no peak, no MFU
+    assert summary["cuda_graphs_captured"] is False
 
 
 def test_flops_formula_and_peaks():

@@ -162,6 +162,7 @@ class MetricsCallback(Callback):
             "peak_tflops_bf16": peak,
             "peak_memory_gib": (torch.cuda.max_memory_allocated() / 2**30) if cuda else None,
             "device": name,
+            "cuda_graphs_captured": _graphs_created(),
             "layout": {k: v for k, v in self._layout.items() if k.endswith("size")},
             "ssa_n": ssa["n"],
             "ssa_b": ssa["b"],
@@ -173,6 +174,14 @@ class MetricsCallback(Callback):
         print(f"[metrics] {self.attention}: {rate or float('nan'):,.0f} tokens/s (median), "
               f"MFU {100 * mfu:.1f} %" if mfu else f"[metrics] {self.attention}: {rate or float('nan'):,.0f} tokens/s",
               f"peak memory {mem:.1f} GiB" if mem else "", flush=True)
+
+def _graphs_created() -> bool:
+    """megatron captured the layers' CUDA graphs in this run (model.cuda_graphs=local did what
+    it says; a run's tokens/s and losses alone cannot show it)."""
+    from nemo_ssa.megatron.cuda_graphs import graphs_created
+
+    return graphs_created()
+
 
 class AttentionWarmupCallback(Callback):
     """Warm the core attentions up before step 0 without changing the run.

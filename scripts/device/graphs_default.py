@@ -89,6 +89,8 @@ def resume_verdict(run_dir: str, steps: int = RESUME_STEPS, every: int = RESUME_
     last = max(second) if second else max(first, default=0)
     if last != steps:
         reasons.append(f"ended at step {last}, not {steps}")
+    if summary(run_dir).get("cuda_graphs_captured") is not True:
+        reasons.append("the resumed run captured no CUDA graphs (summary.json)")
     want = list(range(every, steps + 1, every))
     got = heldout_steps(run_dir)
     if got != want:
@@ -98,9 +100,13 @@ def resume_verdict(run_dir: str, steps: int = RESUME_STEPS, every: int = RESUME_
                                             f"held-out at {got}"}
 
 
-def tokens_per_s(run_dir: str) -> Optional[float]:
+def summary(run_dir: str) -> Dict:
     path = os.path.join(run_dir, "summary.json")
-    return json.load(open(path)).get("tokens_per_s_median") if os.path.isfile(path) else None
+    return json.load(open(path)) if os.path.isfile(path) else {}
+
+
+def tokens_per_s(run_dir: str) -> Optional[float]:
+    return summary(run_dir).get("tokens_per_s_median")
 
 
 def parity(out: str, name: str, none_dir: str, local_dir: str, py: str = sys.executable) -> Dict[str, object]:
@@ -113,8 +119,12 @@ def parity(out: str, name: str, none_dir: str, local_dir: str, py: str = sys.exe
     speed = (f"; tokens/s {rates[0]:,.0f} -> {rates[1]:,.0f} ({rates[1] / rates[0]:.2f}x)"
              if all(rates) else "; tokens/s missing")
     gate = [ln for ln in proc.stdout.splitlines() if ln.startswith("| graphs_local | graphs_none")]
-    return {"check": name, "result": "PASS" if proc.returncode == 0 else "FAIL",
-            "detail": (gate[0] if gate else proc.stdout[-300:] + proc.stderr[-300:]).strip() + speed}
+    # the graphed run must have captured graphs, the other not: equal losses prove nothing otherwise
+    captured = [summary(d).get("cuda_graphs_captured") for d in (none_dir, local_dir)]
+    ok = proc.returncode == 0 and captured == [False, True]
+    return {"check": name, "result": "PASS" if ok else "FAIL",
+            "detail": (gate[0] if gate else proc.stdout[-300:] + proc.stderr[-300:]).strip() + speed
+                      + f"; graphs captured none / local: {captured[0]} / {captured[1]}"}
 
 
 def launch(args: List[str], log: str, gpus: Optional[str], torchrun: int = 0) -> subprocess.Popen:

@@ -7,6 +7,7 @@ mode once, and the kill-on-step watcher runs against a process that writes rows.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -25,7 +26,7 @@ def _load():
     return mod
 
 
-def _run(tmp_path, name, segments, heldout, rate=None):
+def _run(tmp_path, name, segments, heldout, rate=None, captured=None):
     d = tmp_path / name
     d.mkdir()
     with open(d / "metrics.csv", "w") as f:
@@ -35,8 +36,8 @@ def _run(tmp_path, name, segments, heldout, rate=None):
                 f.write(f"{step},{loss},{seg}\n")
     with open(d / "heldout.csv", "w") as f:
         f.write("step,val_loss\n" + "".join(f"{s},3.0\n" for s in heldout))
-    if rate:
-        (d / "summary.json").write_text(f'{{"tokens_per_s_median": {rate}}}')
+    if rate or captured is not None:
+        (d / "summary.json").write_text(json.dumps({"tokens_per_s_median": rate, "cuda_graphs_captured": captured}))
     return str(d)
 
 
@@ -50,7 +51,7 @@ def _killed_then_resumed(redo_loss="2.500000", last=60):
 
 def test_resume_passes_when_the_redone_step_and_the_cadence_match(tmp_path):
     gd = _load()
-    v = gd.resume_verdict(_run(tmp_path, "ok", _killed_then_resumed(), [20, 40, 40, 60]))
+    v = gd.resume_verdict(_run(tmp_path, "ok", _killed_then_resumed(), [20, 40, 40, 60], captured=True))
     assert v["result"] == "PASS", v
     assert "step 41" in v["detail"]
 
@@ -60,10 +61,11 @@ def test_resume_passes_when_the_redone_step_and_the_cadence_match(tmp_path):
     (dict(segments=_killed_then_resumed(), heldout=[20, 40, 41]), "held-out at [20, 40, 41]"),
     (dict(segments=_killed_then_resumed(last=59), heldout=[20, 40, 60]), "ended at step 59"),
     (dict(segments={1: [(s, "3.0") for s in range(1, 61)]}, heldout=[20, 40, 60]), "no resumed segment"),
+    (dict(segments=_killed_then_resumed(), heldout=[20, 40, 60], captured=False), "captured no CUDA graphs"),
 ])
 def test_resume_fails_on_each_fault(tmp_path, case, want):
     gd = _load()
-    v = gd.resume_verdict(_run(tmp_path, "bad", case["segments"], case["heldout"]))
+    v = gd.resume_verdict(_run(tmp_path, "bad", case["segments"], case["heldout"], captured=case.get("captured", True)))
     assert v["result"] == "FAIL" and want in v["detail"], v
 
 
@@ -72,11 +74,14 @@ def test_parity_gate_and_speed(tmp_path):
     base = {1: [(s, f"{5 - s / 50:.4f}") for s in range(1, 101)]}
     near = {1: [(s, f"{5 - s / 50 + 0.01:.4f}") for s in range(1, 101)]}
     far = {1: [(s, f"{5 - s / 50 + 0.2:.4f}") for s in range(1, 101)]}
-    none = _run(tmp_path, "none", base, [100], rate=400000)
-    ok = gd.parity(str(tmp_path), "p", none, _run(tmp_path, "near", near, [100], rate=420000))
+    none = _run(tmp_path, "none", base, [100], rate=400000, captured=False)
+    ok = gd.parity(str(tmp_path), "p", none, _run(tmp_path, "near", near, [100], rate=420000, captured=True))
     assert ok["result"] == "PASS" and "1.05x" in ok["detail"], ok
-    bad = gd.parity(str(tmp_path), "q", none, _run(tmp_path, "far", far, [100]))
+    bad = gd.parity(str(tmp_path), "q", none, _run(tmp_path, "far", far, [100], captured=True))
     assert bad["result"] == "FAIL" and "tokens/s missing" in bad["detail"], bad
+    # equal curves, but the graphed run captured no graphs: not a pass
+    idle = gd.parity(str(tmp_path), "r", none, _run(tmp_path, "idle", near, [100], rate=420000, captured=False))
+    assert idle["result"] == "FAIL" and "graphs captured none / local: False / False" in idle["detail"], idle
 
 
 def test_kill_after_stops_the_run_at_the_step(tmp_path):
