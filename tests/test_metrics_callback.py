@@ -153,3 +153,25 @@ def test_heldout_loss_is_written_per_validation_by_rank0_only(tmp_path):
     cb._main = False  # another rank
     cb.on_validation_end(trainer, None)
     assert len((tmp_path / HELDOUT_CSV).read_text().splitlines()) == 3
+
+
+def test_the_mfu_line_says_what_it_is_of(tmp_path, monkeypatch, capsys):
+    """The job prints MFU with its definition: model FLOPs per token, the rate, the peak it divides by."""
+    import nemo_ssa.tools.metrics_log as ml
+
+    monkeypatch.setattr(ml, "device_peak_tflops", lambda name: 989.0)
+    model = _Model()
+    pl_module = types.SimpleNamespace(module=model, log=lambda k, v, batch_size: None)
+    opt = types.SimpleNamespace(param_groups=[{"lr": 1e-3}])
+    trainer = types.SimpleNamespace(global_step=0, max_steps=6, callback_metrics={}, optimizers=[opt])
+    cb = MetricsCallback(str(tmp_path), seq_length=4, global_batch_size=2, attention="ssa", flush_every=2,
+                         flops_per_token=741.4e6)
+    cb.on_train_start(trainer, pl_module)
+    for step in range(1, 7):
+        trainer.global_step = step
+        trainer.callback_metrics[TB_LOSS_TAG] = torch.tensor(5.0)
+        cb.on_train_batch_end(trainer, pl_module, None, None, step)
+    cb.on_train_end(trainer, pl_module)
+    out = capsys.readouterr().out
+    assert "[metrics] MFU = 741.4 MFLOP per token" in out and "/ 989 TFLOP/s (cpu, dense bf16)" in out, out
+    assert json.load(open(tmp_path / "summary.json"))["mfu"] > 0

@@ -174,6 +174,9 @@ class MetricsCallback(Callback):
         print(f"[metrics] {self.attention}: {rate or float('nan'):,.0f} tokens/s (median), "
               f"MFU {100 * mfu:.1f} %" if mfu else f"[metrics] {self.attention}: {rate or float('nan'):,.0f} tokens/s",
               f"peak memory {mem:.1f} GiB" if mem else "", flush=True)
+        if mfu:  # what the percentage is of (docs/training-step.md, "MFU")
+            print(f"[metrics] MFU = {self.flops_per_token / 1e6:.1f} MFLOP per token (6 x matmul parameters + "
+                  f"causal attention, fwd+bwd) x tokens/s / {peak:.0f} TFLOP/s ({name}, dense bf16)", flush=True)
 
 def _graphs_created() -> bool:
     """megatron captured the layers' CUDA graphs in this run (model.cuda_graphs=local did what
