@@ -405,6 +405,21 @@ def summarize(out: str, attentions: Sequence[str], seeds: Sequence[int], plot: b
                 cells.append(f"{statistics.fmean(vals):.3f}" + (f" ± {statistics.stdev(vals):.3f}" if len(vals) > 1 else "")
                              if vals else "-")
             lines.append(f"| {a} | " + " | ".join(cells) + " |")
+        n_curves = {a: {layer: {s: c for s in n_final[a] if (c := read_curve(run(a, s), column=f"n_layer_{layer:02d}"))}
+                        for layer in n_layers} for a in attentions if n_final[a]}
+        lines += ["", "## n per layer over the schedule (mean over seeds, at the end of each quarter)", "",
+                  "| attention | step | " + " | ".join(f"layer {layer}" for layer in n_layers) + " |",
+                  "|---|---|" + "---|" * len(n_layers)]
+        for a, per_layer in n_curves.items():
+            for bk in buckets:
+                cells = []
+                for layer in n_layers:
+                    vals = [dict(zip(*c)).get(bk[1]) for c in per_layer[layer].values()]
+                    vals = [v for v in vals if v is not None]
+                    cells.append(f"{statistics.fmean(vals):.3f}" if vals else "-")
+                lines.append(f"| {a} | {bk[1]} | " + " | ".join(cells) + " |")
+    else:
+        n_curves = {}
     warn = passes_warning([run(a, s) for a in attentions for s in seeds])
     if warn:
         lines[1:1] = ["", warn]
@@ -412,7 +427,7 @@ def summarize(out: str, attentions: Sequence[str], seeds: Sequence[int], plot: b
     with open(os.path.join(out, "study.md"), "w") as f:
         f.write(text)
     if plot:
-        _plot(curves, held, n_final, os.path.join(out, "study.png"))
+        _plot(curves, held, n_final, os.path.join(out, "study.png"), n_curves)
     return text
 
 
@@ -427,13 +442,28 @@ def _band(ax, runs: Dict[int, Curve], label: str) -> None:
 
 
 def _plot(curves: Dict[str, Dict[int, Curve]], held: Dict[str, Dict[int, Curve]],
-          n_final: Dict[str, Dict[int, Dict[int, float]]], path: str) -> None:
+          n_final: Dict[str, Dict[int, Dict[int, float]]], path: str,
+          n_curves: Optional[Dict[str, Dict[int, Dict[int, Curve]]]] = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, axh, axn) = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, (ax, axh, axn, axt) = plt.subplots(1, 4, figsize=(21, 4.5))
+    styles = ["-", "--", ":", "-."]
+    for i, (a, per_layer) in enumerate((n_curves or {}).items()):
+        cmap = plt.get_cmap("viridis", max(len(per_layer), 2))
+        for j, (layer, runs) in enumerate(sorted(per_layer.items())):
+            if not runs:
+                continue
+            steps = sorted(set.intersection(*(set(c[0]) for c in runs.values())))
+            mean = [statistics.fmean(dict(zip(*c))[st] for c in runs.values()) for st in steps]
+            axt.plot(steps, mean, styles[i % len(styles)], color=cmap(j), lw=1,
+                     label=f"{a} layer {layer}" if len(per_layer) <= 4 or j in (0, len(per_layer) - 1) else None)
+    axt.set_xlabel("step")
+    axt.set_ylabel("n per layer (mean over seeds)")
+    if not n_curves:
+        axt.text(0.5, 0.5, "no SSA attention in this study", ha="center", va="center", transform=axt.transAxes)
     for a, runs in curves.items():
         if runs:
             _band(ax, runs, a)
@@ -456,7 +486,7 @@ def _plot(curves: Dict[str, Dict[int, Curve]], held: Dict[str, Dict[int, Curve]]
     axn.set_ylabel("n at the last step (mean ± sd over seeds)")
     if not any(n_final.values()):
         axn.text(0.5, 0.5, "no SSA attention in this study", ha="center", va="center", transform=axn.transAxes)
-    for a_ in (ax, axh, axn):
+    for a_ in (ax, axh, axn, axt):
         if a_.get_legend_handles_labels()[0]:
             a_.legend()
     fig.tight_layout()

@@ -120,7 +120,11 @@ def test_n_per_layer_at_the_last_step_in_the_summary_and_plot(tmp_path):
     text = study.summarize(out, ["softmax", "ssa"], [1, 2], plot=True)
     assert "| attention | layer 1 | layer 2 |" in text
     assert "| ssa | 1.700 ± 0.000 | 1.550 ± 0.071 |" in text
-    assert "| softmax |" not in text.split("n per layer")[1] and text.count("## n per layer") == 1
+    assert "| softmax |" not in text.split("n per layer")[1] and text.count("## n per layer at the last step") == 1
+    # and over the schedule: each quarter's last step, mean over seeds (layer 1 rises, layer 2 is flat)
+    over = text.split("## n per layer over the schedule")[1]
+    assert "| ssa | 50 | 1.550 | 1.550 |" in over and "| ssa | 200 | 1.700 | 1.550 |" in over, over
+    assert "| softmax |" not in over
     assert os.path.getsize(os.path.join(out, "study.png")) > 10_000
 
 
