@@ -7,6 +7,7 @@ Named presets (the GPU test plan; ``PRESETS`` below lists what each runs)::
     python scripts/device/gpu_session.py --preset full-2 --out $OUT --commit <sha>   # NSA, CUDA runs of the CPU op tests, ops fuzz
     python scripts/device/gpu_session.py --preset graphs --out $OUT --commit <sha>   # model.cuda_graphs=local: speed + parity
     python scripts/device/gpu_session.py --preset graphs-default --out $OUT --commit <sha>   # 2 GPUs: before the default flips
+    python scripts/device/gpu_session.py --preset step-graphs --out $OUT --commit <sha>   # the mb-8 step with graphs, profiled
     python scripts/device/gpu_session.py --list-presets
 
 Every session (a preset or free-form steps) installs the offline wheel bundle first when ``.whl/`` is present (as
@@ -116,6 +117,27 @@ PRESETS = {
                 "{py} scripts/pretrain.py attention=ssa compare_to=[] train=gpu_9min train.micro_batch_size=8 "
                 "train.global_batch_size=8 train.max_steps=50 train.val_check_interval=25 model.cuda_graphs=local "
                 "run_dir={out}/nemo-local")]),
+    "step-graphs": dict(
+        about="where the micro-batch-8 NeMo step with CUDA graphs goes (issue 43 item 3: the step within 1.05x of "
+              "fwd+bwd + optimizer): bench_model's fwd+bwd and inner step (optimizer row) with graphs at micro batch "
+              "8 and 32, the NeMo main job at micro batch 8 with graphs for ssa and softmax_triton, the ssa one "
+              "profiled at steps 40-42 and its trace summarised (host gaps between graph replays)",
+        expect=420, budget=540,
+        steps=[("cmd", "bench-step-mb8", 110,
+                "{py} benchmarks/bench_model.py --attentions softmax_triton,ssa_triton --micro-batches 8 --mode both "
+                "--cuda-graph local --out {out}/step-bench-mb8.md"),
+               ("cmd", "bench-step-mb32", 110,
+                "{py} benchmarks/bench_model.py --attentions softmax_triton,ssa_triton --micro-batches 32 --mode both "
+                "--cuda-graph local --out {out}/step-bench-mb32.md"),
+               ("cmd", "nemo-mb8-ssa-profile", 120,
+                "{py} scripts/pretrain.py attention=ssa compare_to=[] train=gpu_9min train.micro_batch_size=8 "
+                "train.global_batch_size=8 train.max_steps=60 train.val_check_interval=60 model.cuda_graphs=local "
+                "profile.start=40 profile.steps=3 run_dir={out}/nemo-mb8-ssa && {py} -m nemo_ssa.tools.profile_summary "
+                "{out}/nemo-mb8-ssa/profile/trace.json.gz > {out}/nemo-mb8-ssa-gaps.md"),
+               ("cmd", "nemo-mb8-softmax_triton", 100,
+                "{py} scripts/pretrain.py attention=softmax_triton compare_to=[] train=gpu_9min train.micro_batch_size=8 "
+                "train.global_batch_size=8 train.max_steps=60 train.val_check_interval=60 model.cuda_graphs=local "
+                "run_dir={out}/nemo-mb8-softmax_triton")]),
     "graphs-default": dict(
         about="the checks before model.cuda_graphs=local can be the default, on two GPUs "
               "(scripts/device/graphs_default.py): softmax_triton's 1,000-step parity through NeMo, a graphed "

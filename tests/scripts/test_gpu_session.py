@@ -7,6 +7,8 @@ import subprocess
 import sys
 import tarfile
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -49,7 +51,7 @@ def test_presets_fit_the_device_limits():
     """Every preset: at most 9 minutes per command; quick within 4; full-1 + full-2 cover
     every GPU test file and every op test that runs on CUDA."""
     gs = _load_session()
-    assert set(gs.PRESETS) == {"quick", "full-1", "full-2", "graphs", "graphs-default"}
+    assert set(gs.PRESETS) == {"quick", "full-1", "full-2", "graphs", "graphs-default", "step-graphs"}
     for name, p in gs.PRESETS.items():
         assert p["budget"] <= 540 and sum(s[2] for s in p["steps"]) <= p["budget"], name
     assert gs.PRESETS["quick"]["budget"] <= 240
@@ -78,6 +80,28 @@ def test_graphs_preset_runs_what_exists():
         runs = [c for c in cmds if what in c]
         assert len(runs) == 2 and sum("local" in c for c in runs) == 1, what
     assert any("--cuda-graph none,local" in c for c in cmds)
+
+
+@pytest.mark.parametrize("preset", ["step-graphs", "graphs-default"])
+def test_graph_presets_name_flags_and_keys_that_exist(preset):
+    """Every script flag and launcher key in the preset's commands exists (a rename would burn a
+    device call)."""
+    import re
+
+    gs = _load_session()
+    conf = os.path.join(REPO, "nemo_ssa", "configs")
+    cfg_text = "".join(open(os.path.join(root, f)).read() for root, _, files in os.walk(conf) for f in files
+                       if f.endswith(".yaml"))
+    for step in gs.PRESETS[preset]["steps"]:
+        for part in step[3].split("&&"):
+            words = part.split()
+            script = words[2].replace(".", "/") + ".py" if words[1] == "-m" else words[1]
+            src = open(os.path.join(REPO, script)).read()
+            for flag in re.findall(r" (--[a-z-]+)", part):
+                assert f'"{flag}"' in src, (script, flag)
+            groups = {d for d in os.listdir(conf) if os.path.isdir(os.path.join(conf, d))}  # attention=, train=
+            for key in re.findall(r" (?:[a-z_]+\.)?([a-z_]+)=", part):
+                assert key in groups or re.search(rf"^\s*{key}:", cfg_text, re.M), (preset, key)
 
 
 def test_memory_heavy_cases_run_alone():
