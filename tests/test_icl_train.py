@@ -56,9 +56,9 @@ def test_finished_runs_are_reused_and_a_changed_config_retrains(smoke, tmp_path,
     calls = []
     real = icl_train.train_one
 
-    def counting(cfg, attention, seed, log_every=0):
+    def counting(cfg, attention, seed, log_every=0, **kw):
         calls.append((attention, seed, cfg.steps))
-        return real(cfg, attention, seed, log_every)
+        return real(cfg, attention, seed, log_every, **kw)
 
     monkeypatch.setattr(icl_train, "train_one", counting)
     args = ["--cpu-smoke", "--seeds", "1", "--attentions", "softmax", "--steps", "3", "--out", str(out)]
@@ -94,3 +94,28 @@ def test_verdicts_find_a_planted_difference_and_not_an_absent_one():
     cfg, res = _synthetic(0.0)
     text = icl_train.verdict_table(res, cfg, ["a", "b"])
     assert "lower by" not in text and text.count("no difference beyond the seed spread") == 2 * len(icl_train.SHIFTS)
+
+
+def test_a_run_stopped_and_resumed_is_the_uninterrupted_run(tmp_path, megatron_cpu, capsys):
+    """--stop-after-steps / --budget-s: the run checkpoints, the command exits 3, and the same
+    command finishes it -- the same losses and evaluation, bit for bit on CPU, as one call."""
+    common = ["--cpu-smoke", "--seeds", "1", "--attentions", "ssa_reference", "--steps", "6"]
+    assert icl_train.main(common + ["--out", str(tmp_path / "whole")]) == 0
+    cut = tmp_path / "cut"
+    assert icl_train.main(common + ["--out", str(cut), "--stop-after-steps", "4"]) == 3
+    ck = torch.load(icl_train.ckpt_path(str(cut), "ssa_reference", 1), weights_only=True)
+    assert ck["step"] == 4 and len(ck["losses"]) == 4 and not (cut / "icl.json").exists()
+    capsys.readouterr()
+    assert icl_train.main(common + ["--out", str(cut)]) == 0
+    assert "resumed at step 4/6" in capsys.readouterr().out  # not retrained from scratch (which would also match)
+    whole = json.loads((tmp_path / "whole" / "icl.json").read_text())["results"][0]
+    resumed = json.loads((cut / "icl.json").read_text())["results"][0]
+    assert resumed["train_loss"] == whole["train_loss"] and resumed["eval"] == whole["eval"]
+    assert not (cut / "ckpt" / "ssa_reference-s1.pt").exists()  # a finished run leaves no checkpoint
+
+
+def test_a_checkpoint_of_another_configuration_is_not_resumed(tmp_path, megatron_cpu, capsys):
+    common = ["--cpu-smoke", "--seeds", "1", "--attentions", "softmax", "--out", str(tmp_path)]
+    assert icl_train.main(common + ["--steps", "6", "--stop-after-steps", "3"]) == 3
+    assert icl_train.main(common + ["--steps", "5"]) == 0
+    assert "another configuration's checkpoint; starting afresh" in capsys.readouterr().out

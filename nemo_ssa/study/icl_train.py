@@ -19,7 +19,10 @@ beside least squares on the same prompts (the floor). Results: ``icl.json`` (eve
 per seed) and ``icl.md`` (mean and spread over seeds at a few example counts); each run is
 also saved as it finishes (``runs/<attention>-s<seed>.json``) and reused by a later call
 with the same configuration, so an interrupted call loses at most the run in progress and
-several processes (one per attention) can share one ``--out``.
+several processes (one per attention) can share one ``--out``. A run longer than a time-limited
+call checkpoints (``--budget-s``: past it, each unfinished run is saved under ``<out>/ckpt`` and
+the command exits 3; ``--checkpoint-every N``) and the same command resumes it, bit for bit on
+CPU (the prompts of a step depend only on the seed and the step).
 """
 
 from __future__ import annotations
@@ -100,7 +103,26 @@ class ICLModel(torch.nn.Module):
         return self.read_out(h.float()).squeeze(-1).transpose(0, 1)[:, 0::2]
 
 
-def train_one(cfg: ICLConfig, attention: str, seed: int, log_every: int = 0) -> Dict:
+def ckpt_path(out: str, attention: str, seed: int) -> str:
+    return os.path.join(out, "ckpt", f"{attention}-s{seed}.pt")
+
+
+def _save_ckpt(path: str, cfg: ICLConfig, step: int, model, opt, losses: List[float], seconds: float) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save({"config": asdict(cfg), "step": step, "model": model.state_dict(), "opt": opt.state_dict(),
+                "losses": losses, "seconds": seconds}, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def train_one(cfg: ICLConfig, attention: str, seed: int, log_every: int = 0, *, ckpt: Optional[str] = None,
+              checkpoint_every: int = 0, deadline: Optional[float] = None,
+              stop_at: Optional[int] = None) -> Optional[Dict]:
+    """Train one run and evaluate it; with ``ckpt``, resume from that checkpoint when it holds this
+    configuration, save one every ``checkpoint_every`` steps, and -- past ``deadline``
+    (``time.time()``) or at step ``stop_at`` -- save and return None (a later call goes on from
+    there). The prompts of a
+    step depend only on the seed and the step, so a resumed run sees what it would have seen:
+    bit for bit on CPU."""
     from nemo_ssa.megatron.single import init_single_process
 
     init_single_process(seed)
@@ -112,8 +134,23 @@ def train_one(cfg: ICLConfig, attention: str, seed: int, log_every: int = 0) -> 
     with shims:
         model = ICLModel(cfg, attention).to(dev)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-        losses, t0 = [], time.time()
-        for step in range(cfg.steps):
+        losses, t0, first, before = [], time.time(), 0, 0.0
+        if ckpt and os.path.isfile(ckpt):
+            state = torch.load(ckpt, map_location=dev, weights_only=True)
+            if state.get("config") == asdict(cfg):
+                model.load_state_dict(state["model"])
+                opt.load_state_dict(state["opt"])
+                losses, first, before = list(state["losses"]), int(state["step"]), float(state["seconds"])
+                print(f"[icl] {attention} seed {seed}: resumed at step {first}/{cfg.steps} from {ckpt}", flush=True)
+            else:
+                print(f"[icl] {attention} seed {seed}: {ckpt} is another configuration's checkpoint; starting afresh",
+                      flush=True)
+        for step in range(first, cfg.steps):
+            if ckpt and (deadline is not None and time.time() > deadline or stop_at is not None and step >= stop_at):
+                _save_ckpt(ckpt, cfg, step, model, opt, losses, before + time.time() - t0)
+                print(f"[icl] {attention} seed {seed}: stopped at step {step}/{cfg.steps} (budget); "
+                      f"checkpoint {ckpt}", flush=True)
+                return None
             p = icl.sample(cfg.batch, cfg.k, cfg.d, seed=seed * 1_000_003 + step)  # same prompts for every attention
             pred = model(icl.to_tokens(p).to(dev))
             loss = (pred - p.ys.to(dev)).pow(2).mean() / cfg.d
@@ -125,6 +162,8 @@ def train_one(cfg: ICLConfig, attention: str, seed: int, log_every: int = 0) -> 
             if log_every and (step + 1) % log_every == 0:
                 print(f"[icl] {attention} seed {seed} step {step + 1}/{cfg.steps} loss {losses[-1]:.4f} "
                       f"({time.time() - t0:.0f} s)", flush=True)
+            if ckpt and checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < cfg.steps:
+                _save_ckpt(ckpt, cfg, step + 1, model, opt, losses, before + time.time() - t0)
         curves = {}
         model.eval()
         with torch.no_grad():
@@ -133,7 +172,7 @@ def train_one(cfg: ICLConfig, attention: str, seed: int, log_every: int = 0) -> 
                 err = (model(icl.to_tokens(p).to(dev)).float().cpu() - p.ys).pow(2).mean(0) / cfg.d
                 curves[name] = {"model": err.tolist(), "least_squares": (icl.least_squares_error(p) / cfg.d).tolist()}
     return {"attention": attention, "seed": seed, "train_loss": losses, "eval": curves,
-            "seconds": time.time() - t0}
+            "seconds": before + time.time() - t0}
 
 
 def run_path(out: str, attention: str, seed: int) -> str:
@@ -210,6 +249,12 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--cpu-smoke", action="store_true", help="the tiny configuration (seconds on CPU)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="stop training after this many seconds with a checkpoint under <out>/ckpt (exit 3); the "
+                         "same command resumes")
+    ap.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps")
+    ap.add_argument("--stop-after-steps", type=int, default=None,
+                    help="stop each run at this step with a checkpoint (exit 3), as --budget-s does")
     args = ap.parse_args(argv)
     cfg = CPU_SMOKE if args.cpu_smoke else ICLConfig()
     if args.steps:
@@ -218,11 +263,20 @@ def main(argv=None) -> int:
     results, t0, trained = [], time.time(), 0
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     jobs = [(a, s) for s in seeds for a in args.attentions.split(",")]
+    deadline = t0 + args.budget_s if args.budget_s is not None else None
+    unfinished = []
     for i, (attention, seed) in enumerate(jobs):
         r = load_run(args.out, cfg, attention, seed)
         if r is None:
-            r = train_one(cfg, attention, seed, log_every=max(cfg.steps // 5, 1))
+            r = train_one(cfg, attention, seed, log_every=max(cfg.steps // 5, 1),
+                          ckpt=ckpt_path(args.out, attention, seed), checkpoint_every=args.checkpoint_every,
+                          deadline=deadline, stop_at=args.stop_after_steps)
+            if r is None:
+                unfinished.append(f"{attention}-s{seed}")
+                continue
             save_run(args.out, cfg, r)
+            if os.path.isfile(ckpt_path(args.out, attention, seed)):
+                os.remove(ckpt_path(args.out, attention, seed))
             trained += 1
         else:
             print(f"[icl] {attention} seed {seed}: reused {run_path(args.out, attention, seed)}", flush=True)
@@ -230,6 +284,9 @@ def main(argv=None) -> int:
         done = time.time() - t0
         left = done / max(trained, 1) * (len(jobs) - i - 1) if trained else 0.0
         print(f"[icl] {i + 1}/{len(jobs)} runs done, {done:.0f} s; about {left:.0f} s left", flush=True)
+    if unfinished:
+        print(f"[icl] unfinished (budget): {', '.join(unfinished)}; the same command resumes them", flush=True)
+        return 3
     with open(os.path.join(args.out, "icl.json"), "w") as f:
         json.dump({"config": asdict(cfg), "results": results}, f)
     text = table(results, cfg)
