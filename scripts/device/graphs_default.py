@@ -220,22 +220,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     gpus = [str(i) for i in range(n)]
     rows: List[Dict] = []
     t0 = time.time()
+
+    def report() -> str:  # after every check: a call cut at its limit keeps what finished
+        md = table(rows)
+        with open(os.path.join(args.out, "graphs-default.md"), "w") as f:
+            f.write(f"# model.cuda_graphs=local: the checks before the default ({n} GPU(s), "
+                    f"{time.time() - t0:.0f} s)\n\n" + md + "\n")
+        return md
+
     if "softmax_triton" in only:  # one run per GPU, at once, where there are two
         rows += check_softmax_triton(args.out, gpus[:2], args.parity_steps)
+        report()
     if "resume" in only:
         run_dir, proc, extra = start_resume(args.out, gpus[0])
         rows += finish_resume(args.out, run_dir, proc, extra, gpus[0])
-    print(f"[graphs-default] checks 1-2 done at {time.time() - t0:.0f} s", flush=True)
+        report()
     if "dp2" in only:
         if n >= 2:
             rows += check_dp2(args.out, args.dp2_steps)
         else:
             rows.append({"check": "data parallel 2 parity", "result": "not run", "detail": f"{n} GPU"})
-    md = table(rows)
-    with open(os.path.join(args.out, "graphs-default.md"), "w") as f:
-        f.write(f"# model.cuda_graphs=local: the checks before the default ({n} GPU(s), {time.time() - t0:.0f} s)\n\n"
-                + md + "\n")
-    print(md, flush=True)
+    print(report(), flush=True)
     return 0 if all(r["result"] == "PASS" for r in rows) else 1
 
 
