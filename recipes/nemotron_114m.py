@@ -195,12 +195,14 @@ def pretrain_recipe(
             (nemo_ssa.megatron.layernorm, docs/fused-layers.md): auto (on with CUDA), true
             (refused when the model's hidden size or dtype is not supported), false (the
             default: the op's host cost slows the micro batch 8 step).
-        cuda_graphs: ``none`` (the default) or ``local``: megatron-core's layerwise CUDA graphs
-            (``cuda_graph_impl='local'``, nemo_ssa/megatron/cuda_graphs.py: each layer's forward
-            and backward captured after the first step and replayed, the cudagraphable RNG
+        cuda_graphs: ``none`` (the default here), ``local`` or ``auto``: megatron-core's layerwise
+            CUDA graphs (``cuda_graph_impl='local'``, nemo_ssa/megatron/cuda_graphs.py: each layer's
+            forward and backward captured after the first step and replayed, the cudagraphable RNG
             tracker set up by a callback before the model is built). ``local`` needs CUDA, TP 1,
-            CP 1 and an attention whose layers ran under the graphs (``check_cuda_graphs``); off
-            until the NeMo step with graphs is measured with loss parity.
+            CP 1 and an attention whose layers ran under the graphs (``check_cuda_graphs``).
+            ``auto`` (the launcher's default, decided there with the device in hand) is ``none``
+            in a recipe built here: the device it will run on is not known
+            (``resolve_cuda_graphs``); pass ``local`` to take the graphs.
         vocab_size: padded vocabulary; None derives it from the tokenizer.
         num_workers: data-loader workers.
         precision: ``bf16-mixed`` (default), ``16-mixed`` or ``32``.
@@ -241,7 +243,7 @@ def pretrain_recipe(
     recipe = nemotron3_4b.pretrain_recipe(**kwargs)
 
     # Parallelism: checked before anything is built (one line naming what is supported)
-    from nemo_ssa.config.check import check_cuda_graphs, check_fused_layernorm, check_fused_mlp, check_parallel
+    from nemo_ssa.config.check import check_fused_layernorm, check_fused_mlp, check_parallel, resolve_cuda_graphs
     from nemo_ssa.megatron.output_layer import check_fused_cross_entropy
 
     check_fused_cross_entropy(fused_cross_entropy, tensor_parallel, sequence_parallel)
@@ -249,8 +251,9 @@ def pretrain_recipe(
     check_fused_layernorm(fused_layernorm)
     # the device and the environment are the launcher's to check: a recipe may be built where it
     # does not run (a login node submitting to Slurm)
-    check_cuda_graphs(cuda_graphs, cuda=None, attention=attention, tensor_parallel=tensor_parallel,
-                      context_parallel=context_parallel, sequence_parallel=sequence_parallel, env={})
+    cuda_graphs, _ = resolve_cuda_graphs(cuda_graphs, cuda=None, attention=attention, world=1,
+                                         tensor_parallel=tensor_parallel, context_parallel=context_parallel,
+                                         sequence_parallel=sequence_parallel, env={})
     _apply_arch(recipe.model.config, attention, attention_options, policy, seq_length, vocab_size,
                 fused_cross_entropy, fused_mlp, fused_layernorm)
     apply_seed(recipe, seed)  # before apply_cuda_graphs: its callback keeps the seeded streams

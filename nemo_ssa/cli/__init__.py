@@ -47,3 +47,28 @@ def child_env(env: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
     rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != _IMPORT_ROOT]
     env["PYTHONPATH"] = os.pathsep.join([_IMPORT_ROOT, *rest])
     return env
+
+
+def compared_cuda_graphs(names: List[str], overrides: List[str], default: str = "auto"):
+    """Runs compared with each other (a story, a study) take megatron's graphs all or none under
+    ``model.cuda_graphs=auto``: a run decides alone (``resolve_cuda_graphs``), so a baseline
+    without graphs beside an attention with them would compare their speeds unlike with like.
+    ``(overrides, why)``: ``model.cuda_graphs=none`` added (any earlier setting of the key
+    dropped) and the line to print when some attention in ``names`` has not run under graphs;
+    ``(overrides, None)`` unchanged otherwise, or when the overrides set none / local."""
+    from nemo_ssa.config.check import cuda_graph_attention
+
+    def key(o: str) -> str:
+        return o.split("=", 1)[0].lstrip("+~")
+
+    set_to = [o.split("=", 1)[1] for o in overrides if key(o) == "model.cuda_graphs" and "=" in o]
+    value = set_to[-1] if set_to else default
+    if str(value).strip().lower() != "auto":
+        return list(overrides), None
+    without = [n for n in dict.fromkeys(names) if not cuda_graph_attention(n)]
+    if not without:
+        return list(overrides), None
+    return ([o for o in overrides if key(o) != "model.cuda_graphs"] + ["model.cuda_graphs=none"],
+            f"model.cuda_graphs=auto -> none for every run: {', '.join(without)} has not run under graphs, and "
+            "runs compared with each other compare their speeds like with like (softmax_triton and ssa compare "
+            "graphed)")

@@ -43,11 +43,12 @@ import logging
 import os
 import shutil
 import subprocess
+from typing import Optional
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from nemo_ssa.cli import CONFIG_DIR, child_env, config_file, pretrain_command
+from nemo_ssa.cli import CONFIG_DIR, child_env, compared_cuda_graphs, config_file, pretrain_command
 from nemo_ssa.config.check import held_out_every
 from nemo_ssa.data.passes import RECORD as PASSES_RECORD, passes_note, passes_record
 
@@ -367,6 +368,46 @@ def _finished(run_dir: str, identity: str) -> bool:
         return False
 
 
+def _megatron_version() -> Optional[str]:
+    try:
+        from importlib.metadata import version
+
+        return version("megatron-core")
+    except Exception:  # not installed as a distribution (a source tree on PYTHONPATH)
+        try:
+            from megatron.core.package_info import __version__
+
+            return str(__version__)
+        except Exception:
+            return None
+
+
+def _decide_cuda_graphs(cfg: DictConfig, train: DictConfig, cuda: bool, say: bool = True) -> str:
+    """``model.cuda_graphs=auto`` made ``none`` or ``local`` in ``cfg`` (``resolve_cuda_graphs``
+    decides; the launcher prints what and why), so the run's config.yaml and identity hold what
+    it ran with."""
+    from nemo_ssa.config.check import resolve_cuda_graphs
+    from nemo_ssa.config.policy import resolve_attention
+
+    value = cfg.model.get("cuda_graphs")
+    if value is None or str(value).strip().lower() != "auto":
+        return str(value or "none").lower()
+    options = {k: v for k, v in OmegaConf.to_container(cfg.attention.options).items() if v is not None}
+    name = resolve_attention(cfg.attention.name, options, policy=cfg.policy,
+                             device="cuda" if cuda else "cpu").name
+    world = int(train.get("num_nodes") or 1) * int(train.get("num_gpus_per_node") or 1) if cuda \
+        else _launched_world()
+    decided, why = resolve_cuda_graphs(
+        "auto", cuda=cuda, attention=name, world=world, tensor_parallel=train.get("tensor_parallel"),
+        context_parallel=train.get("context_parallel"), sequence_parallel=bool(train.get("sequence_parallel") or False),
+        megatron_version=_megatron_version() if cuda else None)
+    with open_dict(cfg):
+        cfg.model.cuda_graphs = decided
+    if say and cuda:  # the CPU loop has no graphs to speak of
+        print(f"[pretrain] model.cuda_graphs=auto -> {decided}: {why}", flush=True)
+    return decided
+
+
 def _check_config(cfg: DictConfig, cuda: bool) -> None:
     """Every unsupported combination fails here, before any data or model is built."""
     from nemo_ssa.config.check import check_run_config
@@ -406,6 +447,7 @@ def train_one(cfg: DictConfig) -> None:
     train = _train_cfg(cfg, cuda)
     run_dir = os.path.abspath(cfg.run_dir)
     main = _rank() == 0
+    _decide_cuda_graphs(cfg, train, cuda, say=main)  # before the identity: a run is what it ran with
     resolved_cfg = OmegaConf.to_container(cfg, resolve=True)
     resolved_cfg["train"] = OmegaConf.to_container(train, resolve=True)
     resolved_cfg["path"] = "gpu" if cuda else "cpu"
@@ -492,6 +534,7 @@ def train_and_compare(cfg: DictConfig) -> None:
     if any(o.split("=", 1)[0].lstrip("+~") == "run_dir" for o in overrides):
         raise SystemExit(f"run_dir names one directory but compare_to trains {len(names)} runs ({', '.join(names)}); "
                          f"set runs_root=... instead, or compare_to=[] for a single run")
+    overrides = _story_cuda_graphs(cfg, names, overrides)
     baselines = names[:-1]
     run_dirs = []
     for i, name in enumerate(names):
@@ -513,6 +556,19 @@ def train_and_compare(cfg: DictConfig) -> None:
         raise SystemExit(f"[pretrain] the comparison failed (exit {rc})")
     print(f"[pretrain] done. runs: {', '.join(run_dirs)}; comparison: {out} (loss.png, ssa_n.png, summary.md)",
           flush=True)
+
+
+def _story_cuda_graphs(cfg: DictConfig, names: list, overrides: list) -> list:
+    """The story's runs take graphs all or none (``compared_cuda_graphs``); said with CUDA only
+    (without it every run decides none itself)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return overrides
+    overrides, why = compared_cuda_graphs(names, overrides, default=str(cfg.model.get("cuda_graphs") or "none"))
+    if why:
+        print(f"[pretrain] {why}", flush=True)
+    return overrides
 
 
 def _compare_to_was_set() -> bool:

@@ -59,7 +59,7 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from nemo_ssa.cli import child_env, config_file, pretrain_command
+from nemo_ssa.cli import child_env, compared_cuda_graphs, config_file, pretrain_command
 
 Curve = Tuple[List[int], List[float]]
 #: the CPU loop has no validation unless asked: the study asks every this many steps
@@ -569,6 +569,11 @@ def main(argv=None) -> int:
         import torch
 
         overrides = with_cpu_heldout(overrides, torch.cuda.is_available())
+        if torch.cuda.is_available():  # without CUDA every run decides none itself
+            overrides, why = compared_cuda_graphs(
+                [(variants.get(a) or (a, []))[0] for a in attentions], overrides)
+            if why:
+                print(f"[study] {why}", flush=True)
         if args.parallel > 1:
             prepare_corpus(overrides)
         codes = train_all(args.out, attentions, seeds, overrides, parallel=args.parallel, lrs=lrs, lr_of=lr_of,

@@ -133,19 +133,25 @@ def check_fused_layernorm(value: Any) -> None:
         raise ValueError(f"model.fused_layernorm={value!r} is not supported (supported: auto, true, false)")
 
 
-CUDA_GRAPHS_VALUES = ("none", "local")
+CUDA_GRAPHS_VALUES = ("auto", "none", "local")
 #: attentions whose layers megatron-core's local CUDA graphs captured and replayed on a GPU
 #: (the attention table's ``cuda_graphs`` rows)
 CUDA_GRAPH_ATTENTIONS = tuple(n for n, a in ATTENTIONS.items() if a.cuda_graphs)
+#: megatron-core releases (major.minor) on which NeMo's trainer ran with graphs and passed the
+#: checks before the default (loss parity over 1,000 steps, killed and resumed:
+#: scripts/device/graphs_default.py, docs/results/2026-11-29-cuda-graphs-nemo); ``auto`` picks
+#: ``local`` only on these, ``local`` itself runs on any supported release
+CUDA_GRAPHS_MEGATRON = ("0.15",)
 
 
 def check_cuda_graphs(value: Any, *, cuda: Optional[bool] = None, attention: Optional[str] = None,
                       tensor_parallel: Any = 1, context_parallel: Any = 1, sequence_parallel: bool = False,
                       env: Optional[Mapping[str, str]] = None,
                       name: str = "model.cuda_graphs") -> str:
-    """``model.cuda_graphs``: ``none`` (the default; None = unset = none) or ``local``,
-    megatron-core's layerwise CUDA graphs (``cuda_graph_impl='local'``,
-    nemo_ssa/megatron/cuda_graphs.py). Returns the value, lower-case.
+    """``model.cuda_graphs``: ``auto`` (the launcher's default: :func:`resolve_cuda_graphs`
+    picks), ``none`` (None = unset = none) or ``local``, megatron-core's layerwise CUDA graphs
+    (``cuda_graph_impl='local'``, nemo_ssa/megatron/cuda_graphs.py). Returns the value,
+    lower-case; ``auto`` is always accepted (it falls back to none where local is not).
 
     ``local`` needs a CUDA device (``cuda=None``: not known where the check runs, e.g. a recipe
     built on a login node); an attention in :data:`CUDA_GRAPH_ATTENTIONS` (``ssa`` is the pinned
@@ -161,7 +167,7 @@ def check_cuda_graphs(value: Any, *, cuda: Optional[bool] = None, attention: Opt
     if not isinstance(value, str) or value.strip().lower() not in CUDA_GRAPHS_VALUES:
         raise ValueError(f"{name}={value!r} is not supported (supported: {', '.join(CUDA_GRAPHS_VALUES)})")
     value = value.strip().lower()
-    if value == "none":
+    if value in ("none", "auto"):
         return value
     if cuda is False:
         raise ValueError(f"{name}=local needs a CUDA device (CUDA graphs replay GPU work); supported without "
@@ -183,6 +189,55 @@ def check_cuda_graphs(value: Any, *, cuda: Optional[bool] = None, attention: Opt
         raise ValueError(f"{name}=local with PYTORCH_CUDA_ALLOC_CONF={alloc!r}: megatron-core refuses "
                          "expandable_segments:True with CUDA graphs (supported: PYTORCH_CUDA_ALLOC_CONF without it)")
     return value
+
+
+def cuda_graph_attention(attention: Optional[str]) -> bool:
+    """The attention's layers have run under megatron's local graphs (``ssa``: its pinned kernel)."""
+    return (PINNED.pinned_kernel if attention == "ssa" else attention) in CUDA_GRAPH_ATTENTIONS
+
+
+def resolve_cuda_graphs(value: Any, *, cuda: Optional[bool], attention: Optional[str], world: int = 1,
+                        tensor_parallel: Any = 1, context_parallel: Any = 1, sequence_parallel: bool = False,
+                        megatron_version: Optional[str] = None, env: Optional[Mapping[str, str]] = None,
+                        name: str = "model.cuda_graphs") -> Tuple[str, Optional[str]]:
+    """What ``model.cuda_graphs`` runs with, and why: ``(none | local, reason)``. The one place
+    that decides ``auto``; ``none`` / ``local`` are checked (:func:`check_cuda_graphs`) and
+    returned with reason None.
+
+    ``auto`` is ``local`` only where everything the checks before the default covered holds: a
+    CUDA device, one process (data parallel with graphs has not run), an attention whose layers
+    ran under graphs (for a story: every one of its attentions, so its speeds compare like with
+    like -- the caller passes each), tensor / context parallel 1, no expandable segments, and a
+    megatron-core release in :data:`CUDA_GRAPHS_MEGATRON`. Otherwise ``none``, with the first
+    condition that failed.
+    """
+    value = check_cuda_graphs(value, cuda=cuda, attention=attention, tensor_parallel=tensor_parallel,
+                              context_parallel=context_parallel, sequence_parallel=sequence_parallel, env=env,
+                              name=name)
+    if value != "auto":
+        return value, None
+    tp = 1 if tensor_parallel is None else tensor_parallel
+    cp = 1 if context_parallel is None else context_parallel
+    alloc = (os.environ if env is None else env).get("PYTORCH_CUDA_ALLOC_CONF", "")
+    release = ".".join(str(megatron_version or "").split(".")[:2])
+    if not cuda:
+        why = "no CUDA device" if cuda is False else "the device is not known where the recipe is built"
+    elif not cuda_graph_attention(attention):
+        why = (f"attention={attention} has not run under graphs (they have: {', '.join(CUDA_GRAPH_ATTENTIONS)} "
+               "and ssa)")
+    elif int(world) != 1:
+        why = f"{world} processes: data parallel with graphs has not run; model.cuda_graphs=local to try it"
+    elif tp != 1 or cp != 1 or sequence_parallel:
+        why = "tensor / context / sequence parallel"
+    elif "expandable_segments:True" in alloc:
+        why = "PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True, which megatron-core refuses with graphs"
+    elif release not in CUDA_GRAPHS_MEGATRON:
+        why = (f"megatron-core {megatron_version or '(unknown)'}: graphs have run through NeMo on "
+               f"{', '.join(r + '.x' for r in CUDA_GRAPHS_MEGATRON)} only; model.cuda_graphs=local to try it")
+    else:
+        return "local", (f"one GPU, attention={attention}, megatron-core {megatron_version}: megatron's layerwise "
+                         "graphs (model.cuda_graphs=none turns them off)")
+    return "none", why
 
 
 def held_out_every(max_steps: int, val_check_interval: Optional[int]) -> Tuple[int, Optional[str]]:

@@ -44,7 +44,11 @@ def cuda_graph_fields(cuda_graphs: Any) -> Dict[str, Any]:
     check."""
     from nemo_ssa.config.check import check_cuda_graphs
 
-    if check_cuda_graphs(cuda_graphs) == "none":
+    value = check_cuda_graphs(cuda_graphs)
+    if value == "auto":
+        raise ValueError("cuda_graphs=auto is decided by nemo_ssa.config.check.resolve_cuda_graphs (it needs the "
+                         "device, the world and the attention); pass its answer: none or local")
+    if value == "none":
         return {}
     return {"cuda_graph_impl": "local", "cuda_graph_warmup_steps": CUDA_GRAPH_WARMUP_STEPS}
 

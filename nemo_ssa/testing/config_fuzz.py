@@ -64,7 +64,7 @@ def gen_case(rng: random.Random) -> Dict[str, Any]:
     # drawn last so the cases above stay what they were before the option existed
     cfg["model"]["fused_mlp"] = rng.choice(["auto", "auto", True, False, "true", "yes", None])
     train["val_check_interval"] = rng.choice([None, None, 125, 100000, 0])
-    cfg["model"]["cuda_graphs"] = rng.choice(["none", None] * 4 + ["local", "LOCAL", "full", True])
+    cfg["model"]["cuda_graphs"] = rng.choice(["none", None] * 4 + ["local", "LOCAL", "full", True, "auto"])
     if rng.random() < 0.1:
         cfg["profile"] = {"start": 40, "steps": 2}
     return {"cfg": cfg, "cuda": cuda}
@@ -123,7 +123,7 @@ def oracle(case: Dict[str, Any]) -> List[str]:
     elif fm in (True, "true") and (tp != 1 or t["sequence_parallel"]):
         why.append("fused_mlp=true with tensor parallel")
     cg = cfg["model"].get("cuda_graphs")
-    if cg not in (None, "none", "local", "LOCAL"):
+    if cg not in (None, "none", "local", "LOCAL", "auto"):  # auto: never refused (it falls back to none)
         why.append("cuda_graphs value")
     elif cg in ("local", "LOCAL"):
         if not cuda:
@@ -132,8 +132,6 @@ def oracle(case: Dict[str, Any]) -> List[str]:
             why.append("cuda_graphs=local with an attention that has not run under graphs")
         if tp != 1 or cp != 1 or t["sequence_parallel"]:
             why.append("cuda_graphs=local with tensor/context parallel")
-        if (cfg.get("profile") or {}).get("start"):
-            why.append("cuda_graphs=local with a profile")
         if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
             why.append("cuda_graphs=local with expandable segments")
     return why

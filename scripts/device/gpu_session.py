@@ -6,7 +6,7 @@ Named presets (the GPU test plan; ``PRESETS`` below lists what each runs)::
     python scripts/device/gpu_session.py --preset full-1 --out $OUT --commit <sha>   # flash, flex, ELSA, extreme logits
     python scripts/device/gpu_session.py --preset full-2 --out $OUT --commit <sha>   # NSA, CUDA runs of the CPU op tests, ops fuzz
     python scripts/device/gpu_session.py --preset graphs --out $OUT --commit <sha>   # model.cuda_graphs=local: speed + parity
-    python scripts/device/gpu_session.py --preset graphs-default --out $OUT --commit <sha>   # 2 GPUs: before the default flips
+    python scripts/device/gpu_session.py --preset graphs-default --out $OUT --commit <sha>   # the checks model.cuda_graphs=auto rests on (DP 2 needs 2 GPUs)
     python scripts/device/gpu_session.py --preset step-graphs --out $OUT --commit <sha>   # the mb-8 step with graphs, profiled
     python scripts/device/gpu_session.py --list-presets
 
@@ -139,7 +139,7 @@ PRESETS = {
                 "train.global_batch_size=8 train.max_steps=60 train.val_check_interval=60 model.cuda_graphs=local "
                 "run_dir={out}/nemo-mb8-softmax_triton")]),
     "graphs-default": dict(
-        about="the checks before model.cuda_graphs=local can be the default, on two GPUs "
+        about="the checks model.cuda_graphs=auto (local where they passed) rests on, on two GPUs "
               "(scripts/device/graphs_default.py): softmax_triton's 1,000-step parity through NeMo, a graphed "
               "run killed and resumed, data parallel 2 with graphs",
         expect=460, budget=540,

@@ -1,6 +1,8 @@
-"""What ``model.cuda_graphs=local`` must pass on GPUs before it can be the recipe's default.
+"""What ``model.cuda_graphs=auto`` (the launcher's default) rests on: the checks that make it ``local``.
 
-One device command (two GPUs: ``nvidia-h200-x2``)::
+``auto`` is ``local`` only where these passed (nemo_ssa.config.check.resolve_cuda_graphs: one
+GPU and megatron-core 0.15 so far; the DP 2 check widens it to data parallel once it passes).
+One device command (two GPUs: ``nvidia-h200-x2``; on one GPU the DP 2 check is "not run")::
 
     python scripts/device/graphs_default.py --out $OUT
 

@@ -24,7 +24,8 @@ RECORDED = {
 
 def test_a_new_option_at_its_neutral_default_keeps_a_recorded_runs_identity():
     assert ("data", "tokenizer_from") in _NEUTRAL_DEFAULTS  # added 2026-11-28, after the sweep's first runs
-    assert _NEUTRAL_DEFAULTS[("model", "cuda_graphs")] == "none"  # megatron's CUDA graphs, opt-in
+    # megatron's CUDA graphs: a run records what auto decided, and none is how runs ran before the option
+    assert _NEUTRAL_DEFAULTS[("model", "cuda_graphs")] == "none"
     before = _identity(RECORDED)
     for (group, key), neutral in _NEUTRAL_DEFAULTS.items():
         now = copy.deepcopy(RECORDED)

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 
 import pytest
 import torch
 
-from nemo_ssa.config.check import CUDA_GRAPH_ATTENTIONS, check_cuda_graphs, check_run_config
+from nemo_ssa.config.check import (CUDA_GRAPH_ATTENTIONS, CUDA_GRAPHS_MEGATRON, check_cuda_graphs, check_run_config,
+                                   resolve_cuda_graphs)
 from nemo_ssa.megatron.cuda_graphs import (CUDA_GRAPH_WARMUP_STEPS, capture_recorded_graphs, cuda_graph_fields,
                                            use_cudagraphable_rng_tracker)
 
@@ -35,10 +37,10 @@ OK = dict(cuda=True, attention="ssa_triton", env={})
 
 
 def test_values():
-    assert [check_cuda_graphs(v, **OK) for v in ("none", None, "None", "local", " LOCAL ")] == [
-        "none", "none", "none", "local", "local"]
+    assert [check_cuda_graphs(v, **OK) for v in ("none", None, "None", "local", " LOCAL ", "Auto")] == [
+        "none", "none", "none", "local", "local", "auto"]
     for bad in ("full", "full_iteration", "transformer_engine", True, False, 1):
-        with pytest.raises(ValueError, match=r"model.cuda_graphs=.* is not supported \(supported: none, local\)"):
+        with pytest.raises(ValueError, match=r"model.cuda_graphs=.* is not supported \(supported: auto, none, local\)"):
             check_cuda_graphs(bad, **OK)
 
 
@@ -56,6 +58,35 @@ def test_local_refuses_what_it_cannot_run(kw, error, says):
     with pytest.raises(error, match=says):
         check_cuda_graphs("local", **{**OK, **kw})
     assert check_cuda_graphs("none", **{**OK, **kw}) == "none"  # none runs everywhere
+    assert check_cuda_graphs("auto", **{**OK, **kw}) == "auto"  # auto falls back to none there
+    assert resolve_cuda_graphs("auto", **{**AUTO, **kw})[0] == "none"
+
+
+#: where ``auto`` is local: everything the checks before the default covered
+AUTO = dict(OK, world=1, megatron_version="0.15.3")
+
+
+def test_auto_is_local_only_where_the_default_was_checked():
+    assert CUDA_GRAPHS_MEGATRON == ("0.15",)  # widening it is a GPU run's decision (graphs_default.py)
+    value, why = resolve_cuda_graphs("auto", **AUTO)
+    assert value == "local" and "one GPU, attention=ssa_triton, megatron-core 0.15.3" in why
+    assert resolve_cuda_graphs("auto", **{**AUTO, "attention": "ssa"})[0] == "local"  # the pinned kernel
+    for kw, says in [(dict(cuda=False), "no CUDA device"),
+                     (dict(cuda=None), "not known where the recipe is built"),
+                     (dict(attention="softmax"), "attention=softmax has not run under graphs"),
+                     (dict(world=2), "2 processes: data parallel with graphs has not run"),
+                     (dict(tensor_parallel=2), "tensor / context / sequence parallel"),
+                     (dict(megatron_version="0.16.1"), "megatron-core 0.16.1: graphs have run through NeMo on 0.15.x"),
+                     (dict(megatron_version=None), r"megatron-core \(unknown\)"),
+                     (dict(env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}), "expandable_segments")]:
+        value, why = resolve_cuda_graphs("auto", **{**AUTO, **kw})
+        assert value == "none", kw
+        assert re.search(says, why), (kw, why)
+    # none and local are checked, not decided: no reason to print
+    assert resolve_cuda_graphs("none", **AUTO) == ("none", None)
+    assert resolve_cuda_graphs("local", **{**AUTO, "world": 4, "megatron_version": "0.16.1"}) == ("local", None)
+    with pytest.raises(NotImplementedError, match="attention=softmax is not supported"):
+        resolve_cuda_graphs("local", **{**AUTO, "attention": "softmax"})
 
 
 def test_local_takes_the_attentions_that_ran_under_graphs():
@@ -100,10 +131,10 @@ def _compose(*overrides):
         return compose("config", overrides=list(overrides))
 
 
-def test_launcher_default_is_none_and_local_is_refused_on_cpu_in_one_line():
+def test_launcher_default_is_auto_and_local_is_refused_on_cpu_in_one_line():
     from nemo_ssa.cli import pretrain
 
-    assert _compose().model.cuda_graphs == "none"
+    assert _compose().model.cuda_graphs == "auto"
     pretrain._check_config(_compose("train=cpu_smoke"), cuda=False)
     with pytest.raises(SystemExit, match=r"^\[pretrain\] invalid configuration: model.cuda_graphs=local needs a CUDA"):
         pretrain._check_config(_compose("train=cpu_smoke", "model.cuda_graphs=local"), cuda=False)
@@ -125,7 +156,7 @@ def test_fields_are_ones_the_installed_megatron_builds():
     with pytest.raises((ValueError, AssertionError), match="recomput"):
         TransformerConfig(**small, **cuda_graph_fields("local"), recompute_granularity="full",
                           recompute_method="uniform", recompute_num_layers=1)
-    with pytest.raises(ValueError, match="supported: none, local"):
+    with pytest.raises(ValueError, match="supported: auto, none, local"):
         cuda_graph_fields("on")
 
 
@@ -173,7 +204,7 @@ def test_recipe_none_is_the_recipe_without_the_option(recipes, tmp_path, monkeyp
 @pytest.mark.parametrize("kw, says", [
     (dict(attention="softmax"), "attention=softmax is not supported"),
     (dict(tensor_parallel=2, num_gpus_per_node=2), "tensor_parallel=2"),
-    (dict(cuda_graphs="full"), "supported: none, local"),
+    (dict(cuda_graphs="full"), "supported: auto, none, local"),
 ])
 def test_recipe_refuses_before_building(kw, says, tmp_path):
     from recipes import nemotron_114m
@@ -193,10 +224,71 @@ def test_launcher_hands_the_field_to_the_recipe(tmp_path):
     recipe, resolved = pretrain.build_recipe(cfg, cfg.train, "/data/none", "/tok/none", str(tmp_path))
     assert resolved.name == "ssa_triton" and recipe.model.config.cuda_graph_impl == "local"
     assert "CudaGraphRNGCallback" in _callbacks(recipe)
-    none = _compose(*gpu)
+    none = _compose(*gpu, "model.cuda_graphs=none")
     recipe, _ = pretrain.build_recipe(none, none.train, "/data/none", "/tok/none", str(tmp_path))
     assert "cuda_graph_impl" not in recipe.model.config.__arguments__
     assert OmegaConf.to_container(none)["model"]["cuda_graphs"] == "none"  # what config.yaml records
+
+
+@pytest.mark.parametrize("version, extra, want, says", [
+    ("0.15.3", (), "local", r"model.cuda_graphs=auto -> local: one GPU, attention=ssa_triton, megatron-core 0.15.3"),
+    ("0.16.1", (), "none", r"model.cuda_graphs=auto -> none: megatron-core 0.16.1: graphs have run through NeMo on 0.15.x only"),
+    ("0.15.3", ("train.num_gpus_per_node=2",), "none", r"model.cuda_graphs=auto -> none: 2 processes"),
+    ("0.15.3", ("attention=softmax",), "none", r"model.cuda_graphs=auto -> none: attention=softmax has not run under graphs"),
+])
+def test_launcher_decides_auto_before_the_identity_and_says_so(tmp_path, monkeypatch, capsys, version, extra, want,
+                                                               says):
+    from omegaconf import OmegaConf
+
+    from nemo_ssa.cli import pretrain
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.setattr(pretrain, "_megatron_version", lambda: version)
+    cfg = _compose("train=gpu_9min", "train.global_batch_size=32", "attention=ssa", f"run_dir={tmp_path}", *extra)
+    assert cfg.model.cuda_graphs == "auto"
+    assert pretrain._decide_cuda_graphs(cfg, pretrain._train_cfg(cfg, True), cuda=True) == want
+    assert cfg.model.cuda_graphs == want  # config.yaml and the identity hold what ran
+    assert re.search(r"^\[pretrain\] " + says, capsys.readouterr().out, re.M)
+    # the identity of an auto run that decided none is a none run's: finished runs are still reused
+    if want == "none":
+        explicit = _compose("train=gpu_9min", "train.global_batch_size=32", "attention=ssa", f"run_dir={tmp_path}",
+                            *extra, "model.cuda_graphs=none")
+        assert pretrain._identity(OmegaConf.to_container(cfg)) == pretrain._identity(OmegaConf.to_container(explicit))
+
+
+def test_launcher_on_cpu_decides_none_silently(tmp_path, capsys):
+    from nemo_ssa.cli import pretrain
+
+    cfg = _compose("train=cpu_smoke", f"run_dir={tmp_path}")
+    assert pretrain._decide_cuda_graphs(cfg, pretrain._train_cfg(cfg, False), cuda=False) == "none"
+    assert cfg.model.cuda_graphs == "none" and "cuda_graphs" not in capsys.readouterr().out
+
+
+def test_recipe_auto_is_none_where_the_device_is_not_known(recipes, tmp_path):
+    from nemo_run.core.serialization.yaml import YamlSerializer
+
+    from recipes import nemotron_114m
+
+    auto = nemotron_114m.pretrain_recipe(dir=recipes["none"].log.log_dir, attention="ssa", max_steps=2,
+                                         cuda_graphs="auto")
+    assert YamlSerializer().serialize(auto) == YamlSerializer().serialize(recipes["none"])
+    with pytest.raises(ValueError, match="auto is decided by nemo_ssa.config.check.resolve_cuda_graphs"):
+        cuda_graph_fields("auto")
+
+
+@pytest.mark.parametrize("names, overrides, want_over, said", [
+    (["softmax", "ssa"], [], ["model.cuda_graphs=none"], "softmax has not run under graphs"),
+    (["softmax", "ssa"], ["model.cuda_graphs=auto", "x=1"], ["x=1", "model.cuda_graphs=none"], "softmax"),
+    (["softmax_triton", "ssa"], [], [], None),  # every one graph-capable: each run decides
+    (["softmax", "ssa"], ["model.cuda_graphs=local"], ["model.cuda_graphs=local"], None),  # asked for: refused later
+    (["softmax", "ssa"], ["model.cuda_graphs=none"], ["model.cuda_graphs=none"], None),
+])
+def test_compared_runs_take_graphs_all_or_none(names, overrides, want_over, said):
+    from nemo_ssa.cli import compared_cuda_graphs
+
+    got, why = compared_cuda_graphs(names, overrides)
+    assert got == want_over
+    assert (why is None) if said is None else (said in why and why.startswith("model.cuda_graphs=auto -> none"))
 
 
 def test_capture_is_called_only_for_local_graphs(monkeypatch):
@@ -314,3 +406,17 @@ def test_graphs_created_reads_megatrons_record(monkeypatch):
     assert graphs_created() is False
     monkeypatch.setattr(_CudagraphGlobalRecord, "cudagraph_created", True)
     assert graphs_created() is True
+
+
+def test_story_runs_take_graphs_all_or_none(monkeypatch, capsys):
+    from nemo_ssa.cli import pretrain
+
+    cfg = _compose("train=gpu_9min")  # compare_to: [softmax] -- the README's story
+    names = pretrain._story_names(cfg)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert pretrain._story_cuda_graphs(cfg, names, ["seed=1"]) == ["seed=1"]  # each CPU run decides none
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert pretrain._story_cuda_graphs(cfg, names, ["seed=1"]) == ["seed=1", "model.cuda_graphs=none"]
+    assert "[pretrain] model.cuda_graphs=auto -> none for every run: softmax has not run" in capsys.readouterr().out
+    triton = _compose("train=gpu_9min", "compare_to=[softmax_triton]")
+    assert pretrain._story_cuda_graphs(triton, pretrain._story_names(triton), ["seed=1"]) == ["seed=1"]

@@ -75,7 +75,7 @@ def test_graphs_preset_runs_what_exists():
         for flag in re.findall(r" (--[a-z-]+)", cmd):
             assert f'"{flag}"' in src, (script, flag)
     cfg = open(os.path.join(REPO, "nemo_ssa/configs/model/nemotron_114m.yaml")).read()
-    assert re.search(r"^cuda_graphs: none", cfg, re.M)
+    assert re.search(r"^cuda_graphs: auto", cfg, re.M)
     for what in ("train_megatron_core.py", "pretrain.py"):
         runs = [c for c in cmds if what in c]
         assert len(runs) == 2 and sum("local" in c for c in runs) == 1, what

@@ -312,3 +312,31 @@ def test_bad_variants_are_refused_by_name(spec, msg):
         study.parse_variant(spec, {})
     with pytest.raises(SystemExit, match="not in --attentions"):
         study.main(["--summarize-only", "--variant", "nb=ssa policy=free", "--attentions", "softmax,ssa"])
+
+
+@pytest.mark.parametrize("attentions, variant, want", [
+    ("softmax,ssa", [], "model.cuda_graphs=none"),  # the unfused softmax has no graphs: none for all
+    ("softmax_triton,ssa", [], None),  # both graph-capable: each run decides (auto)
+    ("softmax_triton,nb", ["--variant", "nb=softmax policy=free"], "model.cuda_graphs=none"),  # a variant's attention
+])
+def test_on_cuda_the_study_gives_its_runs_graphs_all_or_none(monkeypatch, tmp_path, capsys, attentions, variant, want):
+    import torch
+
+    seen = {}
+
+    def train_all(out, atts, seeds, overrides, **kw):
+        seen["overrides"] = list(overrides)
+        return {}
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(study, "train_all", train_all)
+    monkeypatch.setattr(study, "summarize", lambda *a, **k: "")
+    study.main(["--attentions", attentions, *variant, "--seeds", "1", "--out", str(tmp_path), "--",
+                "train.max_steps=10"])
+    over = seen["overrides"]
+    if want is None:
+        assert not any(o.startswith("model.cuda_graphs") for o in over)
+        assert "cuda_graphs" not in capsys.readouterr().out
+    else:
+        assert over[-1] == want and over[0] == "train.max_steps=10"
+        assert "[study] model.cuda_graphs=auto -> none for every run" in capsys.readouterr().out
