@@ -4,6 +4,7 @@ import csv
 import json
 import types
 
+import pytest
 import torch
 
 from nemo_ssa.megatron.core_attention import SSAScalars
@@ -32,10 +33,12 @@ class _Model(torch.nn.Module):
 
 def test_rows_every_step_flushed_in_blocks(tmp_path, monkeypatch):
     model = _Model()
-    logged = []
-    pl_module = types.SimpleNamespace(module=model, log=lambda k, v, batch_size: logged.append((k, v)))
+    logged, via_lightning = [], []
+    pl_module = types.SimpleNamespace(module=model, log=lambda *a, **k: via_lightning.append(a))
     opt = types.SimpleNamespace(param_groups=[{"lr": 1e-3}])
-    trainer = types.SimpleNamespace(global_step=0, max_steps=7, callback_metrics={}, optimizers=[opt])
+    logger = types.SimpleNamespace(log_metrics=lambda metrics, step: logged.append((step, metrics)))
+    trainer = types.SimpleNamespace(global_step=0, max_steps=7, callback_metrics={}, optimizers=[opt],
+                                    loggers=[logger])
     cb = MetricsCallback(str(tmp_path), seq_length=4, global_batch_size=2, attention="ssa", flush_every=3,
                          flops_per_token=100.0)
     cb.on_train_start(trainer, pl_module)
@@ -59,9 +62,11 @@ def test_rows_every_step_flushed_in_blocks(tmp_path, monkeypatch):
     assert [float(r["loss"]) for r in rows] == [10.0 - s for s in range(1, 8)]
     # n of every layer at every step (not the value at flush time)
     assert [round(float(r["n_layer_02"]), 6) for r in rows] == [round(1.5 + 0.01 * s, 6) for s in range(1, 8)]
-    # Lightning gets every layer's n at each flush (steps 3, 6, 7), the latest value
-    assert [k for k, _ in logged] == [f"ssa/n/layer_{i:02d}" for i in (1, 2, 3)] * 3
-    assert round(logged[-1][1], 6) == round(1.5 + 0.07, 6)
+    # the trainer's loggers get every layer's n at each flush (steps 3, 6, 7), the latest value, and
+    # nothing goes through pl_module.log (Lightning's result collection costs the host each call)
+    assert [step for step, _ in logged] == [3, 6, 7] and not via_lightning
+    assert list(logged[-1][1]) == [f"ssa/n/layer_{i:02d}" for i in (1, 2, 3)]
+    assert round(logged[-1][1]["ssa/n/layer_02"], 6) == round(1.5 + 0.07, 6)
     summary = json.load(open(tmp_path / "summary.json"))
     assert summary["flops_per_token"] == 100.0 and summary["loss"]["7"] == 3.0
     assert summary["mfu"] is None  # no GPU here: no peak, no MFU
@@ -175,3 +180,74 @@ def test_the_mfu_line_says_what_it_is_of(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "[metrics] MFU = 741.4 MFLOP per token" in out and "/ 989 TFLOP/s (cpu, dense bf16)" in out, out
     assert json.load(open(tmp_path / "summary.json"))["mfu"] > 0
+
+
+class _CountingTrainer(types.SimpleNamespace):
+    """A trainer whose ``callback_metrics`` counts its reads (Lightning assembles every metric,
+    a device sync per progress-bar value, on each)."""
+
+    @property
+    def callback_metrics(self):
+        self.reads += 1
+        return self.metrics
+
+
+@pytest.mark.parametrize("accumulate, outputs_kind, reads_per_step", [
+    (1, "dict", 0), (1, "tensor", 0), (1, None, 1), (2, "dict", 1)])
+def test_the_loss_comes_from_the_steps_output(tmp_path, accumulate, outputs_kind, reads_per_step):
+    opt = types.SimpleNamespace(param_groups=[{"lr": 1e-3}])
+    trainer = _CountingTrainer(global_step=0, max_steps=4, optimizers=[opt], loggers=[], reads=0,
+                               accumulate_grad_batches=accumulate, metrics={})
+    pl_module = types.SimpleNamespace(module=torch.nn.Linear(1, 1))
+    cb = MetricsCallback(str(tmp_path), seq_length=4, global_batch_size=2, attention="softmax", flush_every=2)
+    cb.on_train_start(trainer, pl_module)
+    for step in range(1, 5):
+        trainer.global_step = step
+        out = torch.tensor(10.0 - step)
+        trainer.metrics[TB_LOSS_TAG] = torch.tensor(100.0 + step)  # what callback_metrics would say
+        outputs = {"loss": out} if outputs_kind == "dict" else out if outputs_kind == "tensor" else None
+        cb.on_train_batch_end(trainer, pl_module, outputs, None, step)
+    cb.on_train_end(trainer, pl_module)
+    assert trainer.reads == 4 * reads_per_step
+    want = [10.0 - s for s in range(1, 5)] if reads_per_step == 0 else [100.0 + s for s in range(1, 5)]
+    assert [float(r["loss"]) for r in csv.DictReader(open(tmp_path / "metrics.csv"))] == want
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_lightning_hands_the_step_output_that_was_logged(tmp_path, monkeypatch):
+    """The contract ``_step_loss`` rests on, in the installed Lightning: a training_step that logs
+    its loss as ``reduced_train_loss`` and returns it (NeMo's strategy does both) gives the
+    callback that same value in ``outputs``; the rows equal what callback_metrics held."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+            self.logged = []
+
+        def training_step(self, batch, batch_idx):
+            loss = self.lin(batch[0]).pow(2).mean()
+            self.log(TB_LOSS_TAG, loss, prog_bar=True, batch_size=1)
+            self.logged.append(float(loss))
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    from nemo_ssa.nemo import callbacks
+
+    found = []
+    real = callbacks._step_loss
+    monkeypatch.setattr(callbacks, "_step_loss", lambda o, t: found.append(real(o, t)) or found[-1])
+    torch.manual_seed(0)
+    model = Tiny()
+    cb = MetricsCallback(str(tmp_path), seq_length=4, global_batch_size=2, attention="softmax", flush_every=2)
+    trainer = pl.Trainer(max_steps=5, callbacks=[cb], logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", devices=1)
+    trainer.fit(model, DataLoader(TensorDataset(torch.randn(40, 4)), batch_size=2))
+    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    assert [float(r["loss"]) for r in rows] == pytest.approx(model.logged, rel=1e-7)
+    assert len(set(model.logged)) == 5  # the loss moved: the rows are not one repeated value
+    assert len(found) == 5 and all(isinstance(t, torch.Tensor) for t in found)  # read from outputs every step

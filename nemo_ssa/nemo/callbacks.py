@@ -22,6 +22,20 @@ def _unwrap(pl_module):
     return getattr(pl_module, "module", pl_module)
 
 
+def _step_loss(outputs: Any, trainer) -> Optional[torch.Tensor]:
+    """The step's reduced training loss from what the step returned, or None where it is not there.
+
+    NeMo's strategy returns the reduced loss and logs the same tensor as ``reduced_train_loss``;
+    Lightning hands it to ``on_train_batch_end`` as ``outputs["loss"]`` (divided by
+    ``accumulate_grad_batches``, which NeMo keeps at 1: megatron accumulates). Reading it here
+    instead of ``trainer.callback_metrics`` spares every step Lightning's metric assembly, which
+    turns each progress-bar metric into a Python number (a device sync each)."""
+    if getattr(trainer, "accumulate_grad_batches", 1) != 1:
+        return None
+    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    return loss if isinstance(loss, torch.Tensor) and loss.numel() >= 1 else None
+
+
 class MetricsCallback(Callback):
     """Writes ``metrics.csv`` (+ TensorBoard under ``run_dir/tb``): one row per step.
 
@@ -31,7 +45,8 @@ class MetricsCallback(Callback):
     ``flush_every`` steps (the trainer's ``log_every_n_steps``) and at the end -- one
     device-to-host read per flush. tokens/s is the step's host wall time (megatron reads
     the gradient norm once per step, so the host never runs more than a step ahead; the
-    median over steps is the steady rate). n per layer is also logged through Lightning
+    median over steps is the steady rate). The loss is the step's own output (``_step_loss``), not
+    ``trainer.callback_metrics``. n per layer also goes to the trainer's loggers
     (``ssa/n/layer_XX``) at flush steps. At the end, ``summary.json`` records the
     steady-state tokens/s (median over steps after the first 10), MFU (model FLOPs per
     token x tokens/s / the GPU's dense bf16 peak; ``nemo_ssa.tools.metrics_log.flops_per_token``
@@ -90,7 +105,9 @@ class MetricsCallback(Callback):
         dt = now - self._t_last if self._t_last else float("nan")
         self._t_last = now
         step = trainer.global_step
-        loss = trainer.callback_metrics.get(TB_LOSS_TAG)
+        loss = _step_loss(outputs, trainer)
+        if loss is None:
+            loss = trainer.callback_metrics.get(TB_LOSS_TAG)
         if isinstance(loss, torch.Tensor):
             loss = loss.detach().float().reshape(-1)[:1].clone()
         else:
@@ -101,9 +118,9 @@ class MetricsCallback(Callback):
         self._rates.append(rate)
         self._pending.append((step, loss, float(lr), rate, n_now))
         if len(self._pending) >= self.flush_every or step >= trainer.max_steps:
-            self._flush(pl_module)
+            self._flush(trainer)
 
-    def _flush(self, pl_module=None):
+    def _flush(self, trainer=None):
         if not self._pending:
             return
         # one read for the whole block: losses and n values stacked on the device
@@ -124,9 +141,13 @@ class MetricsCallback(Callback):
             if self._writer is not None:
                 self._writer.write(step=step, loss=loss, lr=lr, tokens_per_s=rate, ssa_n=n_vals)
         self._pending = []
-        if pl_module is not None:
-            for layer, value in last_n.items():
-                pl_module.log(f"ssa/n/layer_{layer:02d}", value, batch_size=1)
+        if trainer is not None and last_n:
+            # straight to the trainer's loggers (NeMo's TensorBoard, a user's W&B): pl_module.log
+            # would route each value through Lightning's result collection, a walk over the
+            # metric's attributes per call that the host-bound step pays for
+            metrics = {f"ssa/n/layer_{layer:02d}": value for layer, value in last_n.items()}
+            for logger in getattr(trainer, "loggers", None) or []:
+                logger.log_metrics(metrics, step=step)
 
     def _steady_rate(self):
         steady = sorted(r for r in self._rates[10:] if r == r) or sorted(r for r in self._rates if r == r)
