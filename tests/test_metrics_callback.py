@@ -251,3 +251,27 @@ def test_lightning_hands_the_step_output_that_was_logged(tmp_path, monkeypatch):
     assert [float(r["loss"]) for r in rows] == pytest.approx(model.logged, rel=1e-7)
     assert len(set(model.logged)) == 5  # the loss moved: the rows are not one repeated value
     assert len(found) == 5 and all(isinstance(t, torch.Tensor) for t in found)  # read from outputs every step
+
+
+def test_progress_lines_come_from_the_flush(tmp_path, capsys):
+    model = _Model()
+    opt = types.SimpleNamespace(param_groups=[{"lr": 2.5e-4}])
+    trainer = types.SimpleNamespace(global_step=0, max_steps=5, callback_metrics={}, optimizers=[opt], loggers=[],
+                                    sanity_checking=False)
+    pl_module = types.SimpleNamespace(module=model)
+    quiet = MetricsCallback(str(tmp_path / "q"), seq_length=4, global_batch_size=2, attention="ssa", flush_every=2)
+    cb = MetricsCallback(str(tmp_path), seq_length=4, global_batch_size=2, attention="ssa", flush_every=2,
+                         progress=True)
+    for c in (quiet, cb):
+        c.on_train_start(trainer, pl_module)
+    for step in range(1, 6):
+        trainer.global_step = step
+        for c in (quiet, cb):
+            c.on_train_batch_end(trainer, pl_module, {"loss": torch.tensor(9.0 - step)}, None, step)
+    trainer.callback_metrics["val_loss"] = torch.tensor(3.25)
+    cb.on_validation_end(trainer, pl_module)
+    quiet.on_validation_end(trainer, pl_module)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[train]")]
+    assert [ln.split(" |")[0] for ln in lines] == ["[train] step 2/5", "[train] step 4/5", "[train] step 5/5",
+                                                   "[train] step 5: held-out loss 3.2500"]
+    assert "loss 5.0000 | lr 2.500e-04 |" in lines[1] and "tokens/s | n 1.500-1.500" in lines[1]

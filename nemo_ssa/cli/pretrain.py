@@ -235,13 +235,22 @@ def build_recipe(cfg: DictConfig, train: DictConfig, prefix: str, tokenizer_dir:
     return recipe, resolved
 
 
-def run_gpu(cfg, train, recipe, resolved, run_dir) -> None:
+def launcher_callbacks(cfg, train, recipe, resolved, run_dir) -> None:
+    """The trainer's callbacks on the launcher's GPU path: the recipe's, less NeMo's
+    TimingCallback, plus the metrics log (which prints the progress), the resume cadence, the
+    warm-up, the profiler and the early stop as asked; Lightning's progress bar off."""
     import nemo_run as run
 
     from nemo_ssa.tools.metrics_log import flops_per_token
     from nemo_ssa.nemo.callbacks import AttentionWarmupCallback, MetricsCallback, ResumeCadenceCallback
 
-    callbacks = list(recipe.trainer.callbacks or [])
+    # The launcher prints the progress itself (MetricsCallback(progress=True), from the rows it
+    # reads once per log_every_n_steps): NeMo's progress printer and TimingCallback log and read
+    # metrics through Lightning on every step, host time the micro-batch-8 step pays for
+    # (docs/training-step.md). A recipe used without the launcher keeps both.
+    recipe.trainer.enable_progress_bar = False
+    callbacks = [c for c in (recipe.trainer.callbacks or [])
+                 if getattr(getattr(c, "__fn_or_cls__", None), "__name__", "") != "TimingCallback"]
     mc = recipe.model.config
     vocab = mc.vocab_size or -(-int(cfg.data.get("vocab_size") or 50257) // 128) * 128  # padded as megatron pads
     fpt = flops_per_token(int(mc.hidden_size), int(mc.num_layers), int(mc.ffn_hidden_size),
@@ -249,7 +258,7 @@ def run_gpu(cfg, train, recipe, resolved, run_dir) -> None:
                           int(mc.num_query_groups or mc.num_attention_heads), int(vocab), int(train.seq_length))
     callbacks.append(run.Config(MetricsCallback, run_dir=run_dir, seq_length=int(train.seq_length),
                                 global_batch_size=int(train.global_batch_size), attention=resolved.name,
-                                flush_every=int(train.log_every_n_steps), flops_per_token=fpt))
+                                flush_every=int(train.log_every_n_steps), flops_per_token=fpt, progress=True))
     callbacks.append(run.Config(ResumeCadenceCallback))
     if cfg.warmup:
         callbacks.append(run.Config(AttentionWarmupCallback, micro_batch_size=int(train.micro_batch_size),
@@ -269,6 +278,12 @@ def run_gpu(cfg, train, recipe, resolved, run_dir) -> None:
 
         callbacks.append(run.Config(StopAfterCallback, step=int(cfg.stop_after)))
     recipe.trainer.callbacks = callbacks
+
+
+def run_gpu(cfg, train, recipe, resolved, run_dir) -> None:
+    import nemo_run as run
+
+    launcher_callbacks(cfg, train, recipe, resolved, run_dir)
     recipe.resume.resume_if_exists = bool(cfg.resume)
     if cfg.resume:
         ckpt, explicit, skipped = nemo_loadable_checkpoint(_nemo_checkpoint_dir(run_dir, resolved.name))

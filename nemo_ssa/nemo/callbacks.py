@@ -50,8 +50,11 @@ class MetricsCallback(Callback):
     (``ssa/n/layer_XX``) at flush steps. At the end, ``summary.json`` records the
     steady-state tokens/s (median over steps after the first 10), MFU (model FLOPs per
     token x tokens/s / the GPU's dense bf16 peak; ``nemo_ssa.tools.metrics_log.flops_per_token``
-    documents the formula), peak GPU memory and the losses; the flush rows print a
-    progress line with the same figures.
+    documents the formula), peak GPU memory and the losses. ``progress=True`` (the launcher's
+    choice: it turns Lightning's progress bar off) prints a line per flush, ``[train] step S/M |
+    loss | lr | tokens/s (the block's median) | n range``, and one per held-out loss, from the
+    values the flush reads anyway: NeMo's progress printer assembles every progress-bar metric
+    (a device sync each) on every step.
 
     Several ranks: global rank 0 alone writes ``metrics.csv``, TensorBoard and
     ``summary.json`` (the loss it logs is already reduced over the data-parallel ranks);
@@ -62,8 +65,10 @@ class MetricsCallback(Callback):
     """
 
     def __init__(self, run_dir: str, seq_length: int, global_batch_size: int, attention: str,
-                 flush_every: int = 10, flops_per_token: Optional[float] = None):
+                 flush_every: int = 10, flops_per_token: Optional[float] = None, progress: bool = False):
         self.run_dir = run_dir
+        self.progress = bool(progress)
+        self._max_steps = None
         self.tokens_per_step = seq_length * global_batch_size
         self.attention = attention
         self.flush_every = max(1, int(flush_every))
@@ -97,6 +102,8 @@ class MetricsCallback(Callback):
         if val is None:
             return
         append_heldout(self.run_dir, trainer.global_step, float(val))
+        if self.progress:
+            print(f"[train] step {trainer.global_step}: held-out loss {float(val):.4f}", flush=True)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if not self._main:
@@ -105,6 +112,7 @@ class MetricsCallback(Callback):
         dt = now - self._t_last if self._t_last else float("nan")
         self._t_last = now
         step = trainer.global_step
+        self._max_steps = trainer.max_steps
         loss = _step_loss(outputs, trainer)
         if loss is None:
             loss = trainer.callback_metrics.get(TB_LOSS_TAG)
@@ -140,7 +148,13 @@ class MetricsCallback(Callback):
             last_n = n_vals
             if self._writer is not None:
                 self._writer.write(step=step, loss=loss, lr=lr, tokens_per_s=rate, ssa_n=n_vals)
+        block = [r for _, _, _, r, _ in self._pending if r == r]
         self._pending = []
+        if self.progress and trainer is not None:
+            rate = sorted(block)[len(block) // 2] if block else float("nan")
+            n = f" | n {min(last_n.values()):.3f}-{max(last_n.values()):.3f}" if last_n else ""
+            print(f"[train] step {step}/{self._max_steps} | loss {loss:.4f} | lr {lr:.3e} | {rate:,.0f} tokens/s"
+                  f"{n}", flush=True)
         if trainer is not None and last_n:
             # straight to the trainer's loggers (NeMo's TensorBoard, a user's W&B): pl_module.log
             # would route each value through Lightning's result collection, a walk over the

@@ -420,3 +420,20 @@ def test_story_runs_take_graphs_all_or_none(monkeypatch, capsys):
     assert "[pretrain] model.cuda_graphs=auto -> none for every run: softmax has not run" in capsys.readouterr().out
     triton = _compose("train=gpu_9min", "compare_to=[softmax_triton]")
     assert pretrain._story_cuda_graphs(triton, pretrain._story_names(triton), ["seed=1"]) == ["seed=1"]
+
+
+def test_launcher_callbacks_print_the_progress_themselves(tmp_path):
+    """The launcher's GPU path: Lightning's progress bar off and NeMo's TimingCallback out (both
+    log or read metrics through Lightning every step), the metrics log printing the progress."""
+    from nemo_ssa.cli import pretrain
+
+    cfg = _compose("train=gpu_9min", "train.global_batch_size=32", "attention=ssa_triton", f"run_dir={tmp_path}",
+                   "model.cuda_graphs=none")
+    recipe, resolved = pretrain.build_recipe(cfg, cfg.train, "/data/none", "/tok/none", str(tmp_path))
+    assert "TimingCallback" in _callbacks(recipe)  # the recipe alone keeps NeMo's defaults
+    pretrain.launcher_callbacks(cfg, cfg.train, recipe, resolved, str(tmp_path))
+    names = _callbacks(recipe)
+    assert "TimingCallback" not in names and recipe.trainer.enable_progress_bar is False
+    metrics = [c for c in recipe.trainer.callbacks if c.__fn_or_cls__.__name__ == "MetricsCallback"]
+    assert len(metrics) == 1 and metrics[0].progress is True and metrics[0].flush_every == 10
+    assert names == ["MetricsCallback", "ResumeCadenceCallback", "AttentionWarmupCallback"]
