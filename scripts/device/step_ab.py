@@ -1,0 +1,137 @@
+"""The same launcher job from several source trees, alternated on one GPU: a change measured alone.
+
+A host-bound step (micro batch 8) moves by a few per cent from host to host, so a change is
+measured against its parent in the same call, not against a record: each tree runs the job once
+per round, the order reversed every other round (A B, B A, ...) so drift in the machine falls on
+both. A tree is a directory holding ``scripts/pretrain.py`` and its ``nemo_ssa`` (``.`` for the
+checkout; another commit: ``git archive <sha> nemo_ssa recipes scripts | tar -x -C dev/<sha>``,
+carried to the device)::
+
+    python scripts/device/step_ab.py --tree before=dev/a001b99 --tree after=. --rounds 2 --out $OUT/ab -- \\
+        attention=ssa train=gpu_9min train.micro_batch_size=8 train.global_batch_size=8 train.max_steps=60 \\
+        train.val_check_interval=60 model.cuda_graphs=local
+
+Writes ``{out}/ab.md`` after every run (a call cut at its limit keeps what finished): per tree the
+tokens/s of each round (``summary.json``'s median), their median and the ratio to the first
+tree, peak memory, whether graphs were captured, and the first and last step's loss (a change
+that should not touch numerics leaves them equal). Each run's log is ``{out}/<label>-r<round>.log``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+
+def parse_tree(spec: str) -> Tuple[str, str]:
+    label, sep, path = spec.partition("=")
+    if not sep or not label or not path:
+        raise SystemExit(f"[step_ab] --tree {spec!r}: LABEL=DIR")
+    if not os.path.isfile(os.path.join(path, "scripts", "pretrain.py")):
+        raise SystemExit(f"[step_ab] --tree {spec!r}: {path}/scripts/pretrain.py not found (a tree holds the "
+                         "launcher and its nemo_ssa)")
+    return label, os.path.abspath(path)
+
+
+def order(labels: Sequence[str], rnd: int) -> List[str]:
+    """Round ``rnd``'s order: as given on even rounds, reversed on odd ones."""
+    return list(labels) if rnd % 2 == 0 else list(reversed(labels))
+
+
+def launch(tree: str, overrides: Sequence[str], run_dir: str, log: str, timeout: float) -> int:
+    cmd = [sys.executable, os.path.join(tree, "scripts", "pretrain.py"), "compare_to=[]", *overrides,
+           f"run_dir={run_dir}"]
+    with open(log, "w") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        try:
+            return subprocess.run(cmd, cwd=tree, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            f.write(f"\n[step_ab] timed out after {timeout:.0f} s\n")
+            return 124
+
+
+def read_summary(run_dir: str) -> Optional[Dict]:
+    path = os.path.join(run_dir, "summary.json")
+    if not os.path.isfile(path):
+        return None
+    s = json.load(open(path))
+    losses = s.get("loss") or {}
+    steps = sorted(int(k) for k in losses)
+    return {"rate": s.get("tokens_per_s_median"), "memory": s.get("peak_memory_gib"),
+            "graphs": s.get("cuda_graphs_captured"),
+            "first": losses.get(str(steps[0])) if steps else None, "last": losses.get(str(steps[-1])) if steps else None}
+
+
+def _median(xs: Sequence[float]) -> Optional[float]:
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    m = len(xs) // 2
+    return xs[m] if len(xs) % 2 else (xs[m - 1] + xs[m]) / 2
+
+
+def _fmt(x: Optional[float], spec: str = ",.0f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def table(labels: Sequence[str], results: Dict[str, List[Optional[Dict]]]) -> str:
+    lines = [f"| tree | tokens/s per round | median | vs {labels[0]} | peak GiB | graphs | first / last loss |",
+             "|---|---|---|---|---|---|---|"]
+    base = _median([r["rate"] for r in results.get(labels[0], []) if r])
+    for label in labels:
+        rows = results.get(label, [])
+        ok = [r for r in rows if r]
+        rates = ", ".join(_fmt(r["rate"]) if r else "failed" for r in rows) or "-"
+        med = _median([r["rate"] for r in ok])
+        ratio = f"{med / base:.3f}x" if med and base else "-"
+        memory = _fmt(max((r["memory"] or 0.0) for r in ok), ".2f") if ok else "-"
+        graphs = "/".join(sorted({str(r["graphs"]) for r in ok})) or "-"
+        losses = " ; ".join(f"{r['first']} / {r['last']}" for r in ok) or "-"
+        lines.append(f"| {label} | {rates} | {_fmt(med)} | {ratio} | {memory} | {graphs} | {losses} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None, run: Callable = launch) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    overrides: List[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, overrides = argv[:i], argv[i + 1:]
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tree", action="append", required=True, metavar="LABEL=DIR")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--timeout", type=float, default=240, help="seconds per run")
+    args = ap.parse_args(argv)
+    trees = dict(parse_tree(t) for t in args.tree)
+    if len(trees) < 2:
+        raise SystemExit("[step_ab] needs two --tree LABEL=DIR at least (the first is the baseline)")
+    if any(o.split("=", 1)[0] in ("run_dir", "compare_to") for o in overrides):
+        raise SystemExit("[step_ab] run_dir and compare_to are set per run; leave them out of the overrides")
+    labels = list(trees)
+    os.makedirs(args.out, exist_ok=True)
+    results: Dict[str, List[Optional[Dict]]] = {label: [] for label in labels}
+    t0 = time.time()
+    for rnd in range(args.rounds):
+        for label in order(labels, rnd):
+            run_dir = os.path.join(os.path.abspath(args.out), f"{label}-r{rnd}")
+            rc = run(trees[label], overrides, run_dir, run_dir + ".log", args.timeout)
+            summary = read_summary(run_dir) if rc == 0 else None
+            results[label].append(summary)
+            rate = f"{summary['rate']:,.0f} tokens/s" if summary and summary["rate"] else f"failed (exit {rc})"
+            print(f"[step_ab] round {rnd + 1}/{args.rounds} {label}: {rate} ({time.time() - t0:.0f} s)", flush=True)
+            with open(os.path.join(args.out, "ab.md"), "w") as f:
+                f.write(f"# The same job from {len(labels)} trees, alternated ({args.rounds} rounds)\n\n"
+                        f"Overrides: `{' '.join(overrides)}`\n\n{table(labels, results)}\n")
+    print(table(labels, results), flush=True)
+    return 0 if all(all(r for r in rows) for rows in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

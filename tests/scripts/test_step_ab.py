@@ -1,0 +1,81 @@
+"""scripts/device/step_ab.py with a stand-in launcher: trees alternate round by round, the table
+is written after every run, a failed run is shown as failed and the exit code says so."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("step_ab", os.path.join(REPO, "scripts", "device", "step_ab.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _tree(tmp_path, name):
+    d = tmp_path / name
+    (d / "scripts").mkdir(parents=True)
+    (d / "scripts" / "pretrain.py").write_text("")
+    return str(d)
+
+
+def test_trees_alternate_and_the_table_compares_to_the_first(tmp_path):
+    ab = _load()
+    a, b = _tree(tmp_path, "a"), _tree(tmp_path, "b")
+    calls = []
+    speed = {a: 100_000.0, b: 125_000.0}
+
+    def run(tree, overrides, run_dir, log, timeout):
+        calls.append((os.path.basename(tree), list(overrides)))
+        os.makedirs(run_dir)
+        rate = speed[tree] * (1 + 0.01 * len(calls))
+        json.dump({"tokens_per_s_median": rate, "peak_memory_gib": 3.8, "cuda_graphs_captured": True,
+                   "loss": {"1": 10.65, "60": 5.5}}, open(os.path.join(run_dir, "summary.json"), "w"))
+        # the table exists after the first run already
+        return 0
+
+    out = tmp_path / "out"
+    rc = ab.main(["--tree", f"before={a}", "--tree", f"after={b}", "--rounds", "3", "--out", str(out), "--",
+                  "attention=ssa", "train.max_steps=60"], run=run)
+    assert rc == 0
+    assert [c[0] for c in calls] == ["a", "b", "b", "a", "a", "b"]  # A B, B A, A B
+    assert all(c[1] == ["attention=ssa", "train.max_steps=60"] for c in calls)
+    md = (out / "ab.md").read_text()
+    row = next(ln for ln in md.splitlines() if ln.startswith("| after |"))
+    # medians over rounds (1 % drift per call): after 127,500 / 128,750 / 132,500, before 101,000 / 104,000 / 105,000
+    assert "| 128,750 | 1.238x | 3.80 | True | 10.65 / 5.5 ;" in row
+
+
+def test_a_failed_run_is_shown_and_fails_the_command(tmp_path):
+    ab = _load()
+    a, b = _tree(tmp_path, "a"), _tree(tmp_path, "b")
+
+    def run(tree, overrides, run_dir, log, timeout):
+        if tree == b:
+            return 1
+        os.makedirs(run_dir)
+        json.dump({"tokens_per_s_median": 1.0, "loss": {}}, open(os.path.join(run_dir, "summary.json"), "w"))
+        return 0
+
+    rc = ab.main(["--tree", f"x={a}", "--tree", f"y={b}", "--rounds", "1", "--out", str(tmp_path / "o")], run=run)
+    assert rc == 1 and "| y | failed |" in (tmp_path / "o" / "ab.md").read_text()
+
+
+@pytest.mark.parametrize("trees, overrides, says", [
+    (["only=."], [], "two --tree"),
+    (["a=/nonexistent", "b=."], [], "scripts/pretrain.py not found"),
+    (["a", "b=."], [], "LABEL=DIR"),
+    (["a=.", "b=."], ["run_dir=/x"], "run_dir and compare_to"),
+])
+def test_bad_arguments_say_what_is_expected(trees, overrides, says, tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    argv = [a for t in trees for a in ("--tree", t)] + ["--out", str(tmp_path), "--", *overrides]
+    with pytest.raises(SystemExit, match=says):
+        _load().main(argv, run=lambda *a: pytest.fail("nothing may run"))
