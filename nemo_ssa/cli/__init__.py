@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Tuple
 
 #: the hydra tree: attention/<name>.yaml, model/, train/, data/ and config.yaml
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -26,6 +26,15 @@ _IMPORT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(_
 def config_file(*parts: str) -> str:
     """Path of one file of the hydra tree, e.g. ``config_file("train", "cpu_smoke.yaml")``."""
     return os.path.join(CONFIG_DIR, *parts)
+
+
+def split_overrides(argv: List[str]) -> Tuple[List[str], List[str]]:
+    """``[options..., "--", overrides...]`` -> (options, launcher overrides); no ``--``: no overrides."""
+    argv = list(argv)
+    if "--" not in argv:
+        return argv, []
+    i = argv.index("--")
+    return argv[:i], argv[i + 1:]
 
 
 def pretrain_command(*args: str) -> List[str]:

@@ -59,7 +59,7 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from nemo_ssa.cli import child_env, compared_cuda_graphs, config_file, pretrain_command
+from nemo_ssa.cli import child_env, compared_cuda_graphs, config_file, pretrain_command, split_overrides
 
 Curve = Tuple[List[int], List[float]]
 #: the CPU loop has no validation unless asked: the study asks every this many steps
@@ -526,11 +526,7 @@ def prepare_corpus(overrides: Sequence[str]) -> None:
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    overrides: List[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, overrides = argv[:i], argv[i + 1:]
+    argv, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--attentions", default="softmax,ssa", help="the first is the baseline of the verdicts")
     ap.add_argument("--seeds", type=int, default=3)

@@ -27,6 +27,11 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:] = [REPO] + [p for p in sys.path if os.path.abspath(p or ".") != REPO]  # this checkout's nemo_ssa
+
+from nemo_ssa.cli import split_overrides  # noqa: E402
+
 
 def parse_tree(spec: str) -> Tuple[str, str]:
     label, sep, path = spec.partition("=")
@@ -98,11 +103,7 @@ def table(labels: Sequence[str], results: Dict[str, List[Optional[Dict]]]) -> st
 
 
 def main(argv: Optional[Sequence[str]] = None, run: Callable = launch) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    overrides: List[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, overrides = argv[:i], argv[i + 1:]
+    argv, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tree", action="append", required=True, metavar="LABEL=DIR")
     ap.add_argument("--rounds", type=int, default=2)

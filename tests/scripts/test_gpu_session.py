@@ -1,7 +1,6 @@
 """scripts/device/gpu_session.py: timed steps, a killed step does not stop the next, one archive back;
 presets write a results table (test, outcome, seconds) even when a step is killed."""
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -9,14 +8,11 @@ import tarfile
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from nemo_ssa.testing.scripts import REPO, load_script
 
 
 def _load_session():
-    spec = importlib.util.spec_from_file_location("gpu_session", os.path.join(REPO, "scripts", "device", "gpu_session.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/device/gpu_session.py")
 
 
 def test_steps_time_limits_and_packing(tmp_path):

@@ -1,4 +1,4 @@
-"""scripts/device/graphs_default.py: the checks before model.cuda_graphs=local can be the default.
+"""scripts/device/graphs_default.py: the checks model.cuda_graphs=auto rests on.
 
 The verdicts are read from the run directories the launcher writes (metrics.csv with its
 ``segment`` column, heldout.csv, summary.json); here they are written by hand, each failure
@@ -6,7 +6,6 @@ mode once, and the kill-on-step watcher runs against a process that writes rows.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -15,15 +14,11 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from nemo_ssa.testing.scripts import REPO, load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("graphs_default",
-                                                  os.path.join(REPO, "scripts", "device", "graphs_default.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/device/graphs_default.py")
 
 
 def _run(tmp_path, name, segments, heldout, rate=None, captured=None):

@@ -3,20 +3,16 @@ is written after every run, a failed run is shown as failed and the exit code sa
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from nemo_ssa.testing.scripts import REPO, load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("step_ab", os.path.join(REPO, "scripts", "device", "step_ab.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/device/step_ab.py")
 
 
 def _tree(tmp_path, name):
