@@ -21,7 +21,8 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for att in softmax ssa; do
     echo "=== attention=$att ($steps steps) ===" | tee -a "$out/proof.log"
     start=$(date +%s)
-    python3 scripts/pretrain.py attention=$att compare_to=[] train=gpu_9min train.max_steps=$steps \
+    # model.cuda_graphs=none: the README main job's story runs both without graphs (softmax has none)
+    python3 scripts/pretrain.py attention=$att compare_to=[] train=gpu_9min model.cuda_graphs=none train.max_steps=$steps \
         train.warmup_steps=$(( steps / 10 )) train.val_check_interval=$steps train.limit_val_batches=2 \
         run_dir=runs/proof-$att > "runs/proof-$att.log" 2>&1
     rc=$?

@@ -88,7 +88,10 @@ def _core_metrics(run_dir: str) -> None:
 
 
 def _pretrain(*overrides, world: int = 1):
+    # graphs off on every stack: model.cuda_graphs=auto takes them on megatron-core 0.15 only,
+    # and stacks compared with graphs on one and not the other would not compare like with like
     script = os.path.join(REPO, "scripts", "pretrain.py")
+    overrides = ("model.cuda_graphs=none", *overrides)
     if world == 1:
         return [sys.executable, script, *overrides]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", script,
