@@ -48,7 +48,9 @@ KILL_AT = 130  # the two-node run: global rank 1 SIGKILLed once step >= KILL_AT 
 SEED = 1234
 GPU_COMMON = ["train=gpu_9min", f"train.max_steps={STEPS}", "train.micro_batch_size=32", "train.global_batch_size=64",
               f"train.val_check_interval={STOP}", "train.limit_val_batches=1", "compare_to=[]", f"seed={SEED}",
-              "model.init_on_cpu=true"]  # every layout starts from the identical weights
+              "model.init_on_cpu=true",  # every layout starts from the identical weights
+              # one GPU would take graphs under auto and the layouts it is compared with would not
+              "model.cuda_graphs=none"]
 CPU_STEPS, CPU_STOP = 6, 3
 CPU_KILL_AT = 5
 CPU_COMMON = [f"train.max_steps={CPU_STEPS}", "train.seq_length=32", "train.micro_batch_size=2",
