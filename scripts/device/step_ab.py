@@ -3,9 +3,10 @@
 A host-bound step (micro batch 8) moves by a few per cent from host to host, so a change is
 measured against its parent in the same call, not against a record: each tree runs the job once
 per round, the order reversed every other round (A B, B A, ...) so drift in the machine falls on
-both. A tree is a directory holding ``scripts/pretrain.py`` and its ``nemo_ssa`` (``.`` for the
-checkout; another commit: ``git archive <sha> nemo_ssa recipes scripts | tar -x -C dev/<sha>``,
-carried to the device)::
+both. A tree is a git ref (checked out beside this one for the call: ``benchmarks/ab.py``'s
+worktree, as ``run.py --ab`` does) or a directory holding ``scripts/pretrain.py`` and its
+``nemo_ssa`` (``.`` for the checkout; on a machine without ``.git``, such as the lent GPUs:
+``git archive <sha> nemo_ssa recipes scripts | tar -x -C dev/<sha>``, carried)::
 
     python scripts/device/step_ab.py --tree before=dev/a001b99 --tree after=. --rounds 2 --out $OUT/ab -- \\
         attention=ssa train=gpu_9min train.micro_batch_size=8 train.global_batch_size=8 train.max_steps=60 \\
@@ -20,6 +21,7 @@ that should not touch numerics leaves them equal). Each run's log is ``{out}/<la
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -30,17 +32,22 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:] = [REPO] + [p for p in sys.path if os.path.abspath(p or ".") != REPO]  # this checkout's nemo_ssa
 
+from benchmarks.ab import worktree  # noqa: E402
 from nemo_ssa.cli import split_overrides  # noqa: E402
 
 
 def parse_tree(spec: str) -> Tuple[str, str]:
-    label, sep, path = spec.partition("=")
-    if not sep or not label or not path:
-        raise SystemExit(f"[step_ab] --tree {spec!r}: LABEL=DIR")
+    label, sep, ref = spec.partition("=")
+    if not sep or not label or not ref:
+        raise SystemExit(f"[step_ab] --tree {spec!r}: LABEL=REF or LABEL=DIR")
+    return label, ref
+
+
+def check_tree(spec: str, path: str) -> str:
     if not os.path.isfile(os.path.join(path, "scripts", "pretrain.py")):
         raise SystemExit(f"[step_ab] --tree {spec!r}: {path}/scripts/pretrain.py not found (a tree holds the "
                          "launcher and its nemo_ssa)")
-    return label, os.path.abspath(path)
+    return os.path.abspath(path)
 
 
 def order(labels: Sequence[str], rnd: int) -> List[str]:
@@ -105,16 +112,33 @@ def table(labels: Sequence[str], results: Dict[str, List[Optional[Dict]]]) -> st
 def main(argv: Optional[Sequence[str]] = None, run: Callable = launch) -> int:
     argv, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tree", action="append", required=True, metavar="LABEL=DIR")
+    ap.add_argument("--tree", action="append", required=True, metavar="LABEL=REF|DIR")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", required=True)
     ap.add_argument("--timeout", type=float, default=240, help="seconds per run")
     args = ap.parse_args(argv)
-    trees = dict(parse_tree(t) for t in args.tree)
-    if len(trees) < 2:
-        raise SystemExit("[step_ab] needs two --tree LABEL=DIR at least (the first is the baseline)")
+    refs = dict(parse_tree(t) for t in args.tree)
+    if len(refs) < 2:
+        raise SystemExit("[step_ab] needs two --tree LABEL=REF|DIR at least (the first is the baseline)")
     if any(o.split("=", 1)[0] in ("run_dir", "compare_to") for o in overrides):
         raise SystemExit("[step_ab] run_dir and compare_to are set per run; leave them out of the overrides")
+    with contextlib.ExitStack() as stack:
+        trees = {}
+        for label, ref in refs.items():
+            # "." and any directory holding the launcher are used as they are; others are git refs
+            if os.path.isfile(os.path.join(ref, "scripts", "pretrain.py")):
+                path = ref
+            else:
+                try:
+                    path = stack.enter_context(worktree(ref))[1]
+                except subprocess.CalledProcessError:
+                    raise SystemExit(f"[step_ab] --tree {label}={ref}: neither a directory holding "
+                                     "scripts/pretrain.py nor a git ref of this checkout") from None
+            trees[label] = check_tree(f"{label}={ref}", path)
+        return _alternate(trees, overrides, args, run)
+
+
+def _alternate(trees: Dict[str, str], overrides: List[str], args, run: Callable) -> int:
     labels = list(trees)
     os.makedirs(args.out, exist_ok=True)
     results: Dict[str, List[Optional[Dict]]] = {label: [] for label in labels}

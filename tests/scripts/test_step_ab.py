@@ -66,8 +66,9 @@ def test_a_failed_run_is_shown_and_fails_the_command(tmp_path):
 
 @pytest.mark.parametrize("trees, overrides, says", [
     (["only=."], [], "two --tree"),
-    (["a=/nonexistent", "b=."], [], "scripts/pretrain.py not found"),
-    (["a", "b=."], [], "LABEL=DIR"),
+    (["a=/nonexistent", "b=."], [], "neither a directory holding scripts/pretrain.py nor a git ref"),
+    (["a=no-such-ref-3f1c", "b=."], [], "neither a directory holding scripts/pretrain.py nor a git ref"),
+    (["a", "b=."], [], "LABEL=REF or LABEL=DIR"),
     (["a=.", "b=."], ["run_dir=/x"], "run_dir and compare_to"),
 ])
 def test_bad_arguments_say_what_is_expected(trees, overrides, says, tmp_path, monkeypatch):
@@ -75,3 +76,18 @@ def test_bad_arguments_say_what_is_expected(trees, overrides, says, tmp_path, mo
     argv = [a for t in trees for a in ("--tree", t)] + ["--out", str(tmp_path), "--", *overrides]
     with pytest.raises(SystemExit, match=says):
         _load().main(argv, run=lambda *a: pytest.fail("nothing may run"))
+
+
+@pytest.mark.skipif(not os.path.isdir(os.path.join(REPO, ".git")), reason="needs the checkout's git history")
+def test_a_git_ref_is_checked_out_beside_and_removed_after(tmp_path):
+    seen = {}
+
+    def run(tree, overrides, run_dir, log, timeout):
+        seen.setdefault(tree, os.path.isfile(os.path.join(tree, "scripts", "pretrain.py")))
+        return 1  # no summary: the table says failed
+
+    rc = _load().main(["--tree", "head=HEAD", "--tree", f"here={REPO}", "--rounds", "1", "--out", str(tmp_path)],
+                      run=run)
+    assert rc == 1 and len(seen) == 2 and all(seen.values())
+    ref_tree = next(t for t in seen if t != REPO)
+    assert ref_tree != REPO and not os.path.exists(ref_tree)  # the worktree is gone afterwards
