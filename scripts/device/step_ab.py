@@ -12,7 +12,8 @@ worktree, as ``run.py --ab`` does) or a directory holding ``scripts/pretrain.py`
         attention=ssa train=gpu_9min train.micro_batch_size=8 train.global_batch_size=8 train.max_steps=60 \\
         train.val_check_interval=60 model.cuda_graphs=local
 
-Writes ``{out}/ab.md`` after every run (a call cut at its limit keeps what finished): per tree the
+Each tree builds the corpus into its own ``data/`` unless ``NEMO_SSA_DATA_DIR`` names one for
+all (the runs inherit the environment). Writes ``{out}/ab.md`` after every run (a call cut at its limit keeps what finished): per tree the
 tokens/s of each round (``summary.json``'s median), their median and the ratio to the first
 tree, peak memory, whether graphs were captured, and the first and last step's loss (a change
 that should not touch numerics leaves them equal). Each run's log is ``{out}/<label>-r<round>.log``.
