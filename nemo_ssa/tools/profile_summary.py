@@ -6,8 +6,11 @@ For each ``ProfilerStep#N`` window (written by ``nemo_ssa.nemo.callbacks.Profile
 it prints the step's wall time (start to the next step's start), the GPU-busy time (union
 of kernel intervals) and the idle time, then attributes every GPU-idle interval longer than
 ``--min-gap-us`` to the Python functions the CPU was executing at that moment (inclusive
-per stack level; needs ``with_stack``), plus the CUDA kernels by total time. Pure Python;
-runs on any machine.
+per stack level; needs ``with_stack``), then every host-device synchronisation in the steps
+(``cudaStreamSynchronize`` and the other calls in ``SYNC_CALLS``: an ``.item()``, a blocking
+copy, a host read of a device flag) grouped by the call site that asked for it, with how long
+the host waited -- each one drains the GPU's queue, and the host must refill it before the GPU
+works again -- plus the CUDA kernels by total time. Pure Python; runs on any machine.
 """
 
 from __future__ import annotations
@@ -19,6 +22,15 @@ import json
 import sys
 from collections import defaultdict
 from typing import Dict, List, Tuple
+
+#: CUDA runtime calls after which the host has waited for the device. torch's ``.item()``,
+#: ``.cpu()`` and blocking host-to-device copies end in ``cudaStreamSynchronize``.
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+#: frames skipped when naming the call site of a synchronisation: the library plumbing between
+#: the code that asked for a value and the runtime call (the trace names a frame by its path
+#: under site-packages: "torch/_tensor.py(..)", "lightning/pytorch/...")
+_PLUMBING = ("torch/", "<built-in", "contextlib.py", "lightning_utilities/")
 
 
 def load(path: str) -> List[dict]:
@@ -39,8 +51,10 @@ def _union(intervals: List[Tuple[float, float]]) -> List[Tuple[float, float]]:
 
 
 def summarize(events: List[dict], top: int = 25, min_gap_us: float = 20.0) -> str:
-    steps = sorted((e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")),
-                   key=lambda e: e["ts"])
+    # the host's step annotations (the profiler also writes each one on the GPU's timeline,
+    # category gpu_user_annotation: counting both halved every step's window)
+    steps = sorted((e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")
+                    and e.get("cat") != "gpu_user_annotation"), key=lambda e: e["ts"])
     kernels = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
                if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     pyfn = [e for e in events if e.get("ph") == "X" and e.get("cat") == "python_function"]
@@ -115,6 +129,7 @@ def summarize(events: List[dict], top: int = 25, min_gap_us: float = 20.0) -> st
         lines.append("\n... innermost frame at the sample points:")
         for name, t in sorted(idle_leaf.items(), key=lambda kv: -kv[1])[:top]:
             lines.append(f"  {t / 1e3:9.2f} ms  {name[:150]}")
+    lines.extend(_sync_table(events, tid, windows, stack_at, top))
     k_tot: Dict[str, float] = defaultdict(float)
     k_cnt: Dict[str, int] = defaultdict(int)
     a0, b1 = windows[0][0], windows[-1][1]
@@ -127,6 +142,34 @@ def summarize(events: List[dict], top: int = 25, min_gap_us: float = 20.0) -> st
     for name, t in sorted(k_tot.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f"  {t / n / 1e3:8.3f} ms  x{k_cnt[name] / n:5.0f}  {name[:120]}")
     return "\n".join(lines)
+
+
+def call_site(frames: List[str], depth: int = 2) -> str:
+    """The innermost ``depth`` frames outside torch's and Lightning's plumbing, innermost first."""
+    own = [f for f in frames if not f.startswith(_PLUMBING)]
+    return " <- ".join(reversed(own[-depth:])) if own else "(no Python frame)"
+
+
+def _sync_table(events: List[dict], tid, windows: List[Tuple[float, float]], stack_at, top: int) -> List[str]:
+    a0, b1 = windows[0][0], windows[-1][1]
+    syncs = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cuda_runtime"
+             and e.get("name") in SYNC_CALLS and e.get("tid") == tid and a0 <= e["ts"] < b1]
+    n = len(windows)
+    lines = [f"\nHost-device synchronisations on the main thread: {len(syncs) / n:.1f} per step, "
+             f"{sum(e['dur'] for e in syncs) / n / 1e3:.2f} ms waited per step"]
+    if not syncs:
+        return lines
+    count: Dict[str, int] = defaultdict(int)
+    waited: Dict[str, float] = defaultdict(float)
+    for e in syncs:
+        site = f"{e['name']}: {call_site(stack_at(e['ts'] + e['dur'] / 2))}"
+        count[site] += 1
+        waited[site] += e["dur"]
+    lines.append("| per step | ms waited per step | call site (innermost first) |")
+    lines.append("|---|---|---|")
+    for site in sorted(count, key=lambda k: -count[k] * 1e9 - waited[k])[:top]:
+        lines.append(f"| {count[site] / n:.1f} | {waited[site] / n / 1e3:.3f} | {site[:220]} |")
+    return lines
 
 
 def main(argv=None) -> int:
