@@ -8,10 +8,15 @@ distributed optimizer's save/resume with torch's Adam. The recipe uses it for ``
 With ``fast_paths=True`` (the default) it also installs ``nemo_ssa.megatron.fast_paths``:
 sync-free multi-tensor norm/scale in place of megatron's no-apex fallbacks, and the fused
 ``torch.optim.AdamW`` kernel on CUDA (docs/training-step.md).
+
+It also logs the learning rate without a host-device synchronisation: NeMo's module logs the
+Python float, which Lightning turns into a device tensor with a blocking copy at the start of
+every step (a drain of the GPU's queue before the step's first launch).
 """
 
 from __future__ import annotations
 
+import torch
 from nemo.lightning.pytorch.optim.megatron import MegatronOptimizerModule
 
 from nemo_ssa.megatron import fast_paths
@@ -35,3 +40,17 @@ class SSAMegatronOptimizerModule(MegatronOptimizerModule):
         for opt in optimizers:
             patch_megatron_optimizer(opt)
         return optimizers
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        """NeMo's ``lr`` log, as a device tensor copied from pinned memory without blocking.
+
+        The logged value is the one NeMo's hook logs (the first group's rate in the default
+        dtype, which is what Lightning makes of a float); off CUDA it is NeMo's hook as it is.
+        """
+        device = getattr(pl_module, "device", None)
+        if self._optimizers is None or device is None or torch.device(device).type != "cuda":
+            return super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        groups = self._optimizers[0].param_groups
+        lr = groups[0]["lr"] if len(groups) > 0 else 0.0
+        value = torch.tensor(lr, dtype=torch.get_default_dtype(), pin_memory=True).to(device, non_blocking=True)
+        pl_module.log("lr", value, batch_size=1, prog_bar=True)
