@@ -8,6 +8,7 @@ Named presets (the GPU test plan; ``PRESETS`` below lists what each runs)::
     python scripts/device/gpu_session.py --preset graphs --out $OUT --commit <sha>   # model.cuda_graphs=local: speed + parity
     python scripts/device/gpu_session.py --preset graphs-default --out $OUT --commit <sha>   # the checks model.cuda_graphs=auto rests on (DP 2 needs 2 GPUs)
     python scripts/device/gpu_session.py --preset step-graphs --out $OUT --commit <sha>   # the mb-8 step with graphs, profiled
+    python scripts/device/gpu_session.py --preset syncs --out $OUT --commit <sha>   # every sync of the step, by call site
     python scripts/device/gpu_session.py --list-presets
 
 Every session (a preset or free-form steps) installs the offline wheel bundle first when ``.whl/`` is present (as
@@ -80,6 +81,7 @@ PRESETS = {
                  "tests/ops/attention/test_flex_gpu.py", "tests/ops/elsa/test_elsa_gpu.py",
                  "tests/ops/test_fused_attention_range.py", "tests/ops/attention/test_flash.py", "tests/ops/attention/test_flash_autograd_paths.py",
                  "tests/ops/rope/test_rope.py", "tests/ops/cross_entropy/test_cross_entropy.py", "tests/megatron/test_fast_paths.py",
+                 "tests/nemo/test_optim_lr_log.py",
                  "tests/ops/mlp/test_mlp_gpu.py", "tests/ops/test_tiny_shapes.py"],
                 None, 240)]),
     "full-2": dict(
@@ -138,6 +140,23 @@ PRESETS = {
                 "{py} scripts/pretrain.py attention=softmax_triton compare_to=[] train=gpu_9min train.micro_batch_size=8 "
                 "train.global_batch_size=8 train.max_steps=60 train.val_check_interval=60 model.cuda_graphs=local "
                 "run_dir={out}/nemo-mb8-softmax_triton")]),
+    "syncs": dict(
+        about="every host-device synchronisation of the NeMo step with CUDA graphs, by call site (issue 43: a "
+              "sync drains the GPU's queue and the host's Python between it and the next launch is GPU idle "
+              "time): the lr log's GPU test, then the main job at micro batch 32 and 8 profiled at steps 40-42 "
+              "and each trace summarised (its sync table)",
+        expect=330, budget=450,
+        steps=[("pytest", "tests-lr-log", 60, ["tests/nemo/test_optim_lr_log.py"], None, 50, 1),
+               ("cmd", "nemo-mb32-ssa-profile", 150,
+                "{py} scripts/pretrain.py attention=ssa compare_to=[] train=gpu_9min train.max_steps=60 "
+                "train.val_check_interval=60 model.cuda_graphs=local profile.start=40 profile.steps=3 "
+                "run_dir={out}/nemo-mb32-ssa && {py} -m nemo_ssa.tools.profile_summary "
+                "{out}/nemo-mb32-ssa/profile/trace.json.gz > {out}/nemo-mb32-ssa-gaps.md"),
+               ("cmd", "nemo-mb8-ssa-profile", 120,
+                "{py} scripts/pretrain.py attention=ssa compare_to=[] train=gpu_9min train.micro_batch_size=8 "
+                "train.global_batch_size=8 train.max_steps=60 train.val_check_interval=60 model.cuda_graphs=local "
+                "profile.start=40 profile.steps=3 run_dir={out}/nemo-mb8-ssa && {py} -m nemo_ssa.tools.profile_summary "
+                "{out}/nemo-mb8-ssa/profile/trace.json.gz > {out}/nemo-mb8-ssa-gaps.md")]),
     "graphs-default": dict(
         about="the checks model.cuda_graphs=auto (local where they passed) rests on, on two GPUs "
               "(scripts/device/graphs_default.py): softmax_triton's 1,000-step parity through NeMo, a graphed "

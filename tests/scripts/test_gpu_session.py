@@ -47,7 +47,7 @@ def test_presets_fit_the_device_limits():
     """Every preset: at most 9 minutes per command; quick within 4; full-1 + full-2 cover
     every GPU test file and every op test that runs on CUDA."""
     gs = _load_session()
-    assert set(gs.PRESETS) == {"quick", "full-1", "full-2", "graphs", "graphs-default", "step-graphs"}
+    assert set(gs.PRESETS) == {"quick", "full-1", "full-2", "graphs", "graphs-default", "step-graphs", "syncs"}
     for name, p in gs.PRESETS.items():
         assert p["budget"] <= 540 and sum(s[2] for s in p["steps"]) <= p["budget"], name
     assert gs.PRESETS["quick"]["budget"] <= 240
@@ -78,7 +78,7 @@ def test_graphs_preset_runs_what_exists():
     assert any("--cuda-graph none,local" in c for c in cmds)
 
 
-@pytest.mark.parametrize("preset", ["step-graphs", "graphs-default"])
+@pytest.mark.parametrize("preset", ["step-graphs", "graphs-default", "syncs"])
 def test_graph_presets_name_flags_and_keys_that_exist(preset):
     """Every script flag and launcher key in the preset's commands exists (a rename would burn a
     device call)."""
@@ -88,7 +88,7 @@ def test_graph_presets_name_flags_and_keys_that_exist(preset):
     conf = os.path.join(REPO, "nemo_ssa", "configs")
     cfg_text = "".join(open(os.path.join(root, f)).read() for root, _, files in os.walk(conf) for f in files
                        if f.endswith(".yaml"))
-    for step in gs.PRESETS[preset]["steps"]:
+    for step in (s for s in gs.PRESETS[preset]["steps"] if s[0] == "cmd"):
         for part in step[3].split("&&"):
             words = part.split()
             script = words[2].replace(".", "/") + ".py" if words[1] == "-m" else words[1]
