@@ -44,13 +44,15 @@ class SSAMegatronOptimizerModule(MegatronOptimizerModule):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         """NeMo's ``lr`` log, as a device tensor copied from pinned memory without blocking.
 
-        The logged value is the one NeMo's hook logs (the first group's rate in the default
-        dtype, which is what Lightning makes of a float); off CUDA it is NeMo's hook as it is.
+        The logged value is the one NeMo's hook logs: the first group's rate in the dtype
+        Lightning makes of a float (the default dtype, float32 at least); off CUDA it is NeMo's
+        hook as it is.
         """
         device = getattr(pl_module, "device", None)
         if self._optimizers is None or device is None or torch.device(device).type != "cuda":
             return super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         groups = self._optimizers[0].param_groups
         lr = groups[0]["lr"] if len(groups) > 0 else 0.0
-        value = torch.tensor(lr, dtype=torch.get_default_dtype(), pin_memory=True).to(device, non_blocking=True)
+        dtype = torch.promote_types(torch.get_default_dtype(), torch.float32)
+        value = torch.tensor(lr, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
         pl_module.log("lr", value, batch_size=1, prog_bar=True)

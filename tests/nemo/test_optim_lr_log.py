@@ -33,7 +33,8 @@ def test_before_the_optimizers_exist_it_is_nemos_hook():
     assert logged == []  # NeMo's hook logs nothing then
 
 
-def test_on_cuda_the_value_travels_pinned_and_non_blocking(monkeypatch):
+@pytest.mark.parametrize("default", [torch.float32, torch.float64, torch.bfloat16])
+def test_on_cuda_the_value_travels_pinned_and_non_blocking(monkeypatch, default):
     made, moved = [], []
     real_tensor = torch.tensor
 
@@ -49,14 +50,17 @@ def test_on_cuda_the_value_travels_pinned_and_non_blocking(monkeypatch):
     monkeypatch.setattr(torch, "tensor", tensor)
     monkeypatch.setattr(torch.Tensor, "to", to)
     pl_module, logged = _pl_module("cuda:0")
+    monkeypatch.setattr(torch, "get_default_dtype", lambda: default)
     _module(3e-4).on_train_batch_start(None, pl_module, None, 0)
     monkeypatch.undo()
-    assert made == [{"dtype": torch.get_default_dtype(), "pin_memory": True}]
+    # Lightning makes a float into the default dtype but no lower than float32
+    want = torch.float64 if default == torch.float64 else torch.float32
+    assert made == [{"dtype": want, "pin_memory": True}]
     assert moved == [("cuda:0", True)]
     (name, value), kw = logged[0]
     assert name == "lr" and kw == {"batch_size": 1, "prog_bar": True}
-    # the value Lightning would have made of the float: the default dtype, first group's rate
-    assert value.dtype == torch.get_default_dtype() and value.item() == real_tensor(3e-4).item()
+    # the value Lightning would have made of the float: that dtype, the first group's rate
+    assert value.dtype == want and value.item() == real_tensor(3e-4, dtype=want).item()
 
 
 @pytest.mark.gpu
