@@ -159,14 +159,17 @@ def make_fwdbwd(model, data):
     return step
 
 
-def wrap_for_step(cfg, model, fast_paths: bool = True) -> None:
+def wrap_for_step(cfg, model, fast_paths: bool = True, sync_free: bool = True) -> None:
     """megatron Float16Module + DDP + optimizer around ``model`` (NeMo's step without
-    Lightning); stored on ``model._bench_step_state``.
+    Lightning); stored on ``model._bench_step_state``. The DDP config is the recipe's
+    (gradients reduced in fp32, megatron's gradient NaN check on, as NeMo's recipe sets it).
 
     ``fast_paths``: build the optimizer as the recipe's optimizer module does
     (``nemo_ssa.nemo.optim``: the sync-free multi-tensor norm/scale installed in megatron and
     the fused AdamW kernel), so the step timed is the one NeMo trains; without them megatron's
-    no-apex gradient clipping reads every parameter's norm to the host."""
+    no-apex gradient clipping reads every parameter's norm to the host. ``sync_free`` (with
+    ``fast_paths``, as the module does): clipping and the NaN check on the device
+    (``nemo_ssa.megatron.sync_free``)."""
     import fiddle as fdl
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
@@ -179,23 +182,33 @@ def wrap_for_step(cfg, model, fast_paths: bool = True) -> None:
     wrapped = Float16Module(cfg, model)
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                                     overlap_grad_reduce=False,
-                                                                    use_distributed_optimizer=False), wrapped)
-    model._bench_step_state = (ddp, make_optimizer(opt_cfg, ddp, fast_paths))
+                                                                    use_distributed_optimizer=False,
+                                                                    check_for_nan_in_grad=True), wrapped)
+    model._bench_step_state = (ddp, make_optimizer(opt_cfg, ddp, fast_paths, sync_free))
 
 
-def make_optimizer(opt_cfg, ddp, fast_paths: bool = True):
+def make_optimizer(opt_cfg, ddp, fast_paths: bool = True, sync_free: bool = True):
     """``get_megatron_optimizer`` for ``ddp`` as the recipe's optimizer module calls it
     (``nemo_ssa.nemo.optim``): with ``fast_paths`` the sync-free multi-tensor norm/scale are
-    installed in megatron (process-wide, as in a NeMo run) and AdamW builds its fused kernel."""
+    installed in megatron (process-wide, as in a NeMo run) and AdamW builds its fused kernel;
+    with ``sync_free`` too, ``nemo_ssa.megatron.sync_free`` is installed and activated."""
     from megatron.core.optimizer import get_megatron_optimizer
 
     from nemo_ssa.megatron import fast_paths as fp
+    from nemo_ssa.megatron import sync_free as sf
     from nemo_ssa.megatron.introspect import no_weight_decay_cond
 
     if fast_paths:
         fp.install()
+        if sync_free:
+            sf.install()
     with fp.fused_adamw(fast_paths):
-        return get_megatron_optimizer(opt_cfg, [ddp], no_weight_decay_cond=no_weight_decay_cond)
+        opt = get_megatron_optimizer(opt_cfg, [ddp], no_weight_decay_cond=no_weight_decay_cond)
+    if fast_paths and sync_free:
+        why = sf.activate(opt)
+        if why:
+            print(f"[bench_model] sync-free step off: {why}", flush=True)
+    return opt
 
 
 def make_step(model, data):

@@ -275,3 +275,40 @@ def test_progress_lines_come_from_the_flush(tmp_path, capsys):
     assert [ln.split(" |")[0] for ln in lines] == ["[train] step 2/5", "[train] step 4/5", "[train] step 5/5",
                                                    "[train] step 5: held-out loss 3.2500"]
     assert "loss 5.0000 | lr 2.500e-04 |" in lines[1] and "tokens/s | n 1.500-1.500" in lines[1]
+
+
+def test_tokens_per_s_is_timed_between_flushes_less_validation(tmp_path, monkeypatch):
+    """The host may run steps ahead of the device (no read per step): a step's own host time is
+    not the device's rate. The rate is the block's tokens over the wall time between the flush
+    reads (each waits for the device), validation time left out; the steady rate is the median
+    over the blocks after the first 10 steps."""
+    import nemo_ssa.nemo.callbacks as cbmod
+
+    clock = {"t": 100.0}
+    monkeypatch.setattr(cbmod.time, "time", lambda: clock["t"])
+    trainer = types.SimpleNamespace(global_step=0, max_steps=40, callback_metrics={}, sanity_checking=False,
+                                    optimizers=[types.SimpleNamespace(param_groups=[{"lr": 1e-3}])], loggers=[])
+    pl_module = types.SimpleNamespace(module=_Model())
+    cb = MetricsCallback(str(tmp_path), seq_length=4, global_batch_size=2, attention="ssa", flush_every=10)
+    cb.on_train_start(trainer, pl_module)
+    # host time per step: 0 for nine steps, then the whole block's device time at the flush step
+    block_seconds = {10: 5.0, 20: 1.0, 30: 2.0, 40: 4.0}
+    for step in range(1, 41):
+        trainer.global_step = step
+        trainer.callback_metrics[TB_LOSS_TAG] = torch.tensor(1.0)
+        if step == 25:  # a validation of 7 s inside the third block
+            cb.on_validation_start(trainer, pl_module)
+            clock["t"] += 7.0
+            cb.on_validation_end(trainer, pl_module)
+        clock["t"] += block_seconds.get(step, 0.0)
+        cb.on_train_batch_end(trainer, pl_module, None, None, step)
+    cb.on_train_end(trainer, pl_module)
+    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    tokens = 4 * 2 * 10
+    want = {10: tokens / 5.0, 20: tokens / 1.0, 30: tokens / 2.0, 40: tokens / 4.0}
+    for r in rows:
+        block_end = -(-int(r["step"]) // 10) * 10
+        assert float(r["tokens_per_s"]) == pytest.approx(want[block_end]), r
+    summary = json.load(open(tmp_path / "summary.json"))
+    # blocks from step 11: rates 80, 40, 20 -> median 40 (the first block, 16, is warm-up)
+    assert summary["tokens_per_s_median"] == pytest.approx(tokens / 2.0)

@@ -43,16 +43,19 @@ class MetricsCallback(Callback):
     (SSA models). No per-step host sync: each step keeps the loss and every layer's n on
     the device (one small concatenation) and the rows are read back and written every
     ``flush_every`` steps (the trainer's ``log_every_n_steps``) and at the end -- one
-    device-to-host read per flush. tokens/s is the step's host wall time (megatron reads
-    the gradient norm once per step, so the host never runs more than a step ahead; the
-    median over steps is the steady rate). The loss is the step's own output (``_step_loss``), not
+    device-to-host read per flush. tokens/s is measured between flushes: the flush's read
+    waits for the device to finish the block's steps, so the block's tokens over the wall time
+    from the previous flush (less the time spent in validation) is the rate the device kept --
+    a step's own host time is not, since the sync-free step (nemo_ssa.megatron.sync_free) lets
+    the host run steps ahead of the device. Each row carries its block's rate; the steady rate
+    is the median over the blocks after the first 10 steps. The loss is the step's own output (``_step_loss``), not
     ``trainer.callback_metrics``. n per layer also goes to the trainer's loggers
     (``ssa/n/layer_XX``) at flush steps. At the end, ``summary.json`` records the
     steady-state tokens/s (median over steps after the first 10), MFU (model FLOPs per
     token x tokens/s / the GPU's dense bf16 peak; ``nemo_ssa.tools.metrics_log.flops_per_token``
     documents the formula), peak GPU memory and the losses. ``progress=True`` (the launcher's
     choice: it turns Lightning's progress bar off) prints a line per flush, ``[train] step S/M |
-    loss | lr | tokens/s (the block's median) | n range``, and one per held-out loss, from the
+    loss | lr | tokens/s (the block's rate) | n range``, and one per held-out loss, from the
     values the flush reads anyway: NeMo's progress printer assembles every progress-bar metric
     (a device sync each) on every step.
 
@@ -74,10 +77,12 @@ class MetricsCallback(Callback):
         self.flush_every = max(1, int(flush_every))
         self.flops_per_token = flops_per_token
         self._writer: Optional[MetricsWriter] = None
-        self._t_last: Optional[float] = None
-        self._rates = []
+        self._t_last: Optional[float] = None  # the last flush's read (the device done to there)
+        self._t_val: Optional[float] = None
+        self._excluded = 0.0  # seconds of validation inside the current block
+        self._rates = []  # (first step of the block, tokens/s of the block)
         self._losses = {}
-        self._pending = []  # (step, loss tensor | float, lr, rate, n tensor | None)
+        self._pending = []  # (step, loss tensor | float, lr, n tensor | None)
         self._ssa = []
         self._layout = {"rank": 0, "world_size": 1}
         self._main = True
@@ -93,7 +98,16 @@ class MetricsCallback(Callback):
         self._ssa = ssa_modules(_unwrap(pl_module))
         self._t_last = time.time()
 
+    def on_validation_start(self, trainer, pl_module):
+        self._t_val = time.time()
+
     def on_validation_end(self, trainer, pl_module):
+        if self._t_val is not None and not getattr(trainer, "sanity_checking", False):
+            self._excluded += time.time() - self._t_val
+        self._t_val = None
+        self._validation_end(trainer)
+
+    def _validation_end(self, trainer):
         """The held-out loss (NeMo's ``val_loss`` on the data module's validation split, which
         no step trains on) -> ``heldout.csv`` (step, val_loss), global rank 0 only."""
         if not self._main or getattr(trainer, "sanity_checking", False):
@@ -108,9 +122,6 @@ class MetricsCallback(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if not self._main:
             return
-        now = time.time()
-        dt = now - self._t_last if self._t_last else float("nan")
-        self._t_last = now
         step = trainer.global_step
         self._max_steps = trainer.max_steps
         loss = _step_loss(outputs, trainer)
@@ -122,9 +133,7 @@ class MetricsCallback(Callback):
             loss = float(loss) if loss is not None else float("nan")
         lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else float("nan")
         n_now = torch.cat([m.n.detach().float().reshape(-1)[:1] for _, m in self._ssa]) if self._ssa else None
-        rate = self.tokens_per_step / dt if dt and dt > 0 else float("nan")
-        self._rates.append(rate)
-        self._pending.append((step, loss, float(lr), rate, n_now))
+        self._pending.append((step, loss, float(lr), n_now))
         if len(self._pending) >= self.flush_every or step >= trainer.max_steps:
             self._flush(trainer)
 
@@ -132,12 +141,19 @@ class MetricsCallback(Callback):
         if not self._pending:
             return
         # one read for the whole block: losses and n values stacked on the device
-        tensors = [t for row in self._pending for t in (row[1], row[4]) if isinstance(t, torch.Tensor)]
+        tensors = [t for row in self._pending for t in (row[1], row[3]) if isinstance(t, torch.Tensor)]
         flat = torch.cat([t.reshape(-1).float().to(tensors[0].device) for t in tensors]).tolist() if tensors else []
+        if torch.cuda.is_available() and not tensors:
+            torch.cuda.synchronize()  # nothing read: still time the block to the device's end
+        now = time.time()
+        elapsed = now - self._t_last - self._excluded if self._t_last is not None else float("nan")
+        self._t_last, self._excluded = now, 0.0
+        rate = self.tokens_per_step * len(self._pending) / elapsed if elapsed > 0 else float("nan")
+        self._rates.append((self._pending[0][0], rate))
         pos = 0
         layers = [layer for layer, _ in self._ssa]
         last_n = {}
-        for step, loss, lr, rate, n_now in self._pending:
+        for step, loss, lr, n_now in self._pending:
             if isinstance(loss, torch.Tensor):
                 loss, pos = flat[pos], pos + 1
             n_vals = {}
@@ -148,10 +164,8 @@ class MetricsCallback(Callback):
             last_n = n_vals
             if self._writer is not None:
                 self._writer.write(step=step, loss=loss, lr=lr, tokens_per_s=rate, ssa_n=n_vals)
-        block = [r for _, _, _, r, _ in self._pending if r == r]
         self._pending = []
         if self.progress and trainer is not None:
-            rate = sorted(block)[len(block) // 2] if block else float("nan")
             n = f" | n {min(last_n.values()):.3f}-{max(last_n.values()):.3f}" if last_n else ""
             print(f"[train] step {step}/{self._max_steps} | loss {loss:.4f} | lr {lr:.3e} | {rate:,.0f} tokens/s"
                   f"{n}", flush=True)
@@ -164,7 +178,8 @@ class MetricsCallback(Callback):
                 logger.log_metrics(metrics, step=step)
 
     def _steady_rate(self):
-        steady = sorted(r for r in self._rates[10:] if r == r) or sorted(r for r in self._rates if r == r)
+        steady = sorted(r for first, r in self._rates if r == r and first > 10) or \
+            sorted(r for _, r in self._rates if r == r)
         return steady[len(steady) // 2] if steady else None
 
     def on_train_end(self, trainer, pl_module):

@@ -42,6 +42,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from nemo_ssa.megatron import sync_free
 from nemo_ssa.tools.metrics_log import MetricsWriter, append_heldout
 from nemo_ssa.train.checkpoint_io import load_checkpoint, resume_checkpoint, save_checkpoint
 from nemo_ssa.train.ddp import ddp_config_for, no_decay_parameter_names, wrap_for_training
@@ -224,6 +225,7 @@ def train_on_cpu(
                         append_heldout(run_dir, step, val)
                     say(f"held-out loss at step {step}: {val:.4f}")
                 if (ckpt_every and step % ckpt_every == 0) or (step == end and save_at_end):
+                    sync_free.GUARD.check(wait=True)  # no checkpoint of a step whose gradient check failed
                     last_ckpt = save_checkpoint(ckpt_root, step, tr.ddp, tr.optimizer, tr.scheduler, layout)
                 fault_injection("step_end", step)
             if writer is not None:

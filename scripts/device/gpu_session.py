@@ -81,7 +81,7 @@ PRESETS = {
                  "tests/ops/attention/test_flex_gpu.py", "tests/ops/elsa/test_elsa_gpu.py",
                  "tests/ops/test_fused_attention_range.py", "tests/ops/attention/test_flash.py", "tests/ops/attention/test_flash_autograd_paths.py",
                  "tests/ops/rope/test_rope.py", "tests/ops/cross_entropy/test_cross_entropy.py", "tests/megatron/test_fast_paths.py",
-                 "tests/nemo/test_optim_lr_log.py",
+                 "tests/nemo/test_optim_lr_log.py", "tests/megatron/test_sync_free.py",
                  "tests/ops/mlp/test_mlp_gpu.py", "tests/ops/test_tiny_shapes.py"],
                 None, 240)]),
     "full-2": dict(
@@ -143,10 +143,11 @@ PRESETS = {
     "syncs": dict(
         about="every host-device synchronisation of the NeMo step with CUDA graphs, by call site (issue 43: a "
               "sync drains the GPU's queue and the host's Python between it and the next launch is GPU idle "
-              "time): the lr log's GPU test, then the main job at micro batch 32 and 8 profiled at steps 40-42 "
+              "time): the lr log's and the sync-free step's GPU tests, then the main job at micro batch 32 and 8 profiled at steps 40-42 "
               "and each trace summarised (its sync table)",
-        expect=330, budget=450,
-        steps=[("pytest", "tests-lr-log", 60, ["tests/nemo/test_optim_lr_log.py"], None, 50, 1),
+        expect=360, budget=480,
+        steps=[("pytest", "tests-lr-log", 90, ["tests/nemo/test_optim_lr_log.py", "tests/megatron/test_sync_free.py"],
+                None, 80, 1),
                ("cmd", "nemo-mb32-ssa-profile", 150,
                 "{py} scripts/pretrain.py attention=ssa compare_to=[] train=gpu_9min train.max_steps=60 "
                 "train.val_check_interval=60 model.cuda_graphs=local profile.start=40 profile.steps=3 "

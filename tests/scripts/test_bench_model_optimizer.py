@@ -21,10 +21,21 @@ def fake_optimizer(monkeypatch):
     monkeypatch.setattr(clip, "l2_norm_impl", mutils.local_multi_tensor_l2_norm)
     monkeypatch.setattr(clip, "multi_tensor_scale_impl", mutils.local_multi_tensor_scale)
     monkeypatch.setattr(moptimizer, "multi_tensor_scale_impl", mutils.local_multi_tensor_scale)
+    # and the slots nemo_ssa.megatron.sync_free binds
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+
+    from nemo_ssa.megatron import sync_free
+
+    monkeypatch.setattr(moptimizer, "get_grad_norm_fp32", clip.get_grad_norm_fp32)
+    monkeypatch.setattr(moptimizer, "clip_grad_by_total_norm_fp32", clip.clip_grad_by_total_norm_fp32)
+    monkeypatch.setattr(pgb._ParamAndGradBucketGroup, "check_grads",
+                        sync_free._ORIGINAL.get("check_grads", pgb._ParamAndGradBucketGroup.check_grads))
+    monkeypatch.setattr(sync_free, "_ORIGINAL", {})
     seen = {}
 
     def get_megatron_optimizer(cfg, chunks, no_weight_decay_cond=None):
-        seen.update(adamw=torch.optim.AdamW, l2=clip.l2_norm_impl, chunks=chunks, cond=no_weight_decay_cond)
+        seen.update(adamw=torch.optim.AdamW, l2=clip.l2_norm_impl, chunks=chunks, cond=no_weight_decay_cond,
+                norm=moptimizer.get_grad_norm_fp32)
         return "opt"
 
     monkeypatch.setattr(mopt, "get_megatron_optimizer", get_megatron_optimizer)
@@ -33,12 +44,13 @@ def fake_optimizer(monkeypatch):
 
 def test_step_optimizer_takes_the_recipes_fast_paths(fake_optimizer):
     from benchmarks.bench_model import make_optimizer
-    from nemo_ssa.megatron import fast_paths
+    from nemo_ssa.megatron import fast_paths, sync_free
 
     ddp = object()
     assert make_optimizer(None, ddp, fast_paths=True) == "opt"
     assert fake_optimizer["adamw"] is fast_paths._FusedAdamW
     assert fake_optimizer["l2"] is fast_paths.l2_norm
+    assert fake_optimizer["norm"] is sync_free.grad_norm_fp32  # the recipe's module installs it too
     assert fake_optimizer["chunks"] == [ddp] and fake_optimizer["cond"] is not None
     assert torch.optim.AdamW is not fast_paths._FusedAdamW  # only while the optimizer is built
 
@@ -49,9 +61,12 @@ def test_step_optimizer_without_fast_paths_is_megatrons(fake_optimizer):
     from benchmarks.bench_model import make_optimizer
     from nemo_ssa.megatron import fast_paths
 
+    import megatron.core.optimizer.clip_grads as clip
+
     make_optimizer(None, object(), fast_paths=False)
     assert fake_optimizer["adamw"] is not fast_paths._FusedAdamW
     assert fake_optimizer["l2"] is mutils.local_multi_tensor_l2_norm
+    assert fake_optimizer["norm"] is clip.get_grad_norm_fp32
 
 
 @pytest.mark.parametrize("argv, says", [

@@ -1,0 +1,302 @@
+"""nemo_ssa.megatron.sync_free: megatron's clipping and gradient NaN check without host reads.
+
+CPU: the stand-ins give megatron's numbers bit for bit, the guard skips a bad step on the
+device and raises megatron's error after it, and it stays off where it cannot stand in. The
+GPU test at the end runs megatron's real DDP + optimizer with the host-sync detector on."""
+
+import math
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from nemo_ssa.megatron import fast_paths, sync_free  # noqa: E402
+
+
+@pytest.fixture
+def installed(monkeypatch):
+    """megatron's own functions bound (whatever an earlier test installed; monkeypatch puts
+    the module globals back after the test), then the stand-ins installed over them."""
+    import megatron.core.optimizer.clip_grads as cg
+    import megatron.core.optimizer.optimizer as mo
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+
+    cls = pgb._ParamAndGradBucketGroup
+    monkeypatch.setattr(mo, "get_grad_norm_fp32", cg.get_grad_norm_fp32)
+    monkeypatch.setattr(mo, "clip_grad_by_total_norm_fp32", cg.clip_grad_by_total_norm_fp32)
+    monkeypatch.setattr(cls, "check_grads", sync_free._ORIGINAL.get("check_grads", cls.check_grads))
+    # megatron's no-apex norm moves its result to "cuda"; the plugin's stand-in stays on the device
+    monkeypatch.setattr(cg, "l2_norm_impl", fast_paths.l2_norm)
+    monkeypatch.setattr(sync_free, "_ORIGINAL", {})
+    sync_free.GUARD.reset()
+    done = sync_free.install()
+    yield types.SimpleNamespace(mo=mo, cls=cls, done=done)
+    sync_free.GUARD.reset()
+
+
+def _grads(seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g) * scale for s in [(7, 5), (3,), (11, 2, 3), (1,), (64,)]]
+
+
+def test_install_binds_the_stand_ins_where_megatrons_are(installed):
+    mo, cls = installed.mo, installed.cls
+    assert mo.get_grad_norm_fp32 is sync_free.grad_norm_fp32
+    assert mo.clip_grad_by_total_norm_fp32 is sync_free.clip_grad_by_total_norm
+    assert cls.check_grads is sync_free.check_grads and len(installed.done) == 3
+    assert len(sync_free.install()) == 3 and sync_free._ORIGINAL["check_grads"] is not sync_free.check_grads
+
+
+def test_install_leaves_a_megatron_it_does_not_know(installed, monkeypatch):
+    sync_free.uninstall()
+    monkeypatch.setattr(installed.mo, "get_grad_norm_fp32", lambda grads, kind=2: 0.0)  # other names
+    assert sync_free.install() == []
+    assert installed.cls.check_grads is not sync_free.check_grads  # all or nothing
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-3, 1e4])
+def test_norm_is_megatrons_double_on_the_device(installed, scale):
+    grads = _grads(scale=scale)
+    got = sync_free.grad_norm_fp32(grads)
+    assert isinstance(got, torch.Tensor) and got.dtype == torch.float64 and got.shape == ()
+    # megatron: the multi-tensor norm, squared in fp32, read to the host, ** 0.5 in Python
+    want = float(fast_paths.l2_norm(0, None, [grads], False)[0] ** 2) ** 0.5
+    assert math.isclose(float(got), want, rel_tol=2 ** -52, abs_tol=0), (float(got), want)
+    flat = torch.cat([t.flatten() for t in grads]).double()
+    assert math.isclose(float(got), float(flat.norm()), rel_tol=1e-6)  # and it is the norm
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_norm_carries_a_bad_gradient(installed, bad):
+    grads = _grads()
+    grads[2][3, 1, 0] = bad
+    got = float(sync_free.grad_norm_fp32(grads))
+    assert (math.isnan(got) and math.isnan(bad)) or got == bad
+
+
+def test_other_norms_and_float_norms_are_megatrons(installed, monkeypatch):
+    calls = []
+    monkeypatch.setitem(sync_free._ORIGINAL, "get_grad_norm_fp32", lambda *a: calls.append(("norm", a[1])) or 3.0)
+    monkeypatch.setitem(sync_free._ORIGINAL, "clip_grad_by_total_norm_fp32", lambda *a: calls.append(("clip", a[2])))
+    assert sync_free.grad_norm_fp32(_grads(), float("inf")) == 3.0
+    sync_free.clip_grad_by_total_norm([], 1.0, 2.5)
+    assert calls == [("norm", float("inf")), ("clip", 2.5)]
+
+
+def _params(grads):
+    params = []
+    for g in grads:
+        p = torch.nn.Parameter(torch.zeros_like(g))
+        p.grad = g.clone()
+        params.append(p)
+    return params
+
+
+@pytest.mark.parametrize("norm", [0.25, 0.999999, 1.0, 7.3, float("nan"), float("inf")])
+def test_clip_is_megatrons_bit_for_bit(installed, norm):
+    grads = _grads(seed=3)
+    params = _params(grads)
+    sync_free.clip_grad_by_total_norm(params, 1.0, torch.tensor(norm, dtype=torch.float64))
+    # megatron: clip_coeff = max_norm / (total_norm + 1e-6) in Python; scale only where < 1.0
+    want = [g.clone() for g in grads]
+    coeff = 1.0 / (norm + 1.0e-6)
+    if coeff < 1.0:
+        torch._foreach_mul_(want, coeff)
+    for p, w in zip(params, want):
+        assert torch.equal(p.grad, w), norm
+
+
+def test_clip_refuses_half_gradients(installed):
+    params = _params([g.bfloat16() for g in _grads()])
+    with pytest.raises(TypeError, match="fp32 main gradients"):
+        sync_free.clip_grad_by_total_norm(params, 1.0, torch.tensor(2.0, dtype=torch.float64))
+
+
+class _Leaf:
+    """megatron's MixedPrecisionOptimizer.step in short: norm, clip, the torch step."""
+
+    def __init__(self, params, fused=True, clip_grad=1.0):
+        self.params = params
+        self.optimizer = torch.optim.AdamW(params, lr=0.1, fused=fused)
+        self.config = types.SimpleNamespace(clip_grad=clip_grad)
+
+    def step(self):
+        import megatron.core.optimizer.optimizer as mo
+
+        norm = mo.get_grad_norm_fp32([p.grad for p in self.params])
+        mo.clip_grad_by_total_norm_fp32(self.params, self.config.clip_grad, norm)
+        self.optimizer.step()
+        return True, norm, None
+
+
+def _bucket_group(params):
+    return types.SimpleNamespace(buckets=[types.SimpleNamespace(grad_data=torch.cat([p.grad.flatten() for p in params]))])
+
+
+def _run(leaf, installed, grads_per_step, checked=True):
+    for i, grads in enumerate(grads_per_step):
+        for p, g in zip(leaf.params, grads):
+            p.grad = g.clone()
+        if checked:  # megatron's DDP: finish_grad_sync -> check_grads(check_for_nan_in_grad, check_for_large)
+            installed.cls.check_grads(_bucket_group(leaf.params), True, False)
+        leaf.step()
+
+
+def test_guard_leaves_good_steps_as_megatron_makes_them(installed):
+    steps = [_grads(seed=s, scale=0.3 * (s + 1)) for s in range(4)]
+    ref = _Leaf(_params(steps[0]))
+    sync_free.uninstall()  # megatron's path: the norm as a float, its clip
+    import megatron.core.optimizer.clip_grads as cg
+
+    for grads in steps:
+        for p, g in zip(ref.params, grads):
+            p.grad = g.clone()
+        norm = float(fast_paths.l2_norm(0, None, [[p.grad for p in ref.params]], False)[0] ** 2) ** 0.5
+        coeff = 1.0 / (norm + 1e-6)
+        if coeff < 1.0:
+            torch._foreach_mul_([p.grad for p in ref.params], coeff)
+        ref.optimizer.step()
+    assert cg  # megatron's module is what the reference stands for
+    sync_free.install()
+    leaf = _Leaf(_params(steps[0]))
+    assert sync_free.activate(leaf) is None and sync_free.GUARD.active
+    _run(leaf, installed, steps)
+    sync_free.GUARD.check(wait=True)
+    for a, b in zip(leaf.params, ref.params):
+        assert torch.equal(a.detach(), b.detach())
+
+
+@pytest.mark.parametrize("bad, says", [(float("nan"), "found NaN in local grad norm for bucket #0"),
+                                       (float("inf"), "found Inf in local grad norm for bucket #0")])
+def test_guard_skips_the_bad_step_and_raises_at_the_next(installed, bad, says):
+    leaf = _Leaf(_params(_grads()))
+    assert sync_free.activate(leaf) is None
+    sync_free.GUARD.iteration = 40
+    _run(leaf, installed, [_grads(seed=1)])
+    before = [p.detach().clone() for p in leaf.params]
+    state_step = float(leaf.optimizer.state[leaf.params[0]]["step"])
+    grads = _grads(seed=2)
+    grads[4][9] = bad
+    _run(leaf, installed, [grads])  # iteration 41: skipped on the device, nothing read yet
+    for p, b in zip(leaf.params, before):
+        assert torch.equal(p.detach(), b)
+    assert float(leaf.optimizer.state[leaf.params[0]]["step"]) == state_step  # Adam's count too
+    assert float(sync_free.GUARD.flag) == 0.0  # cleared for the next step
+    with pytest.raises(RuntimeError, match=rf"iteration 41: Unexpected result .*{says}.*skipped"):
+        _run(leaf, installed, [_grads(seed=3)])
+
+
+def test_a_checkpoint_waits_for_the_checks_in_flight(installed):
+    leaf = _Leaf(_params(_grads()))
+    sync_free.activate(leaf)
+    grads = _grads()
+    grads[0][0, 0] = float("nan")
+    _run(leaf, installed, [grads])
+    with pytest.raises(RuntimeError, match="iteration 0: .*found NaN"):
+        sync_free.GUARD.check(wait=True)
+    sync_free.GUARD.check(wait=True)  # read once: a later check does not raise it again
+
+
+def test_the_total_norm_carries_a_bad_step_to_every_rank(installed):
+    """A rank whose own buckets are clean still skips when the reduced norm is not finite (the
+    NaN of another rank arrives through the all-reduce)."""
+    leaf = _Leaf(_params(_grads()))
+    sync_free.activate(leaf)
+    installed.cls.check_grads(_bucket_group(leaf.params), True, False)  # this rank's buckets: clean
+    before = [p.detach().clone() for p in leaf.params]
+    leaf.params[1].grad[0] = float("nan")  # as after the reduction
+    leaf.step()
+    sync_free.GUARD.end_step()
+    for p, b in zip(leaf.params, before):
+        assert torch.equal(p.detach(), b)
+    with pytest.raises(RuntimeError, match="total gradient norm"):
+        sync_free.GUARD.check(wait=True)
+
+
+@pytest.mark.parametrize("leaf_kw, why", [(dict(fused=False), "fused"), (dict(clip_grad=0.0), "clip_grad is 0")])
+def test_guard_stays_off_where_it_cannot_skip_and_megatron_checks(installed, monkeypatch, leaf_kw, why):
+    leaf = _Leaf(_params(_grads()), **leaf_kw)
+    assert why in sync_free.activate(leaf) and not sync_free.GUARD.active
+    calls = []
+    monkeypatch.setitem(sync_free._ORIGINAL, "check_grads", lambda self, a, b: calls.append((a, b)))
+    installed.cls.check_grads(_bucket_group(leaf.params), True, False)
+    assert calls == [(True, False)]
+
+
+def test_megatrons_check_where_it_asks_for_more(installed, monkeypatch):
+    leaf = _Leaf(_params(_grads()))
+    sync_free.activate(leaf)
+    calls = []
+    monkeypatch.setitem(sync_free._ORIGINAL, "check_grads", lambda self, a, b: calls.append((a, b)))
+    installed.cls.check_grads(_bucket_group(leaf.params), True, True)  # check_for_large_grads
+    monkeypatch.setattr(sync_free, "_rerun_disabled", lambda: False)  # a rerun mode re-runs from the value
+    installed.cls.check_grads(_bucket_group(leaf.params), True, False)
+    assert calls == [(True, True), (True, False)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_megatrons_step_reads_nothing_and_a_nan_is_caught_on_cuda():
+    """The recipe's model (2 layers) under megatron's DDP with check_for_nan_in_grad (as NeMo's
+    recipe) and the optimizer built as the optimizer module builds it: (1) gradient sync and
+    optimizer step run with torch's sync detector set to error; (2) the clipped gradients and
+    the returned norm are megatron's (its own norm function on the same gradients, its clip
+    rule), bit for bit; (3) a NaN in one gradient: the step is skipped, the next one raises."""
+    import megatron.core.optimizer.clip_grads as cg
+
+    from benchmarks import bench_model as bm
+
+    bm.init_megatron(1234)
+    cfg, model = bm.build("softmax", 128, overrides={"num_layers": 2})
+    bm.wrap_for_step(cfg, model, fast_paths=True, sync_free=True)
+    ddp, opt = model._bench_step_state
+    assert sync_free.GUARD.active
+    tokens, pos, labels, mask = bm.batch(2, 128)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def strict(fn):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    def fwd_bwd(nan=False):
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        bm.loss_fn(ddp(tokens, pos, None, labels=labels, loss_mask=mask), mask).backward()
+        if nan:
+            params[0].main_grad.view(-1)[3] = float("nan")
+
+    for _ in range(3):
+        fwd_bwd()
+        strict(ddp.finish_grad_sync)
+        # megatron's reference on the same gradients: its norm (the float it returns) and clip rule
+        # (in the optimizer's order: the norm of the norms is an fp32 sum, its order counts)
+        for leaf in getattr(opt, "chained_optimizers", [opt]):
+            leaf.prepare_grads()  # main_param.grad = main_grad, as the step does first
+        for_norm = [g for leaf in getattr(opt, "chained_optimizers", [opt]) for g in leaf.get_main_grads_for_grad_norm()]
+        ref_norm = cg.get_grad_norm_fp32(for_norm)
+        want = [p.main_grad.clone() for p in params]
+        coeff = 1.0 / (ref_norm + 1.0e-6)
+        if coeff < 1.0:
+            torch._foreach_mul_(want, coeff)
+        _, grad_norm, _ = strict(opt.step)
+        assert isinstance(grad_norm, torch.Tensor) and grad_norm.is_cuda
+        assert math.isclose(float(grad_norm), ref_norm, rel_tol=2 ** -52), (float(grad_norm), ref_norm)
+        for p, w in zip(params, want):
+            assert torch.equal(p.main_grad, w)
+    sync_free.GUARD.check(wait=True)
+    before = [p.detach().clone() for p in params]
+    fwd_bwd(nan=True)
+    strict(ddp.finish_grad_sync)
+    strict(opt.step)
+    torch.cuda.synchronize()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
+    fwd_bwd()
+    ddp.finish_grad_sync()
+    with pytest.raises(RuntimeError, match="found NaN in local grad norm for bucket"):
+        opt.step()
