@@ -350,6 +350,16 @@ class CudaGraphRNGCallback(Callback):
         use_cudagraphable_rng_tracker()
 
 
+class SyncFreeLossReductionCallback(Callback):
+    """The training loss reduced without a host read (``nemo_ssa.nemo.loss_reduction``): set on
+    the model in ``setup``, before the first step; a model with its own reduction keeps it."""
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        from nemo_ssa.nemo.loss_reduction import install
+
+        install(pl_module)
+
+
 class StopAfterCallback(Callback):
     """Stop training after global step ``step`` (a planned interruption for resume checks).
 
