@@ -280,15 +280,19 @@ def test_megatrons_step_reads_nothing_and_a_nan_is_caught_on_cuda():
             leaf.prepare_grads()  # main_param.grad = main_grad, as the step does first
         for_norm = [g for leaf in getattr(opt, "chained_optimizers", [opt]) for g in leaf.get_main_grads_for_grad_norm()]
         ref_norm = cg.get_grad_norm_fp32(for_norm)
-        want = [p.main_grad.clone() for p in params]
+        # the fp32 gradients the optimizer clips and steps on (its main parameters'), clipped by megatron's rule
+        leaves = getattr(opt, "chained_optimizers", [opt])
+        want = [q.grad.clone() for leaf in leaves for q in leaf.get_parameters() if q.grad is not None]
         coeff = 1.0 / (ref_norm + 1.0e-6)
         if coeff < 1.0:
             torch._foreach_mul_(want, coeff)
         _, grad_norm, _ = strict(opt.step)
         assert isinstance(grad_norm, torch.Tensor) and grad_norm.is_cuda
         assert math.isclose(float(grad_norm), ref_norm, rel_tol=2 ** -52), (float(grad_norm), ref_norm)
-        for p, w in zip(params, want):
-            assert torch.equal(p.main_grad, w)
+        got = [q.grad for leaf in leaves for q in leaf.get_parameters() if q.grad is not None]
+        assert len(got) == len(want) and all(g.dtype == torch.float32 for g in got)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
     sync_free.GUARD.check(wait=True)
     before = [p.detach().clone() for p in params]
     fwd_bwd(nan=True)
