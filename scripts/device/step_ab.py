@@ -12,6 +12,9 @@ worktree, as ``run.py --ab`` does) or a directory holding ``scripts/pretrain.py`
         attention=ssa train=gpu_9min train.micro_batch_size=8 train.global_batch_size=8 train.max_steps=60 \\
         train.val_check_interval=60 model.cuda_graphs=local
 
+``--arm LABEL="k=v k=v"`` adds overrides to one tree's runs only, so an option is A/B'd on one tree
+(``--tree ln_off=. --tree ln_on=. --arm ln_on="model.fused_layernorm=true"``).
+
 Each tree builds the corpus into its own ``data/`` unless ``NEMO_SSA_DATA_DIR`` names one for
 all (the runs inherit the environment). Writes ``{out}/ab.md`` after every run (a call cut at its limit keeps what finished): per tree the
 tokens/s of each round (``summary.json``'s median), their median and the ratio to the first
@@ -117,11 +120,20 @@ def main(argv: Optional[Sequence[str]] = None, run: Callable = launch) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", required=True)
     ap.add_argument("--timeout", type=float, default=240, help="seconds per run")
+    ap.add_argument("--arm", action="append", default=[], metavar='LABEL="k=v ..."',
+                    help="overrides added to one tree's runs only (an option A/B'd on one tree)")
     args = ap.parse_args(argv)
     refs = dict(parse_tree(t) for t in args.tree)
     if len(refs) < 2:
         raise SystemExit("[step_ab] needs two --tree LABEL=REF|DIR at least (the first is the baseline)")
-    if any(o.split("=", 1)[0] in ("run_dir", "compare_to") for o in overrides):
+    args.extra = {}
+    for spec in args.arm:
+        label, sep, extra = spec.partition("=")
+        if not sep or label not in refs:
+            raise SystemExit(f"[step_ab] --arm {spec!r}: LABEL=\"k=v ...\" with LABEL one of the trees "
+                             f"({', '.join(refs)})")
+        args.extra[label] = extra.split()
+    if any(o.split("=", 1)[0] in ("run_dir", "compare_to") for o in overrides + sum(args.extra.values(), [])):
         raise SystemExit("[step_ab] run_dir and compare_to are set per run; leave them out of the overrides")
     with contextlib.ExitStack() as stack:
         trees = {}
@@ -147,14 +159,17 @@ def _alternate(trees: Dict[str, str], overrides: List[str], args, run: Callable)
     for rnd in range(args.rounds):
         for label in order(labels, rnd):
             run_dir = os.path.join(os.path.abspath(args.out), f"{label}-r{rnd}")
-            rc = run(trees[label], overrides, run_dir, run_dir + ".log", args.timeout)
+            rc = run(trees[label], overrides + getattr(args, "extra", {}).get(label, []), run_dir, run_dir + ".log",
+                     args.timeout)
             summary = read_summary(run_dir) if rc == 0 else None
             results[label].append(summary)
             rate = f"{summary['rate']:,.0f} tokens/s" if summary and summary["rate"] else f"failed (exit {rc})"
             print(f"[step_ab] round {rnd + 1}/{args.rounds} {label}: {rate} ({time.time() - t0:.0f} s)", flush=True)
             with open(os.path.join(args.out, "ab.md"), "w") as f:
                 f.write(f"# The same job from {len(labels)} trees, alternated ({args.rounds} rounds)\n\n"
-                        f"Overrides: `{' '.join(overrides)}`\n\n{table(labels, results)}\n")
+                        f"Overrides: `{' '.join(overrides)}`\n\n" +
+                        "".join(f"- {label} also: `{' '.join(x)}`\n" for label, x in getattr(args, "extra", {}).items())
+                        + f"\n{table(labels, results)}\n")
     print(table(labels, results), flush=True)
     return 0 if all(all(r for r in rows) for rows in results.values()) else 1
 

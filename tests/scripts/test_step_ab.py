@@ -64,6 +64,36 @@ def test_a_failed_run_is_shown_and_fails_the_command(tmp_path):
     assert rc == 1 and "| y | failed |" in (tmp_path / "o" / "ab.md").read_text()
 
 
+def test_an_arm_adds_overrides_to_one_trees_runs(tmp_path):
+    """An option A/B'd on one tree: the same directory twice, one label with extra overrides."""
+    ab = _load()
+    a = _tree(tmp_path, "a")
+    calls = []
+
+    def run(tree, overrides, run_dir, log, timeout):
+        calls.append((os.path.basename(run_dir), list(overrides)))
+        os.makedirs(run_dir)
+        json.dump({"tokens_per_s_median": 1.0, "loss": {}}, open(os.path.join(run_dir, "summary.json"), "w"))
+        return 0
+
+    out = tmp_path / "o"
+    rc = ab.main(["--tree", f"off={a}", "--tree", f"on={a}", "--arm", "on=model.fused_layernorm=true x=1",
+                  "--rounds", "2", "--out", str(out), "--", "attention=ssa"], run=run)
+    assert rc == 0
+    assert calls == [("off-r0", ["attention=ssa"]), ("on-r0", ["attention=ssa", "model.fused_layernorm=true", "x=1"]),
+                     ("on-r1", ["attention=ssa", "model.fused_layernorm=true", "x=1"]), ("off-r1", ["attention=ssa"])]
+    assert "- on also: `model.fused_layernorm=true x=1`" in (out / "ab.md").read_text()
+
+
+@pytest.mark.parametrize("arm, says", [("nope=a=1", "one of the trees"), ("off", "LABEL="),
+                                       ("on=run_dir=/x", "run_dir and compare_to")])
+def test_a_bad_arm_says_what_is_expected(arm, says, tmp_path):
+    a = _tree(tmp_path, "a")
+    with pytest.raises(SystemExit, match=says):
+        _load().main(["--tree", f"off={a}", "--tree", f"on={a}", "--arm", arm, "--out", str(tmp_path / "o")],
+                     run=lambda *x: pytest.fail("nothing may run"))
+
+
 @pytest.mark.parametrize("trees, overrides, says", [
     (["only=."], [], "two --tree"),
     (["a=/nonexistent", "b=."], [], "neither a directory holding scripts/pretrain.py nor a git ref"),
