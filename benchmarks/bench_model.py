@@ -161,9 +161,8 @@ def make_fwdbwd(model, data):
 
 def wrap_for_step(cfg, model, fast_paths: bool = True, sync_free: bool = True) -> None:
     """megatron Float16Module + DDP + optimizer around ``model`` (NeMo's step without
-    Lightning); stored on ``model._bench_step_state``. The DDP config is the recipe's as its
-    launcher runs it on one GPU at one micro batch per step (megatron's gradient NaN check on,
-    the gradient buffer in the parameters' dtype: ``nemo_ssa.nemo.callbacks.grad_buffer_in_param_dtype``).
+    Lightning); stored on ``model._bench_step_state``. The DDP config is the recipe's
+    (gradients reduced in fp32, megatron's gradient NaN check on, as NeMo's recipe sets it).
 
     ``fast_paths``: build the optimizer as the recipe's optimizer module does
     (``nemo_ssa.nemo.optim``: the sync-free multi-tensor norm/scale installed in megatron and
@@ -175,18 +174,16 @@ def wrap_for_step(cfg, model, fast_paths: bool = True, sync_free: bool = True) -
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
-    from nemo_ssa.nemo.callbacks import grad_buffer_in_param_dtype
     from recipes import nemotron_114m
 
     recipe = nemotron_114m.pretrain_recipe(dir="/tmp/bench_model", attention="softmax")
     opt_cfg = fdl.build(recipe.optim.config)
     opt_cfg.bf16 = True
     wrapped = Float16Module(cfg, model)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                               use_distributed_optimizer=False, check_for_nan_in_grad=True)
-    # one process, one micro batch per step: the recipe's launcher decides the buffer the same way
-    grad_buffer_in_param_dtype(1, 1, 1, ddp_config)
-    ddp = DistributedDataParallel(cfg, ddp_config, wrapped)
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                                    overlap_grad_reduce=False,
+                                                                    use_distributed_optimizer=False,
+                                                                    check_for_nan_in_grad=True), wrapped)
     model._bench_step_state = (ddp, make_optimizer(opt_cfg, ddp, fast_paths, sync_free))
 
 

@@ -257,12 +257,10 @@ def pretrain_recipe(
     _apply_arch(recipe.model.config, attention, attention_options, policy, seq_length, vocab_size,
                 fused_cross_entropy, fused_mlp, fused_layernorm)
     apply_seed(recipe, seed)  # before apply_cuda_graphs: its callback keeps the seeded streams
-    from nemo_ssa.nemo.callbacks import GradBufferCallback, SyncFreeLossReductionCallback
+    from nemo_ssa.nemo.callbacks import SyncFreeLossReductionCallback
 
-    # NeMo's training-loss reduction reads the device once a step; the same loss without the read.
-    # The gradient buffer in the parameters' dtype where that gives the same main gradients.
-    recipe.trainer.callbacks = list(recipe.trainer.callbacks or []) + [run.Config(SyncFreeLossReductionCallback),
-                                                                        run.Config(GradBufferCallback)]
+    # NeMo's training-loss reduction reads the device once a step; the same loss without the read
+    recipe.trainer.callbacks = list(recipe.trainer.callbacks or []) + [run.Config(SyncFreeLossReductionCallback)]
     apply_cuda_graphs(recipe, cuda_graphs)
 
     world = int(num_nodes) * int(num_gpus_per_node)

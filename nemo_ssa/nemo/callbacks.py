@@ -350,49 +350,6 @@ class CudaGraphRNGCallback(Callback):
         use_cudagraphable_rng_tracker()
 
 
-def grad_buffer_in_param_dtype(world_size: int, micro_batch_size: int, global_batch_size: int, ddp_config) -> str:
-    """Whether megatron's gradient buffer can be in the parameters' dtype with the same main
-    gradients; sets ``ddp_config.grad_reduce_in_fp32 = False`` when it can and returns what it
-    decided (one line).
-
-    NeMo's recipes reduce gradients in fp32: megatron's DDP hook then adds each parameter's bf16
-    gradient into an fp32 buffer, a mixed-dtype add per parameter per step (102 kernels, 3.7 ms
-    of a 64 ms step at micro batch 32 on an H200: docs/results/2026-12-01-sync-free-step). With
-    one process and one micro batch per step nothing is accumulated or reduced: the buffer holds
-    ``0 + g``, the gradient itself, and the optimizer's fp32 copy of it is exact -- the same main
-    gradients either way. Anywhere else (data or model parallel reductions, several micro
-    batches, the distributed optimizer) the buffer stays fp32."""
-    if ddp_config is None or not getattr(ddp_config, "grad_reduce_in_fp32", False):
-        return "gradient buffer: as configured (not fp32)"
-    why = []
-    if world_size != 1:
-        why.append(f"{world_size} processes")
-    if micro_batch_size != global_batch_size:
-        why.append(f"{global_batch_size // max(1, micro_batch_size)} micro batches per step")
-    if getattr(ddp_config, "use_distributed_optimizer", False):
-        why.append("the distributed optimizer")
-    if why:
-        return "gradient buffer: fp32 (" + ", ".join(why) + ": gradients are accumulated or reduced)"
-    ddp_config.grad_reduce_in_fp32 = False
-    return ("gradient buffer: the parameters' dtype (one process, one micro batch per step: the buffer holds "
-            "each gradient exactly, the optimizer's fp32 copy is the same main gradient)")
-
-
-class GradBufferCallback(Callback):
-    """:func:`grad_buffer_in_param_dtype` on the strategy's DDP config in ``setup`` (before the
-    strategy wraps the model in megatron's DDP); prints what it decided on global rank 0."""
-
-    def setup(self, trainer, pl_module, stage: str) -> None:
-        dm = getattr(trainer, "datamodule", None)
-        mbs, gbs = getattr(dm, "micro_batch_size", None), getattr(dm, "global_batch_size", None)
-        if mbs is None or gbs is None:
-            return
-        said = grad_buffer_in_param_dtype(int(trainer.world_size), int(mbs), int(gbs),
-                                          getattr(trainer.strategy, "ddp_config", None))
-        if getattr(trainer, "global_rank", 0) == 0:
-            print(f"[nemo_ssa] {said}", flush=True)
-
-
 class SyncFreeLossReductionCallback(Callback):
     """The training loss reduced without a host read (``nemo_ssa.nemo.loss_reduction``): set on
     the model in ``setup``, before the first step; a model with its own reduction keeps it."""
