@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from nemo_ssa.megatron.core_attention import SSAScalars
+from nemo_ssa.megatron.sync_free import GUARD
 from nemo_ssa.tools.metrics_log import TB_LOSS_TAG, device_peak_tflops, flops_per_token
 from nemo_ssa.nemo.callbacks import MetricsCallback
 
@@ -51,7 +52,10 @@ def test_rows_every_step_flushed_in_blocks(tmp_path, monkeypatch):
         with torch.no_grad():
             for layer in model.decoder.layers:
                 layer.self_attention.core_attention.n.add_(0.01)
+        # the sync-free step's wrapper leaves megatron's norm as a device tensor; none at step 5
+        GUARD.grad_norm = None if step == 5 else torch.tensor(0.25 * step, dtype=torch.float64)
         cb.on_train_batch_end(trainer, pl_module, None, None, step)
+        assert GUARD.grad_norm is None  # taken: a later step without a norm cannot log this one's
         rows = list(csv.DictReader(open(tmp_path / "metrics.csv"))) if (tmp_path / "metrics.csv").exists() else []
         assert len(rows) == (step // 3) * 3 + (step == 7) * (7 % 3), (step, len(rows))  # written in blocks
     cb.on_train_end(trainer, pl_module)
@@ -60,6 +64,8 @@ def test_rows_every_step_flushed_in_blocks(tmp_path, monkeypatch):
     rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
     assert [int(r["step"]) for r in rows] == list(range(1, 8))
     assert [float(r["loss"]) for r in rows] == [10.0 - s for s in range(1, 8)]
+    norms = [float(r["grad_norm"]) for r in rows]  # read in the flush's one read (counted above)
+    assert norms[:4] + norms[5:] == [0.25 * s for s in (1, 2, 3, 4, 6, 7)] and norms[4] != norms[4]
     # n of every layer at every step (not the value at flush time)
     assert [round(float(r["n_layer_02"]), 6) for r in rows] == [round(1.5 + 0.01 * s, 6) for s in range(1, 8)]
     # the trainer's loggers get every layer's n at each flush (steps 3, 6, 7), the latest value, and
@@ -267,6 +273,7 @@ def test_progress_lines_come_from_the_flush(tmp_path, capsys):
     for step in range(1, 6):
         trainer.global_step = step
         for c in (quiet, cb):
+            GUARD.grad_norm = torch.tensor(1.5) if step == 4 else None  # a norm at step 4 only
             c.on_train_batch_end(trainer, pl_module, {"loss": torch.tensor(9.0 - step)}, None, step)
     trainer.callback_metrics["val_loss"] = torch.tensor(3.25)
     cb.on_validation_end(trainer, pl_module)
@@ -274,6 +281,7 @@ def test_progress_lines_come_from_the_flush(tmp_path, capsys):
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[train]")]
     assert [ln.split(" |")[0] for ln in lines] == ["[train] step 2/5", "[train] step 4/5", "[train] step 5/5",
                                                    "[train] step 5: held-out loss 3.2500"]
+    assert ["| grad norm 1.500 |" in ln for ln in lines[:3]] == [False, True, False]
     assert "loss 5.0000 | lr 2.500e-04 |" in lines[1] and "tokens/s | n 1.500-1.500" in lines[1]
 
 

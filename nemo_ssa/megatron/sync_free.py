@@ -93,6 +93,7 @@ class GradGuard:
         self._codes: List[torch.Tensor] = []
         self._labels: List[str] = []
         self._pending: Deque[Tuple[int, List[str], torch.Tensor, Any]] = collections.deque()
+        self.grad_norm: Any = None  # the last step's total gradient norm (a device tensor) or None
 
     def reset(self) -> None:
         self.__init__()
@@ -296,7 +297,11 @@ def activate(opt) -> Optional[str]:
         def guarded_step(self, *args, **kwargs):
             GUARD.check(wait=False)
             try:
-                return step(*args, **kwargs)
+                out = step(*args, **kwargs)
+                # megatron's (update_successful, grad_norm, num_zeros_in_grad): the norm (before
+                # clipping) stays a device tensor here, for a logger to read with its other values
+                GUARD.grad_norm = out[1] if isinstance(out, tuple) and len(out) == 3 else None
+                return out
             finally:
                 GUARD.end_step()
 

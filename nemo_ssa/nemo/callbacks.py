@@ -39,7 +39,8 @@ def _step_loss(outputs: Any, trainer) -> Optional[torch.Tensor]:
 class MetricsCallback(Callback):
     """Writes ``metrics.csv`` (+ TensorBoard under ``run_dir/tb``): one row per step.
 
-    Columns: step, loss (``reduced_train_loss``), lr, tokens/s, grad_norm, n per layer
+    Columns: step, loss (``reduced_train_loss``), lr, tokens/s, grad_norm (the total norm before
+    clipping, from the sync-free step; NaN where that is off), n per layer
     (SSA models). No per-step host sync: each step keeps the loss and every layer's n on
     the device (one small concatenation) and the rows are read back and written every
     ``flush_every`` steps (the trainer's ``log_every_n_steps``) and at the end -- one
@@ -55,7 +56,7 @@ class MetricsCallback(Callback):
     token x tokens/s / the GPU's dense bf16 peak; ``nemo_ssa.tools.metrics_log.flops_per_token``
     documents the formula), peak GPU memory and the losses. ``progress=True`` (the launcher's
     choice: it turns Lightning's progress bar off) prints a line per flush, ``[train] step S/M |
-    loss | lr | tokens/s (the block's rate) | n range``, and one per held-out loss, from the
+    loss | lr | grad norm | tokens/s (the block's rate) | n range``, and one per held-out loss, from the
     values the flush reads anyway: NeMo's progress printer assembles every progress-bar metric
     (a device sync each) on every step.
 
@@ -133,7 +134,7 @@ class MetricsCallback(Callback):
             loss = float(loss) if loss is not None else float("nan")
         lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else float("nan")
         n_now = torch.cat([m.n.detach().float().reshape(-1)[:1] for _, m in self._ssa]) if self._ssa else None
-        self._pending.append((step, loss, float(lr), n_now))
+        self._pending.append((step, loss, float(lr), n_now, _step_grad_norm()))
         if len(self._pending) >= self.flush_every or step >= trainer.max_steps:
             self._flush(trainer)
 
@@ -141,7 +142,7 @@ class MetricsCallback(Callback):
         if not self._pending:
             return
         # one read for the whole block: losses and n values stacked on the device
-        tensors = [t for row in self._pending for t in (row[1], row[3]) if isinstance(t, torch.Tensor)]
+        tensors = [t for row in self._pending for t in (row[1], row[3], row[4]) if isinstance(t, torch.Tensor)]
         flat = torch.cat([t.reshape(-1).float().to(tensors[0].device) for t in tensors]).tolist() if tensors else []
         if torch.cuda.is_available() and not tensors:
             torch.cuda.synchronize()  # nothing read: still time the block to the device's end
@@ -153,21 +154,25 @@ class MetricsCallback(Callback):
         pos = 0
         layers = [layer for layer, _ in self._ssa]
         last_n = {}
-        for step, loss, lr, n_now in self._pending:
+        for step, loss, lr, n_now, grad_norm in self._pending:
             if isinstance(loss, torch.Tensor):
                 loss, pos = flat[pos], pos + 1
             n_vals = {}
             if isinstance(n_now, torch.Tensor):
                 n_vals = dict(zip(layers, flat[pos:pos + len(layers)]))
                 pos += len(layers)
+            if isinstance(grad_norm, torch.Tensor):
+                grad_norm, pos = flat[pos], pos + 1
             self._losses[step] = loss
             last_n = n_vals
             if self._writer is not None:
-                self._writer.write(step=step, loss=loss, lr=lr, tokens_per_s=rate, ssa_n=n_vals)
+                self._writer.write(step=step, loss=loss, lr=lr, tokens_per_s=rate, grad_norm=grad_norm,
+                                   ssa_n=n_vals)
         self._pending = []
         if self.progress and trainer is not None:
             n = f" | n {min(last_n.values()):.3f}-{max(last_n.values()):.3f}" if last_n else ""
-            print(f"[train] step {step}/{self._max_steps} | loss {loss:.4f} | lr {lr:.3e} | {rate:,.0f} tokens/s"
+            g = f" | grad norm {grad_norm:.3f}" if grad_norm == grad_norm else ""
+            print(f"[train] step {step}/{self._max_steps} | loss {loss:.4f} | lr {lr:.3e}{g} | {rate:,.0f} tokens/s"
                   f"{n}", flush=True)
         if trainer is not None and last_n:
             # straight to the trainer's loggers (NeMo's TensorBoard, a user's W&B): pl_module.log
@@ -227,6 +232,19 @@ class MetricsCallback(Callback):
         if mfu:  # what the percentage is of (docs/training-step.md, "MFU")
             print(f"[metrics] MFU = {self.flops_per_token / 1e6:.1f} MFLOP per token (6 x matmul parameters + "
                   f"causal attention, fwd+bwd) x tokens/s / {peak:.0f} TFLOP/s ({name}, dense bf16)", flush=True)
+
+def _step_grad_norm():
+    """The step's total gradient norm before clipping, as megatron's optimizer returned it to
+    the sync-free step's wrapper (``nemo_ssa.megatron.sync_free``): a device tensor, copied so
+    the next step cannot overwrite it before the flush reads it; NaN where that wrapper is off
+    (NeMo logs the same number to its own loggers as ``grad_norm``, with a read per step)."""
+    from nemo_ssa.megatron.sync_free import GUARD
+
+    norm, GUARD.grad_norm = GUARD.grad_norm, None
+    if isinstance(norm, torch.Tensor):
+        return norm.detach().reshape(-1)[:1].float().clone()
+    return float(norm) if isinstance(norm, (int, float)) else float("nan")
+
 
 def _graphs_created() -> bool:
     """megatron captured the layers' CUDA graphs in this run (model.cuda_graphs=local did what

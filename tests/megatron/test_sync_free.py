@@ -166,6 +166,11 @@ def test_guard_leaves_good_steps_as_megatron_makes_them(installed):
     sync_free.GUARD.check(wait=True)
     for a, b in zip(leaf.params, ref.params):
         assert torch.equal(a.detach(), b.detach())
+    # the last step's norm (before clipping) is kept as the device tensor megatron returned, for
+    # MetricsCallback's grad_norm column
+    last = torch.cat([g.flatten() for g in steps[-1]]).double().norm()
+    assert isinstance(sync_free.GUARD.grad_norm, torch.Tensor)
+    torch.testing.assert_close(sync_free.GUARD.grad_norm.double(), last, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("bad, says", [(float("nan"), "found NaN in local grad norm for bucket #0"),
@@ -288,6 +293,7 @@ def test_megatrons_step_reads_nothing_and_a_nan_is_caught_on_cuda():
             torch._foreach_mul_(want, coeff)
         _, grad_norm, _ = strict(opt.step)
         assert isinstance(grad_norm, torch.Tensor) and grad_norm.is_cuda
+        assert sync_free.GUARD.grad_norm is grad_norm  # kept for MetricsCallback's grad_norm column
         assert math.isclose(float(grad_norm), ref_norm, rel_tol=2 ** -52), (float(grad_norm), ref_norm)
         got = [q.grad for leaf in leaves for q in leaf.get_parameters() if q.grad is not None]
         assert len(got) == len(want) and all(g.dtype == torch.float32 for g in got)
