@@ -9,6 +9,8 @@ Named presets (the GPU test plan; ``PRESETS`` below lists what each runs)::
     python scripts/device/gpu_session.py --preset graphs-default --out $OUT --commit <sha>   # the checks model.cuda_graphs=auto rests on (DP 2 needs 2 GPUs)
     python scripts/device/gpu_session.py --preset step-graphs --out $OUT --commit <sha>   # the mb-8 step with graphs, profiled
     python scripts/device/gpu_session.py --preset syncs --out $OUT --commit <sha>   # every sync of the step, by call site
+    python scripts/device/gpu_session.py --preset layernorm-mb8 --out $OUT --commit <sha>   # fused layer norm at mb 8, 3 rounds
+    python scripts/device/gpu_session.py --preset layernorm-parity --out $OUT --commit <sha>   # its 1,000-step parity + the spread
     python scripts/device/gpu_session.py --list-presets
 
 Every session (a preset or free-form steps) installs the offline wheel bundle first when ``.whl/`` is present (as
@@ -158,6 +160,28 @@ PRESETS = {
                 "train.global_batch_size=8 train.max_steps=60 train.val_check_interval=60 model.cuda_graphs=local "
                 "profile.start=40 profile.steps=3 run_dir={out}/nemo-mb8-ssa && {py} -m nemo_ssa.tools.profile_summary "
                 "{out}/nemo-mb8-ssa/profile/trace.json.gz > {out}/nemo-mb8-ssa-gaps.md")]),
+    "layernorm-mb8": dict(
+        about="model.fused_layernorm at micro batch 8 under graphs, off/on alternated on one tree for 3 rounds "
+              "(the order reversed every other round: at mb 8 the run's place in the call moved tokens/s by "
+              "10-20 %, more than the option; docs/results/2026-12-02-layernorm-gradbuf)",
+        expect=490, budget=540,
+        steps=[("cmd", "ln-mb8-ab", 535,
+                "{py} scripts/device/step_ab.py --tree off=. --tree on=. --arm on=model.fused_layernorm=true "
+                "--rounds 3 --out {out}/ln-mb8 --timeout 120 -- attention=ssa train=gpu_9min "
+                "train.micro_batch_size=8 train.global_batch_size=8 train.max_steps=60 train.val_check_interval=60 "
+                "model.cuda_graphs=local")]),
+    "layernorm-parity": dict(
+        about="model.fused_layernorm's 1,000-step loss parity at micro batch 32 under graphs: off, off again (the "
+              "run-to-run spread the gate is judged against) and on, one tree; then the compare tool on the "
+              "three curves",
+        expect=500, budget=540,
+        steps=[("cmd", "ln-parity", 535,
+                "{py} scripts/device/step_ab.py --tree off=. --tree off_again=. --tree on=. "
+                "--arm on=model.fused_layernorm=true --rounds 1 --out {out}/ln-parity --timeout 175 -- "
+                "attention=ssa train=gpu_9min train.max_steps=1000 train.val_check_interval=500 "
+                "model.cuda_graphs=local && {py} -m nemo_ssa.tools.compare off={out}/ln-parity/off-r0 "
+                "off_again={out}/ln-parity/off_again-r0 on={out}/ln-parity/on-r0 --ema 0.9 "
+                "--out {out}/ln-parity/compare")]),
     "graphs-default": dict(
         about="the checks model.cuda_graphs=auto (local where they passed) rests on, on two GPUs "
               "(scripts/device/graphs_default.py): softmax_triton's 1,000-step parity through NeMo, a graphed "

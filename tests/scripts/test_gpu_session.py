@@ -47,7 +47,8 @@ def test_presets_fit_the_device_limits():
     """Every preset: at most 9 minutes per command; quick within 4; full-1 + full-2 cover
     every GPU test file and every op test that runs on CUDA."""
     gs = _load_session()
-    assert set(gs.PRESETS) == {"quick", "full-1", "full-2", "graphs", "graphs-default", "step-graphs", "syncs"}
+    assert set(gs.PRESETS) == {"quick", "full-1", "full-2", "graphs", "graphs-default", "step-graphs", "syncs",
+                               "layernorm-mb8", "layernorm-parity"}
     for name, p in gs.PRESETS.items():
         assert p["budget"] <= 540 and sum(s[2] for s in p["steps"]) <= p["budget"], name
     assert gs.PRESETS["quick"]["budget"] <= 240
@@ -98,6 +99,33 @@ def test_graph_presets_name_flags_and_keys_that_exist(preset):
             groups = {d for d in os.listdir(conf) if os.path.isdir(os.path.join(conf, d))}  # attention=, train=
             for key in re.findall(r" (?:[a-z_]+\.)?([a-z_]+)=", part):
                 assert key in groups or re.search(rf"^\s*{key}:", cfg_text, re.M), (preset, key)
+
+
+@pytest.mark.parametrize("preset", ["layernorm-mb8", "layernorm-parity"])
+def test_ab_presets_name_trees_flags_and_keys_that_exist(preset):
+    """An A/B preset (scripts/device/step_ab.py): its flags exist, --arm and the compare tool
+    name its trees, every launcher override after ``--`` is a config key, and the option under
+    test is set on one tree only."""
+    import re
+
+    gs = _load_session()
+    conf = os.path.join(REPO, "nemo_ssa", "configs")
+    cfg_text = "".join(open(os.path.join(root, f)).read() for root, _, files in os.walk(conf) for f in files
+                       if f.endswith(".yaml"))
+    groups = {d for d in os.listdir(conf) if os.path.isdir(os.path.join(conf, d))}
+    (cmd,) = [s[3] for s in gs.PRESETS[preset]["steps"] if s[0] == "cmd"]
+    ab, _, rest = cmd.partition(" -- ")
+    src = open(os.path.join(REPO, "scripts/device/step_ab.py")).read()
+    for flag in re.findall(r" (--[a-z-]+)", ab):
+        assert f'"{flag}"' in src, flag
+    trees = re.findall(r"--tree ([a-z_]+)=\.", ab)
+    arms = re.findall(r"--arm ([a-z_]+)=(\S+)", ab)
+    assert len(trees) >= 2 and len(arms) == 1 and arms[0][0] in trees
+    launcher, _, compare = rest.partition("&&")
+    for key in re.findall(r"(?:^| )(?:[a-z_]+\.)?([a-z_]+)=", launcher + " " + arms[0][1]):
+        assert key in groups or re.search(rf"^\s*{key}:", cfg_text, re.M), (preset, key)
+    if compare:
+        assert sorted(re.findall(r" ([a-z_]+)=\{out\}", compare)) == sorted(trees)
 
 
 def test_memory_heavy_cases_run_alone():
