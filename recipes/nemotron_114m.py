@@ -257,10 +257,12 @@ def pretrain_recipe(
     _apply_arch(recipe.model.config, attention, attention_options, policy, seq_length, vocab_size,
                 fused_cross_entropy, fused_mlp, fused_layernorm)
     apply_seed(recipe, seed)  # before apply_cuda_graphs: its callback keeps the seeded streams
-    from nemo_ssa.nemo.callbacks import SyncFreeLossReductionCallback
+    from nemo_ssa.nemo.callbacks import LightningLogCallback, SyncFreeLossReductionCallback
 
-    # NeMo's training-loss reduction reads the device once a step; the same loss without the read
-    recipe.trainer.callbacks = list(recipe.trainer.callbacks or []) + [run.Config(SyncFreeLossReductionCallback)]
+    # NeMo's training-loss reduction reads the device once a step; the same loss without the read.
+    # NeMo's six to seven self.log calls a step: without Lightning's walk over each stored metric
+    recipe.trainer.callbacks = list(recipe.trainer.callbacks or []) + [run.Config(SyncFreeLossReductionCallback),
+                                                                        run.Config(LightningLogCallback)]
     apply_cuda_graphs(recipe, cuda_graphs)
 
     world = int(num_nodes) * int(num_gpus_per_node)

@@ -378,6 +378,26 @@ class SyncFreeLossReductionCallback(Callback):
         install(pl_module)
 
 
+class LightningLogCallback(Callback):
+    """Lightning's ``self.log`` without its per-call walk over a metric already on the value's
+    device (``nemo_ssa.nemo.lightning_log``): installed in ``setup``, taken out in ``teardown``;
+    global rank 0 prints what it decided."""
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        from nemo_ssa.nemo import lightning_log
+
+        why = lightning_log.install()
+        if getattr(trainer, "global_rank", 0) == 0:
+            print("[nemo_ssa] Lightning's self.log: " + ("a metric already on the value's device is not walked"
+                                                          if why is None else f"as Lightning does it ({why})"),
+                  flush=True)
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        from nemo_ssa.nemo import lightning_log
+
+        lightning_log.uninstall()
+
+
 class StopAfterCallback(Callback):
     """Stop training after global step ``step`` (a planned interruption for resume checks).
 

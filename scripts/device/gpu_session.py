@@ -148,7 +148,8 @@ PRESETS = {
               "time): the lr log's and the sync-free step's GPU tests, then the main job at micro batch 32 and 8 profiled at steps 40-42 "
               "and each trace summarised (its sync table)",
         expect=360, budget=480,
-        steps=[("pytest", "tests-lr-log", 90, ["tests/nemo/test_optim_lr_log.py", "tests/megatron/test_sync_free.py"],
+        steps=[("pytest", "tests-lr-log", 90, ["tests/nemo/test_optim_lr_log.py", "tests/megatron/test_sync_free.py",
+                                          "tests/nemo/test_lightning_log.py"],
                 None, 80, 1),
                ("cmd", "nemo-mb32-ssa-profile", 150,
                 "{py} scripts/pretrain.py attention=ssa compare_to=[] train=gpu_9min train.max_steps=60 "

@@ -436,5 +436,5 @@ def test_launcher_callbacks_print_the_progress_themselves(tmp_path):
     assert "TimingCallback" not in names and recipe.trainer.enable_progress_bar is False
     metrics = [c for c in recipe.trainer.callbacks if c.__fn_or_cls__.__name__ == "MetricsCallback"]
     assert len(metrics) == 1 and metrics[0].progress is True and metrics[0].flush_every == 10
-    assert names == ["SyncFreeLossReductionCallback", "MetricsCallback", "ResumeCadenceCallback",
-                     "AttentionWarmupCallback"]  # the first is the recipe's (nemo_ssa.nemo.loss_reduction)
+    assert names == ["SyncFreeLossReductionCallback", "LightningLogCallback", "MetricsCallback",
+                     "ResumeCadenceCallback", "AttentionWarmupCallback"]  # the first two are the recipe's

@@ -1,0 +1,83 @@
+"""Lightning's ``self.log`` without its per-call walk over the metric when nothing has to move.
+
+Every ``LightningModule.log`` call ends in ``_ResultCollection.log``, which calls
+``self[key].to(value.device)`` on the stored ``_ResultMetric`` -- a torchmetrics ``Metric``
+whose ``to`` rebuilds its whole ``__dict__`` (47 entries) through ``apply_to_collection`` to
+move any tensor in it, every call, even when every tensor already is on that device. NeMo logs
+six to seven values per training step this way (``global_step``, ``step``,
+``reduced_train_loss``, ``lr``, ``consumed_samples``, ``global_batch_size``, ``grad_norm``):
+a host cost the step pays each time, and at micro batch 8 the step is bound by its host
+(docs/training-step.md; the 2026-12-01 profile put ``_ResultMetric.to`` at 15 % of the GPU's
+idle time).
+
+:func:`install` replaces ``_ResultMetric.to`` with :func:`to`: when the call is a move to one
+device and every tensor the metric holds (directly, or in a dict or list in its ``__dict__``,
+its ``_defaults`` included) is already there, it returns the metric as Lightning's would leave
+it (unchanged); any other call -- a dtype, keyword arguments, a tensor elsewhere -- is
+Lightning's own ``to``. The check is exact, not a cache: a metric moved behind Lightning's back
+(``Metric._apply``) still takes Lightning's path.
+
+Installed only on the Lightning this was written against (``_ResultMetric.to`` defined in
+``lightning.pytorch.trainer.connectors.logger_connector.result`` as the method that walks
+``__dict__``); elsewhere :func:`install` leaves Lightning as it is and says why.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+_ORIGINAL: dict = {}
+
+
+def _on(value: Any, device: torch.device) -> bool:
+    """No tensor in ``value`` (a tensor, or a dict/list/tuple one level deep) is off ``device``,
+    and it holds no module (a logged torchmetrics ``Metric`` moves itself: Lightning's walk)."""
+    if isinstance(value, torch.Tensor):
+        return value.device == device
+    if isinstance(value, torch.nn.Module):
+        return False
+    if isinstance(value, dict):
+        value = value.values()
+    elif not isinstance(value, (list, tuple)):
+        return True
+    for v in value:
+        if isinstance(v, torch.Tensor):
+            if v.device != device:
+                return False
+        elif isinstance(v, (dict, list, tuple, torch.nn.Module)):
+            return False  # deeper than we look: let Lightning walk it
+    return True
+
+
+def to(self, *args: Any, **kwargs: Any):
+    """``_ResultMetric.to`` that returns at once when a move to one device would move nothing."""
+    if len(args) == 1 and not kwargs and isinstance(args[0], torch.device):
+        device = args[0]
+        if all(_on(v, device) for v in self.__dict__.values()):
+            return self
+    return _ORIGINAL["to"](self, *args, **kwargs)
+
+
+def install() -> Optional[str]:
+    """Put :func:`to` in place of ``_ResultMetric.to``. Returns why not, or None when installed."""
+    try:
+        from lightning.pytorch.trainer.connectors.logger_connector import result
+    except ImportError as e:  # pragma: no cover - NeMo needs Lightning
+        return f"lightning.pytorch is not importable ({e})"
+    current = result._ResultMetric.__dict__.get("to")
+    if current is to:
+        return None
+    if current is None or getattr(current, "__module__", None) != result.__name__:
+        return "lightning's _ResultMetric.to is not the one this was written against"
+    _ORIGINAL["to"] = current
+    result._ResultMetric.to = to
+    return None
+
+
+def uninstall() -> None:
+    from lightning.pytorch.trainer.connectors.logger_connector import result
+
+    if "to" in _ORIGINAL:
+        result._ResultMetric.to = _ORIGINAL.pop("to")

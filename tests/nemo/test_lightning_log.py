@@ -1,0 +1,118 @@
+"""nemo_ssa.nemo.lightning_log: Lightning's self.log with the fast ``_ResultMetric.to`` logs,
+reduces and reports exactly what Lightning's own does, and walks only when something moves."""
+
+import pytest
+import torch
+
+pytest.importorskip("lightning.pytorch")
+
+from lightning.pytorch.trainer.connectors.logger_connector import result  # noqa: E402
+
+from nemo_ssa.nemo import lightning_log  # noqa: E402
+
+
+@pytest.fixture
+def installed():
+    assert lightning_log.install() is None
+    yield
+    lightning_log.uninstall()
+
+
+def _log_steps(rc, values, names=("reduced_train_loss", "lr", "global_step")):
+    """NeMo's per-step pattern: several keys on_step, one of them also reduced per epoch."""
+    seen = []
+    for step, v in enumerate(values):
+        rc.log("training_step", names[0], v, on_step=True, on_epoch=True, batch_size=2, prog_bar=True)
+        rc.log("training_step", names[1], v * 0.5, on_step=True, on_epoch=False, batch_size=1)
+        rc.log("training_step", names[2], torch.tensor(float(step)), on_step=True, on_epoch=False, batch_size=1)
+        seen.append({k: t.clone() for k, t in rc.metrics(True)["callback"].items()})
+    return seen, {k: t.clone() for k, t in rc.metrics(False)["callback"].items()}
+
+
+def _values(seed=0, n=6, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn((), generator=g, dtype=dtype) for _ in range(n)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_logs_exactly_what_lightning_logs(installed, dtype):
+    vals = _values(dtype=dtype)
+    fast = _log_steps(result._ResultCollection(training=True), vals)
+    lightning_log.uninstall()
+    ref = _log_steps(result._ResultCollection(training=True), vals)
+    assert lightning_log.install() is None
+    for (fs, fe), (rs, re_) in [(fast, ref)]:
+        assert len(fs) == len(rs) and fe.keys() == re_.keys()
+        for a, b in zip(fs + [fe], rs + [re_]):
+            assert a.keys() == b.keys()
+            for k in a:
+                assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+def test_walks_only_when_something_moves(installed, monkeypatch):
+    rc = result._ResultCollection(training=True)
+    rc.log("training_step", "x", torch.tensor(1.0), on_step=True, on_epoch=False, batch_size=1)
+    metric = rc["training_step.x"]
+    walks = []
+    original = lightning_log._ORIGINAL["to"]
+    monkeypatch.setitem(lightning_log._ORIGINAL, "to", lambda self, *a, **k: walks.append((a, k)) or original(self, *a, **k))
+    cpu = torch.device("cpu")
+    assert metric.to(cpu) is metric and walks == []  # every tensor already on the CPU: no walk
+    metric.to(torch.float64)  # a dtype: Lightning's
+    metric.to(device=cpu)  # keyword arguments: Lightning's
+    assert len(walks) == 2
+    # a nested container or a module inside: Lightning walks it
+    metric.__dict__["extra"] = {"a": [torch.tensor(1.0)]}
+    metric.to(cpu)
+    metric.__dict__["extra"] = torch.nn.Linear(1, 1)
+    metric.to(cpu)
+    assert len(walks) == 4
+    del metric.__dict__["extra"]
+    # a move to another device (meta stands for a GPU): Lightning's walk; then again: none
+    meta = torch.device("meta")
+    metric.to(meta)
+    metric.to(meta)
+    assert len(walks) == 5
+    # one tensor elsewhere (as after a move behind Lightning's back): Lightning walks it
+    metric.__dict__["value"] = torch.tensor(0.0)
+    metric.to(meta)
+    assert len(walks) == 6 and metric.__dict__["value"].device == meta
+
+
+def test_a_move_still_moves(installed):
+    """A move to another device is Lightning's walk, and moves every tensor (the meta device
+    stands for a GPU here: a real one in the GPU test below)."""
+    rc = result._ResultCollection(training=True)
+    rc.log("training_step", "x", torch.tensor(2.0), on_step=True, on_epoch=False, batch_size=1)
+    metric = rc["training_step.x"]
+    meta = torch.device("meta")
+    assert metric.to(meta) is metric
+    tensors = [v for v in metric.__dict__.values() if isinstance(v, torch.Tensor)]
+    tensors += [v for v in metric.__dict__["_defaults"].values() if isinstance(v, torch.Tensor)]
+    assert len(tensors) >= 4 and all(t.device == meta for t in tensors)
+
+
+def test_install_refuses_a_to_it_does_not_know(monkeypatch):
+    monkeypatch.setattr(result._ResultMetric, "to", lambda self, *a, **k: self, raising=True)
+    assert "not the one" in lightning_log.install()
+    assert result._ResultMetric.__dict__["to"] is not lightning_log.to
+
+
+def test_install_is_idempotent_and_uninstall_restores():
+    before = result._ResultMetric.__dict__["to"]
+    assert lightning_log.install() is None and lightning_log.install() is None
+    assert result._ResultMetric.__dict__["to"] is lightning_log.to
+    lightning_log.uninstall()
+    assert result._ResultMetric.__dict__["to"] is before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_values_log_as_lightning_logs_them(installed):
+    vals = [v.cuda() for v in _values()]
+    fast = _log_steps(result._ResultCollection(training=True), vals)
+    lightning_log.uninstall()
+    ref = _log_steps(result._ResultCollection(training=True), vals)
+    assert lightning_log.install() is None
+    for a, b in zip(fast[0] + [fast[1]], ref[0] + [ref[1]]):
+        assert a.keys() == b.keys() and all(a[k].device == b[k].device and torch.equal(a[k], b[k]) for k in a)
