@@ -19,7 +19,8 @@ Each tree builds the corpus into its own ``data/`` unless ``NEMO_SSA_DATA_DIR`` 
 all (the runs inherit the environment). Writes ``{out}/ab.md`` after every run (a call cut at its limit keeps what finished): per tree the
 tokens/s of each round (``summary.json``'s median), their median and the ratio to the first
 tree, peak memory, whether graphs were captured, and the first and last step's loss (a change
-that should not touch numerics leaves them equal). Each run's log is ``{out}/<label>-r<round>.log``.
+that should not touch numerics leaves them equal), then every run in the order it ran with the
+host's load average as it started. Each run's log is ``{out}/<label>-r<round>.log``.
 """
 
 from __future__ import annotations
@@ -113,6 +114,23 @@ def table(labels: Sequence[str], results: Dict[str, List[Optional[Dict]]]) -> st
     return "\n".join(lines)
 
 
+def _load_average() -> float:
+    """The host's 1-minute load average as a run starts (a host-bound step's rate follows it)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # pragma: no cover - not on Linux
+        return float("nan")
+
+
+def run_order(ran: Sequence[Tuple[int, str, float, Optional[float], float]]) -> str:
+    """The runs in the order they ran, with the host's load as each started: a drift with the
+    run's place in the call (seen at micro batch 8) shows here, not in the per-tree table."""
+    lines = ["| # | round | tree | load at start | tokens/s | seconds |", "|---|---|---|---|---|---|"]
+    for i, (rnd, label, load, rate, secs) in enumerate(ran, 1):
+        lines.append(f"| {i} | {rnd + 1} | {label} | {load:.2f} | {_fmt(rate) if rate else 'failed'} | {secs:.0f} |")
+    return "\n".join(lines)
+
+
 def main(argv: Optional[Sequence[str]] = None, run: Callable = launch) -> int:
     argv, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -155,21 +173,24 @@ def _alternate(trees: Dict[str, str], overrides: List[str], args, run: Callable)
     labels = list(trees)
     os.makedirs(args.out, exist_ok=True)
     results: Dict[str, List[Optional[Dict]]] = {label: [] for label in labels}
+    ran: List[Tuple[int, str, float, Optional[float], float]] = []  # (round, tree, load, tokens/s, seconds)
     t0 = time.time()
     for rnd in range(args.rounds):
         for label in order(labels, rnd):
             run_dir = os.path.join(os.path.abspath(args.out), f"{label}-r{rnd}")
+            load, t_run = _load_average(), time.time()
             rc = run(trees[label], overrides + getattr(args, "extra", {}).get(label, []), run_dir, run_dir + ".log",
                      args.timeout)
             summary = read_summary(run_dir) if rc == 0 else None
             results[label].append(summary)
+            ran.append((rnd, label, load, summary["rate"] if summary else None, time.time() - t_run))
             rate = f"{summary['rate']:,.0f} tokens/s" if summary and summary["rate"] else f"failed (exit {rc})"
             print(f"[step_ab] round {rnd + 1}/{args.rounds} {label}: {rate} ({time.time() - t0:.0f} s)", flush=True)
             with open(os.path.join(args.out, "ab.md"), "w") as f:
                 f.write(f"# The same job from {len(labels)} trees, alternated ({args.rounds} rounds)\n\n"
                         f"Overrides: `{' '.join(overrides)}`\n\n" +
                         "".join(f"- {label} also: `{' '.join(x)}`\n" for label, x in getattr(args, "extra", {}).items())
-                        + f"\n{table(labels, results)}\n")
+                        + f"\n{table(labels, results)}\n\n{run_order(ran)}\n")
     print(table(labels, results), flush=True)
     return 0 if all(all(r for r in rows) for rows in results.values()) else 1
 

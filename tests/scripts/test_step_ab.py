@@ -47,6 +47,11 @@ def test_trees_alternate_and_the_table_compares_to_the_first(tmp_path):
     row = next(ln for ln in md.splitlines() if ln.startswith("| after |"))
     # medians over rounds (1 % drift per call): after 127,500 / 128,750 / 132,500, before 101,000 / 104,000 / 105,000
     assert "| 128,750 | 1.238x | 3.80 | True | 10.65 / 5.5 ;" in row
+    # then every run in the order it ran, with its own rate
+    order_rows = [ln.split(" | ") for ln in md.splitlines() if ln[:4] in {f"| {i} " for i in range(1, 7)}]
+    assert [(r[1], r[2], r[4]) for r in order_rows] == [
+        ("1", "before", "101,000"), ("1", "after", "127,500"), ("2", "after", "128,750"),
+        ("2", "before", "104,000"), ("3", "before", "105,000"), ("3", "after", "132,500")]
 
 
 def test_a_failed_run_is_shown_and_fails_the_command(tmp_path):
