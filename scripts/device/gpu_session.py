@@ -63,6 +63,19 @@ GPU_FILES = ["tests/ops/attention/test_flash_gpu.py", "tests/ops/attention/test_
              "tests/ops/nsa/test_nsa_gpu.py", "tests/ops/test_fused_attention_range.py", "tests/ops/mlp/test_mlp_gpu.py",
              "tests/ops/test_tiny_shapes.py"]
 
+def _option_ab(out: str, trees, option: str, rounds: int, timeout: int, job: str, compare: bool = False) -> str:
+    """A step_ab command: the NeMo main job (ssa, graphs) from this checkout under each label in
+    ``trees``, ``option`` set on the last one only; ``compare`` adds the compare tool over the
+    runs' curves (one round)."""
+    cmd = ("{py} scripts/device/step_ab.py " + " ".join(f"--tree {t}=." for t in trees) + f" --arm {trees[-1]}={option} "
+           f"--rounds {rounds} --out {{out}}/{out} --timeout {timeout} -- attention=ssa train=gpu_9min {job} "
+           "model.cuda_graphs=local")
+    if compare:
+        cmd += (" && {py} -m nemo_ssa.tools.compare " + " ".join(f"{t}={{out}}/{out}/{t}-r0" for t in trees) +
+                f" --ema 0.9 --out {{out}}/{out}/compare")
+    return cmd
+
+
 # name -> (what it runs, expected seconds on an H100 incl. start-up, budget, steps). A pytest
 # step is ("pytest", NAME, SECONDS, files, marker, per-test timeout); anything else is
 # ("cmd", NAME, SECONDS, command); a pytest step may end with its own worker count (1: alone on the GPU). Expected times are estimates from the known file timings
@@ -166,23 +179,17 @@ PRESETS = {
               "(the order reversed every other round: at mb 8 the run's place in the call moved tokens/s by "
               "10-20 %, more than the option; docs/results/2026-12-02-layernorm-gradbuf)",
         expect=490, budget=540,
-        steps=[("cmd", "ln-mb8-ab", 535,
-                "{py} scripts/device/step_ab.py --tree off=. --tree on=. --arm on=model.fused_layernorm=true "
-                "--rounds 3 --out {out}/ln-mb8 --timeout 120 -- attention=ssa train=gpu_9min "
-                "train.micro_batch_size=8 train.global_batch_size=8 train.max_steps=60 train.val_check_interval=60 "
-                "model.cuda_graphs=local")]),
+        steps=[("cmd", "ln-mb8-ab", 535, _option_ab(
+            "ln-mb8", ["off", "on"], "model.fused_layernorm=true", rounds=3, timeout=120,
+            job="train.micro_batch_size=8 train.global_batch_size=8 train.max_steps=60 train.val_check_interval=60"))]),
     "layernorm-parity": dict(
         about="model.fused_layernorm's 1,000-step loss parity at micro batch 32 under graphs: off, off again (the "
               "run-to-run spread the gate is judged against) and on, one tree; then the compare tool on the "
               "three curves",
         expect=500, budget=540,
-        steps=[("cmd", "ln-parity", 535,
-                "{py} scripts/device/step_ab.py --tree off=. --tree off_again=. --tree on=. "
-                "--arm on=model.fused_layernorm=true --rounds 1 --out {out}/ln-parity --timeout 175 -- "
-                "attention=ssa train=gpu_9min train.max_steps=1000 train.val_check_interval=500 "
-                "model.cuda_graphs=local && {py} -m nemo_ssa.tools.compare off={out}/ln-parity/off-r0 "
-                "off_again={out}/ln-parity/off_again-r0 on={out}/ln-parity/on-r0 --ema 0.9 "
-                "--out {out}/ln-parity/compare")]),
+        steps=[("cmd", "ln-parity", 535, _option_ab(
+            "ln-parity", ["off", "off_again", "on"], "model.fused_layernorm=true", rounds=1, timeout=175,
+            job="train.max_steps=1000 train.val_check_interval=500", compare=True))]),
     "graphs-default": dict(
         about="the checks model.cuda_graphs=auto (local where they passed) rests on, on two GPUs "
               "(scripts/device/graphs_default.py): softmax_triton's 1,000-step parity through NeMo, a graphed "
