@@ -266,10 +266,12 @@ def launcher_callbacks(cfg, train, recipe, resolved, run_dir) -> None:
     if cfg.get("profile") and cfg.profile.get("start"):
         from nemo_ssa.nemo.callbacks import ProfilerCallback
 
-        graphed = str(cfg.model.get("cuda_graphs") or "none").lower() == "local"
+        graphs = str(cfg.model.get("cuda_graphs") or "none").lower()
+        graphed = graphs in ("local", "full")
         if graphed:
-            print("[pretrain] profile under model.cuda_graphs=local: kernel families and the trace, no module "
-                  "table (its ranges are pre-hooks megatron refuses on a graphed layer)", flush=True)
+            print(f"[pretrain] profile under model.cuda_graphs={graphs}: kernel families and the trace, no module "
+                  "table (its ranges are hooks a graph replay does not run, and megatron refuses on a graphed "
+                  "layer)", flush=True)
         callbacks.append(run.Config(ProfilerCallback, run_dir=run_dir, start=int(cfg.profile.start),
                                     num_steps=int(cfg.profile.steps), with_stack=bool(cfg.profile.with_stack),
                                     module_ranges=not graphed))
@@ -384,17 +386,9 @@ def _finished(run_dir: str, identity: str) -> bool:
 
 
 def _megatron_version() -> Optional[str]:
-    try:
-        from importlib.metadata import version
+    from nemo_ssa.config.check import installed_megatron_version
 
-        return version("megatron-core")
-    except Exception:  # not installed as a distribution (a source tree on PYTHONPATH)
-        try:
-            from megatron.core.package_info import __version__
-
-            return str(__version__)
-        except Exception:
-            return None
+    return installed_megatron_version()
 
 
 def _decide_cuda_graphs(cfg: DictConfig, train: DictConfig, cuda: bool, say: bool = True) -> str:

@@ -133,7 +133,7 @@ def check_fused_layernorm(value: Any) -> None:
         raise ValueError(f"model.fused_layernorm={value!r} is not supported (supported: auto, true, false)")
 
 
-CUDA_GRAPHS_VALUES = ("auto", "none", "local")
+CUDA_GRAPHS_VALUES = ("auto", "none", "local", "full")
 #: attentions whose layers megatron-core's local CUDA graphs captured and replayed on a GPU
 #: (the attention table's ``cuda_graphs`` rows)
 CUDA_GRAPH_ATTENTIONS = tuple(n for n, a in ATTENTIONS.items() if a.cuda_graphs)
@@ -149,11 +149,13 @@ def check_cuda_graphs(value: Any, *, cuda: Optional[bool] = None, attention: Opt
                       env: Optional[Mapping[str, str]] = None,
                       name: str = "model.cuda_graphs") -> str:
     """``model.cuda_graphs``: ``auto`` (the launcher's default: :func:`resolve_cuda_graphs`
-    picks), ``none`` (None = unset = none) or ``local``, megatron-core's layerwise CUDA graphs
-    (``cuda_graph_impl='local'``, nemo_ssa/megatron/cuda_graphs.py). Returns the value,
-    lower-case; ``auto`` is always accepted (it falls back to none where local is not).
+    picks), ``none`` (None = unset = none), ``local``, megatron-core's layerwise CUDA graphs
+    (``cuda_graph_impl='local'``, nemo_ssa/megatron/cuda_graphs.py), or ``full``, megatron's
+    whole-iteration graph (forward, backward and the gradient finalisation of a step in one
+    graph: ``FullCudaGraphWrapper``, which NeMo's step puts around megatron's schedule). Returns
+    the value, lower-case; ``auto`` is always accepted (it falls back to none where local is not).
 
-    ``local`` needs a CUDA device (``cuda=None``: not known where the check runs, e.g. a recipe
+    ``local`` and ``full`` need a CUDA device (``cuda=None``: not known where the check runs, e.g. a recipe
     built on a login node); an attention in :data:`CUDA_GRAPH_ATTENTIONS` (``ssa`` is the pinned
     kernel: graphs run on CUDA); tensor and context parallel 1 (the graphs would capture the
     collectives inside each layer, which no run has checked; data parallel reduces outside
@@ -170,25 +172,59 @@ def check_cuda_graphs(value: Any, *, cuda: Optional[bool] = None, attention: Opt
     if value in ("none", "auto"):
         return value
     if cuda is False:
-        raise ValueError(f"{name}=local needs a CUDA device (CUDA graphs replay GPU work); supported without "
+        raise ValueError(f"{name}={value} needs a CUDA device (CUDA graphs replay GPU work); supported without "
                          "one: none")
     impl = PINNED.pinned_kernel if attention == "ssa" else attention
     if impl is not None and impl not in CUDA_GRAPH_ATTENTIONS:
-        raise NotImplementedError(f"{name}=local with attention={attention} is not supported (supported: "
+        raise NotImplementedError(f"{name}={value} with attention={attention} is not supported (supported: "
                                   f"{', '.join(CUDA_GRAPH_ATTENTIONS)} and ssa, the attentions whose layers ran "
                                   "under the graphs; as the story's baseline: compare_to=[softmax_triton])")
     tp = 1 if tensor_parallel is None else tensor_parallel
     cp = 1 if context_parallel is None else context_parallel
     if tp != 1 or cp != 1 or sequence_parallel:
-        raise NotImplementedError(f"{name}=local with tensor_parallel={tp}, context_parallel={cp}, "
+        raise NotImplementedError(f"{name}={value} with tensor_parallel={tp}, context_parallel={cp}, "
                                   f"sequence_parallel={sequence_parallel} is not supported (supported: tensor and "
-                                  "context parallel 1, any data parallel: the graphs would capture the collectives "
-                                  "inside each layer, which no run has checked)")
+                                  "context parallel 1: the graphs would capture the collectives inside each layer, "
+                                  "which no run has checked)")
     alloc = (os.environ if env is None else env).get("PYTORCH_CUDA_ALLOC_CONF", "")
     if "expandable_segments:True" in alloc:
-        raise ValueError(f"{name}=local with PYTORCH_CUDA_ALLOC_CONF={alloc!r}: megatron-core refuses "
+        raise ValueError(f"{name}={value} with PYTORCH_CUDA_ALLOC_CONF={alloc!r}: megatron-core refuses "
                          "expandable_segments:True with CUDA graphs (supported: PYTORCH_CUDA_ALLOC_CONF without it)")
     return value
+
+
+#: megatron-core releases whose whole-iteration graph NeMo 2.7's step reaches
+#: (``cuda_graph_scope == "full_iteration"``, a string: 0.16 made the scope a list)
+FULL_GRAPH_MEGATRON = ("0.15",)
+
+
+def installed_megatron_version() -> Optional[str]:
+    """megatron-core's version in this environment; None where it is not importable."""
+    try:
+        from importlib.metadata import version
+
+        return version("megatron-core")
+    except Exception:  # not installed as a distribution (a source tree on PYTHONPATH)
+        try:
+            from megatron.core.package_info import __version__
+
+            return str(__version__)
+        except Exception:
+            return None
+
+
+def check_full_graph(*, world: int, megatron_version: Optional[str], name: str = "model.cuda_graphs") -> None:
+    """``full`` beyond :func:`check_cuda_graphs`: one process (the graph would capture the
+    data-parallel reduction and the sync-free step's checks of it, which no run has checked) and
+    a megatron-core in :data:`FULL_GRAPH_MEGATRON` (``None``: not known where the check runs)."""
+    if int(world) != 1:
+        raise NotImplementedError(f"{name}=full with {world} processes is not supported (supported: full on one "
+                                  "GPU; local with data parallel)")
+    release = ".".join(str(megatron_version).split(".")[:2]) if megatron_version else None
+    if release is not None and release not in FULL_GRAPH_MEGATRON:
+        raise NotImplementedError(f"{name}=full with megatron-core {megatron_version} is not supported (supported: "
+                                  f"megatron-core {', '.join(r + '.x' for r in FULL_GRAPH_MEGATRON)}, where NeMo's "
+                                  "step wraps the schedule in megatron's FullCudaGraphWrapper; local elsewhere)")
 
 
 def cuda_graph_attention(attention: Optional[str]) -> bool:
@@ -200,9 +236,10 @@ def resolve_cuda_graphs(value: Any, *, cuda: Optional[bool], attention: Optional
                         tensor_parallel: Any = 1, context_parallel: Any = 1, sequence_parallel: bool = False,
                         megatron_version: Optional[str] = None, env: Optional[Mapping[str, str]] = None,
                         name: str = "model.cuda_graphs") -> Tuple[str, Optional[str]]:
-    """What ``model.cuda_graphs`` runs with, and why: ``(none | local, reason)``. The one place
-    that decides ``auto``; ``none`` / ``local`` are checked (:func:`check_cuda_graphs`) and
-    returned with reason None.
+    """What ``model.cuda_graphs`` runs with, and why: ``(none | local | full, reason)``. The one
+    place that decides ``auto``; ``none`` / ``local`` / ``full`` are checked
+    (:func:`check_cuda_graphs`, and :func:`check_full_graph` for ``full``) and returned with
+    reason None. ``auto`` never picks ``full`` (not yet run against local on a GPU).
 
     ``auto`` is ``local`` only where everything the checks before the default covered holds: a
     CUDA device, one process (data parallel with graphs has not run), an attention whose layers
@@ -214,6 +251,8 @@ def resolve_cuda_graphs(value: Any, *, cuda: Optional[bool], attention: Optional
     value = check_cuda_graphs(value, cuda=cuda, attention=attention, tensor_parallel=tensor_parallel,
                               context_parallel=context_parallel, sequence_parallel=sequence_parallel, env=env,
                               name=name)
+    if value == "full":
+        check_full_graph(world=world, megatron_version=megatron_version, name=name)
     if value != "auto":
         return value, None
     tp = 1 if tensor_parallel is None else tensor_parallel
@@ -333,9 +372,12 @@ def check_run_config(cfg: Mapping[str, Any], *, cuda: bool, world: Optional[int]
     check_fused_mlp(model.get("fused_mlp", "auto"), tensor_parallel=train.get("tensor_parallel"),
                     sequence_parallel=bool(train.get("sequence_parallel") or False))
     check_fused_layernorm(model.get("fused_layernorm", "auto"))
-    check_cuda_graphs(model.get("cuda_graphs"), cuda=cuda, attention=resolved.name,
-                      tensor_parallel=train.get("tensor_parallel"), context_parallel=train.get("context_parallel"),
-                      sequence_parallel=bool(train.get("sequence_parallel") or False))
+    graphs = check_cuda_graphs(model.get("cuda_graphs"), cuda=cuda, attention=resolved.name,
+                               tensor_parallel=train.get("tensor_parallel"),
+                               context_parallel=train.get("context_parallel"),
+                               sequence_parallel=bool(train.get("sequence_parallel") or False))
+    if graphs == "full":
+        check_full_graph(world=world, megatron_version=installed_megatron_version() if cuda else None)
     if arch.get("hidden_size") and arch.get("num_attention_heads"):
         head_dim = int(arch["hidden_size"]) // int(arch["num_attention_heads"])
         lo_hi = ATTENTIONS[resolved.name].head_dims

@@ -50,6 +50,12 @@ def cuda_graph_fields(cuda_graphs: Any) -> Dict[str, Any]:
                          "device, the world and the attention); pass its answer: none or local")
     if value == "none":
         return {}
+    if value == "full":
+        # what NeMo 2.7's MegatronStep reads to wrap megatron's schedule in FullCudaGraphWrapper (and
+        # GPTConfig.configure_model to skip its Transformer Engine assert); megatron 0.15 turns the
+        # deprecated flag into cuda_graph_impl='local', and its layers take no graphs of their own at
+        # this scope
+        return {"enable_cuda_graph": True, "cuda_graph_scope": "full_iteration"}
     return {"cuda_graph_impl": "local", "cuda_graph_warmup_steps": CUDA_GRAPH_WARMUP_STEPS}
 
 
@@ -100,9 +106,16 @@ def capture_recorded_graphs(config) -> None:
 
 
 def graphs_created() -> bool:
-    """Whether megatron has captured the layers' graphs in this process: what a run reports
-    beside its losses, so that equal losses with and without graphs cannot hide graphs that
-    never ran (a 20-step A/B whose losses matched to the last digit had no other evidence)."""
+    """Whether megatron has captured the layers' graphs (``local``) or the training iteration's
+    (``full``) in this process: what a run reports beside its losses, so that equal losses with
+    and without graphs cannot hide graphs that never ran (a 20-step A/B whose losses matched to
+    the last digit had no other evidence)."""
     from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
 
-    return bool(_CudagraphGlobalRecord.cudagraph_created)
+    if _CudagraphGlobalRecord.cudagraph_created:
+        return True
+    try:
+        from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+    except ImportError:
+        return False
+    return FullCudaGraphWrapper.cuda_graph.get("training") is not None

@@ -41,6 +41,12 @@ guard cannot stand in: no fused torch optimizer, no clipping (``clip_grad == 0``
 norm to carry the flag to every rank), ``check_for_large_grads``, or megatron's rerun state
 machine in a mode other than disabled (it re-runs the step from the value at once).
 
+Under megatron's whole-iteration CUDA graph (``model.cuda_graphs=full``) the bucket checks are
+captured with the backward: a replay rewrites the captured code tensors and the flag but runs
+none of the Python that records them, so the guard keeps what it recorded under the capture
+and queues those tensors after every replayed step (the optimizer step and its total-norm
+check stay outside the graph and are recorded as always).
+
 The one behaviour that differs from megatron's: a total norm that overflows to inf while every
 bucket's norm is finite (a diverged run: a gradient norm above ~1e19) skips the step and raises
 here; megatron clips with a coefficient of 0 and steps.
@@ -94,6 +100,12 @@ class GradGuard:
         self._labels: List[str] = []
         self._pending: Deque[Tuple[int, List[str], torch.Tensor, Any]] = collections.deque()
         self.grad_norm: Any = None  # the last step's total gradient norm (a device tensor) or None
+        # the checks recorded while a CUDA graph captured them (model.cuda_graphs=full: the bucket
+        # checks run inside megatron's whole-iteration graph): each replay rewrites these tensors
+        # and runs none of the Python that records them, so every later step reads these
+        self._captured_codes: List[torch.Tensor] = []
+        self._captured_labels: List[str] = []
+        self._captured_now = False  # this step's checks were recorded under a capture
 
     def reset(self) -> None:
         self.__init__()
@@ -104,6 +116,10 @@ class GradGuard:
         torch.maximum(self.flag, (codes > 0).any().to(self.flag.dtype), out=self.flag)
         self._codes.append(codes)
         self._labels.extend(labels)
+        if _capturing(codes):
+            self._captured_codes.append(codes)
+            self._captured_labels.extend(labels)
+            self._captured_now = True
 
     def record_buckets(self, norms: Sequence[torch.Tensor]) -> None:
         self._armed = True
@@ -111,12 +127,18 @@ class GradGuard:
                       f"data-parallel communication collective" for i in range(len(norms))], norms)
 
     def record_total(self, total_norm: torch.Tensor) -> None:
-        if self._armed:
+        if self._armed or self._captured_codes:
             self._record(["found {what} in the total gradient norm (after the data-parallel reduction)"],
                          [total_norm])
 
     def end_step(self) -> None:
-        """After the optimizer step: queue this step's codes for reading, clear the flag."""
+        """After the optimizer step: queue this step's codes for reading, clear the flag. A step
+        that recorded no bucket checks after a graph captured them (a replay) reads the
+        captured ones, which the replay rewrote."""
+        if self._captured_codes and not self._captured_now:
+            # a replay: the captured bucket checks first, as megatron's step records them
+            self._codes = self._captured_codes + self._codes
+            self._labels = self._captured_labels + self._labels
         if self._codes:
             codes = torch.cat(self._codes)
             if codes.is_cuda:
@@ -128,7 +150,7 @@ class GradGuard:
                 host, event = codes.clone(), None
             self._pending.append((self.iteration, list(self._labels), host, event))
             self.flag.zero_()
-        self._codes, self._labels, self._armed = [], [], False
+        self._codes, self._labels, self._armed, self._captured_now = [], [], False, False
         self.iteration += 1
 
     def check(self, wait: bool = True) -> None:
@@ -154,6 +176,11 @@ class GradGuard:
                     f"the gradients on the device and reads the result after the step: the update of "
                     f"iteration {it} was skipped ({len(bad)} check(s) failed), the parameters are those "
                     f"before it")
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    """``t`` is being recorded into a CUDA graph (not computed) on the current stream."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 GUARD = GradGuard()

@@ -23,8 +23,8 @@ import os
 import random
 from typing import Any, Dict, List, Optional, Tuple
 
-from nemo_ssa.config.check import (CP_ATTENTIONS, CUDA_GRAPH_ATTENTIONS, POLICIES, PRECISIONS, TP_ATTENTIONS,
-                                   check_run_config)
+from nemo_ssa.config.check import (CP_ATTENTIONS, CUDA_GRAPH_ATTENTIONS, FULL_GRAPH_MEGATRON, POLICIES, PRECISIONS,
+                                   TP_ATTENTIONS, check_run_config, installed_megatron_version)
 from nemo_ssa.config.policy import ATTENTIONS
 
 _NAMES = sorted(ATTENTIONS) + ["ssa", "sigmoid", ""]
@@ -123,9 +123,9 @@ def oracle(case: Dict[str, Any]) -> List[str]:
     elif fm in (True, "true") and (tp != 1 or t["sequence_parallel"]):
         why.append("fused_mlp=true with tensor parallel")
     cg = cfg["model"].get("cuda_graphs")
-    if cg not in (None, "none", "local", "LOCAL", "auto"):  # auto: never refused (it falls back to none)
+    if cg not in (None, "none", "local", "LOCAL", "full", "auto"):  # auto: never refused (it falls back to none)
         why.append("cuda_graphs value")
-    elif cg in ("local", "LOCAL"):
+    elif cg in ("local", "LOCAL", "full"):
         if not cuda:
             why.append("cuda_graphs=local without CUDA")
         if impl not in CUDA_GRAPH_ATTENTIONS:
@@ -134,6 +134,11 @@ def oracle(case: Dict[str, Any]) -> List[str]:
             why.append("cuda_graphs=local with tensor/context parallel")
         if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
             why.append("cuda_graphs=local with expandable segments")
+        if cg == "full" and world != 1:
+            why.append("cuda_graphs=full with several processes")
+        release = ".".join((installed_megatron_version() or "").split(".")[:2])
+        if cg == "full" and cuda and release and release not in FULL_GRAPH_MEGATRON:
+            why.append("cuda_graphs=full on a megatron-core whose step NeMo does not wrap")
     return why
 
 

@@ -11,6 +11,7 @@ Named presets (the GPU test plan; ``PRESETS`` below lists what each runs)::
     python scripts/device/gpu_session.py --preset syncs --out $OUT --commit <sha>   # every sync of the step, by call site
     python scripts/device/gpu_session.py --preset layernorm-mb8 --out $OUT --commit <sha>   # fused layer norm at mb 8, 3 rounds
     python scripts/device/gpu_session.py --preset layernorm-parity --out $OUT --commit <sha>   # its 1,000-step parity + the spread
+    python scripts/device/gpu_session.py --preset graphs-full --out $OUT --commit <sha>   # model.cuda_graphs=full vs local
     python scripts/device/gpu_session.py --list-presets
 
 Every session (a preset or free-form steps) installs the offline wheel bundle first when ``.whl/`` is present (as
@@ -190,6 +191,18 @@ PRESETS = {
         steps=[("cmd", "ln-parity", 535, _option_ab(
             "ln-parity", ["off", "off_again", "on"], "model.fused_layernorm=true", rounds=1, timeout=175,
             job="train.max_steps=1000 train.val_check_interval=500", compare=True))]),
+    "graphs-full": dict(
+        about="model.cuda_graphs=full (megatron's whole-iteration graph through NeMo) against local, one tree: "
+              "micro batch 8 for 2 rounds and 32 for 1, alternated; summary.json's cuda_graphs_captured says the "
+              "training graph was captured, the losses are compared in the table",
+        expect=500, budget=540,
+        steps=[("cmd", "full-mb8", 340, _option_ab(
+                    "full-mb8", ["local", "full"], "model.cuda_graphs=full", rounds=2, timeout=110,
+                    job="train.micro_batch_size=8 train.global_batch_size=8 train.max_steps=60 "
+                        "train.val_check_interval=60")),
+               ("cmd", "full-mb32", 195, _option_ab(
+                   "full-mb32", ["local", "full"], "model.cuda_graphs=full", rounds=1, timeout=95,
+                   job="train.max_steps=60 train.val_check_interval=60"))]),
     "graphs-default": dict(
         about="the checks model.cuda_graphs=auto (local where they passed) rests on, on two GPUs "
               "(scripts/device/graphs_default.py): softmax_triton's 1,000-step parity through NeMo, a graphed "

@@ -20,6 +20,8 @@ from __future__ import annotations
 import inspect
 import os
 import re
+import types
+import warnings
 
 import pytest
 import torch
@@ -37,10 +39,11 @@ OK = dict(cuda=True, attention="ssa_triton", env={})
 
 
 def test_values():
-    assert [check_cuda_graphs(v, **OK) for v in ("none", None, "None", "local", " LOCAL ", "Auto")] == [
-        "none", "none", "none", "local", "local", "auto"]
-    for bad in ("full", "full_iteration", "transformer_engine", True, False, 1):
-        with pytest.raises(ValueError, match=r"model.cuda_graphs=.* is not supported \(supported: auto, none, local\)"):
+    assert [check_cuda_graphs(v, **OK) for v in ("none", None, "None", "local", " LOCAL ", "Auto", "Full")] == [
+        "none", "none", "none", "local", "local", "auto", "full"]
+    for bad in ("full_iteration", "transformer_engine", True, False, 1):
+        with pytest.raises(ValueError,
+                           match=r"model.cuda_graphs=.* is not supported \(supported: auto, none, local, full\)"):
             check_cuda_graphs(bad, **OK)
 
 
@@ -54,11 +57,28 @@ def test_values():
     (dict(sequence_parallel=True), NotImplementedError, "sequence_parallel=True"),
     (dict(env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}), ValueError, "expandable_segments:True"),
 ])
-def test_local_refuses_what_it_cannot_run(kw, error, says):
+@pytest.mark.parametrize("value", ["local", "full"])
+def test_local_refuses_what_it_cannot_run(kw, error, says, value):
     with pytest.raises(error, match=says):
-        check_cuda_graphs("local", **{**OK, **kw})
+        check_cuda_graphs(value, **{**OK, **kw})
     assert check_cuda_graphs("none", **{**OK, **kw}) == "none"  # none runs everywhere
     assert check_cuda_graphs("auto", **{**OK, **kw}) == "auto"  # auto falls back to none there
+
+
+@pytest.mark.parametrize("kw, says", [
+    (dict(world=2), "full with 2 processes is not supported .*supported: full on one GPU; local with data parallel"),
+    (dict(megatron_version="0.16.1"), "megatron-core 0.16.1 is not supported .*0.15.x"),
+])
+def test_full_refuses_several_processes_and_other_megatrons(kw, says):
+    from nemo_ssa.config.check import resolve_cuda_graphs
+
+    args = dict(cuda=True, attention="ssa", world=1, megatron_version="0.15.3")
+    assert resolve_cuda_graphs("full", **args) == ("full", None)
+    assert resolve_cuda_graphs("full", **{**args, "megatron_version": None}) == ("full", None)  # not known here
+    with pytest.raises(NotImplementedError, match=says):
+        resolve_cuda_graphs("full", **{**args, **kw})
+    # auto never picks full
+    assert resolve_cuda_graphs("auto", **args)[0] == "local"
     assert resolve_cuda_graphs("auto", **{**AUTO, **kw})[0] == "none"
 
 
@@ -156,8 +176,42 @@ def test_fields_are_ones_the_installed_megatron_builds():
     with pytest.raises((ValueError, AssertionError), match="recomput"):
         TransformerConfig(**small, **cuda_graph_fields("local"), recompute_granularity="full",
                           recompute_method="uniform", recompute_num_layers=1)
-    with pytest.raises(ValueError, match="supported: auto, none, local"):
+    with pytest.raises(ValueError, match="supported: auto, none, local, full"):
         cuda_graph_fields("on")
+    # full: what NeMo's step reads to wrap the schedule; megatron makes it local at the
+    # whole-iteration scope, where no layer takes graphs of its own
+    assert cuda_graph_fields("full") == {"enable_cuda_graph": True, "cuda_graph_scope": "full_iteration"}
+    with pytest.warns(UserWarning, match="enable_cuda_graph is deprecated"):
+        full = TransformerConfig(**small, **cuda_graph_fields("full"))
+    assert (full.cuda_graph_impl, full.cuda_graph_scope, full.enable_cuda_graph) == ("local", "full_iteration", True)
+
+
+def test_nemos_step_wraps_the_schedule_in_megatrons_full_graph(monkeypatch):
+    """NeMo 2.7's MegatronStep, given the config full sets, runs megatron's schedule through
+    FullCudaGraphWrapper (and the config local sets, through the schedule itself)."""
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from nemo.lightning.megatron_parallel import MegatronStep
+
+    import megatron.core.pipeline_parallel.schedules as schedules
+
+    def schedule(**kwargs):  # megatron's, as get_forward_backward_func picks it (no parallel state here)
+        return kwargs
+
+    monkeypatch.setattr(schedules, "get_forward_backward_func", lambda: schedule)
+    import megatron.core.full_cuda_graph as full_cuda_graph
+
+    monkeypatch.setattr(full_cuda_graph, "StaticBufferLoader", lambda: None)  # makes a CUDA stream
+    small = dict(num_layers=1, hidden_size=32, num_attention_heads=4)
+    for value, wrapped in (("full", True), ("local", False), ("none", False)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            cfg = TransformerConfig(**small, **cuda_graph_fields(value))
+        step = MegatronStep.__new__(MegatronStep)
+        step.pipeline = types.SimpleNamespace(pipeline=types.SimpleNamespace(config=cfg))  # step.model
+        func = step.forward_backward_func
+        assert isinstance(func, FullCudaGraphWrapper) is wrapped, value
+        assert (func.forward_backward_func if wrapped else func) is schedule
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +220,8 @@ def recipes(tmp_path_factory):
 
     d = str(tmp_path_factory.mktemp("cg"))
     return {v: nemotron_114m.pretrain_recipe(dir=d, attention="ssa", max_steps=2, **kw)
-            for v, kw in (("default", {}), ("none", {"cuda_graphs": "none"}), ("local", {"cuda_graphs": "local"}))}
+            for v, kw in (("default", {}), ("none", {"cuda_graphs": "none"}), ("local", {"cuda_graphs": "local"}),
+                          ("full", {"cuda_graphs": "full"}))}
 
 
 def _callbacks(recipe):
@@ -199,12 +254,16 @@ def test_recipe_none_is_the_recipe_without_the_option(recipes, tmp_path, monkeyp
     diff = [ln for ln in ser(recipes["local"]).splitlines() if ln not in set(ser(recipes["none"]).splitlines())]
     assert sorted(s.strip() for s in diff) == ["- _target_: nemo_ssa.nemo.callbacks.CudaGraphRNGCallback",
                                                "cuda_graph_impl: local", "cuda_graph_warmup_steps: 3"]
+    # full: NeMo's two fields for the whole-iteration graph and the same callback
+    diff = [ln for ln in ser(recipes["full"]).splitlines() if ln not in set(ser(recipes["none"]).splitlines())]
+    assert sorted(s.strip() for s in diff) == ["- _target_: nemo_ssa.nemo.callbacks.CudaGraphRNGCallback",
+                                               "cuda_graph_scope: full_iteration", "enable_cuda_graph: true"]
 
 
 @pytest.mark.parametrize("kw, says", [
     (dict(attention="softmax"), "attention=softmax is not supported"),
     (dict(tensor_parallel=2, num_gpus_per_node=2), "tensor_parallel=2"),
-    (dict(cuda_graphs="full"), "supported: auto, none, local"),
+    (dict(cuda_graphs="full_iteration"), "supported: auto, none, local, full"),
 ])
 def test_recipe_refuses_before_building(kw, says, tmp_path):
     from recipes import nemotron_114m
@@ -402,9 +461,16 @@ def test_graphs_created_reads_megatrons_record(monkeypatch):
 
     from nemo_ssa.megatron.cuda_graphs import graphs_created
 
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+
     monkeypatch.setattr(_CudagraphGlobalRecord, "cudagraph_created", False)
+    monkeypatch.setattr(FullCudaGraphWrapper, "cuda_graph", {"training": None, "validation": None})
     assert graphs_created() is False
     monkeypatch.setattr(_CudagraphGlobalRecord, "cudagraph_created", True)
+    assert graphs_created() is True
+    # full: the training iteration's graph, captured by megatron's wrapper
+    monkeypatch.setattr(_CudagraphGlobalRecord, "cudagraph_created", False)
+    monkeypatch.setattr(FullCudaGraphWrapper, "cuda_graph", {"training": object(), "validation": None})
     assert graphs_created() is True
 
 

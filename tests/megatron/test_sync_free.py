@@ -220,6 +220,51 @@ def test_the_total_norm_carries_a_bad_step_to_every_rank(installed):
         sync_free.GUARD.check(wait=True)
 
 
+def test_checks_captured_in_a_graph_are_read_on_every_replay(installed, monkeypatch):
+    """model.cuda_graphs=full: megatron's bucket checks run inside the whole-iteration graph, so
+    after the capture a step runs none of the Python that records them -- the replay rewrites
+    the captured code tensors and the flag. Simulated: step 0 eager, step 1 recorded under a
+    "capture", steps 2-3 replays (the captured kernels redone in place); a NaN at step 2 is
+    skipped, raised at step 3 with the bucket's message, and the flag is cleared after each."""
+    leaf = _Leaf(_params(_grads()))
+    assert sync_free.activate(leaf) is None
+    guard = sync_free.GUARD
+    _run(leaf, installed, [_grads(seed=1)])  # step 0: eager, nothing captured
+    assert guard._captured_codes == []
+    # step 1: the bucket checks recorded under the capture (finish_grad_sync is inside the graph),
+    # the optimizer step after it eager, as FullCudaGraphWrapper runs it
+    for p, g in zip(leaf.params, _grads(seed=2)):
+        p.grad = g.clone()
+    monkeypatch.setattr(sync_free, "_capturing", lambda t: True)
+    installed.cls.check_grads(_bucket_group(leaf.params), True, False)
+    monkeypatch.setattr(sync_free, "_capturing", lambda t: False)
+    leaf.step()
+    (codes,) = guard._captured_codes
+    assert len(guard._captured_labels) == 1 and "bucket #0" in guard._captured_labels[0]
+    guard.check(wait=True)  # steps 0-1 clean
+
+    def replay(grads):  # what the graph redoes: the bucket norm's code into the captured tensor
+        for p, g in zip(leaf.params, grads):
+            p.grad = g.clone()
+        norm = _bucket_group(leaf.params).buckets[0].grad_data.norm(p=2).reshape(1)
+        new = torch.isnan(norm).to(torch.int8) * sync_free._NAN + torch.isinf(norm).to(torch.int8) * sync_free._INF
+        codes.copy_(new)
+        torch.maximum(guard.flag, (codes > 0).any().to(guard.flag.dtype), out=guard.flag)
+        leaf.step()
+
+    before = [p.detach().clone() for p in leaf.params]
+    bad = _grads(seed=3)
+    bad[2][1] = float("nan")
+    replay(bad)  # step 2: a NaN, recorded by the replay alone
+    for p, b in zip(leaf.params, before):
+        assert torch.equal(p.detach(), b)  # skipped on the device
+    assert float(guard.flag) == 0.0
+    with pytest.raises(RuntimeError, match="iteration 2: Unexpected result nan .*bucket #0"):
+        replay(_grads(seed=4))  # step 3 reads step 2's checks first
+    replay(_grads(seed=5))
+    guard.check(wait=True)  # clean again: the same captured tensors, read every step
+
+
 @pytest.mark.parametrize("leaf_kw, why", [(dict(fused=False), "fused"), (dict(clip_grad=0.0), "clip_grad is 0")])
 def test_guard_stays_off_where_it_cannot_skip_and_megatron_checks(installed, monkeypatch, leaf_kw, why):
     leaf = _Leaf(_params(_grads()), **leaf_kw)

@@ -48,7 +48,7 @@ def test_presets_fit_the_device_limits():
     every GPU test file and every op test that runs on CUDA."""
     gs = _load_session()
     assert set(gs.PRESETS) == {"quick", "full-1", "full-2", "graphs", "graphs-default", "step-graphs", "syncs",
-                               "layernorm-mb8", "layernorm-parity"}
+                               "layernorm-mb8", "layernorm-parity", "graphs-full"}
     for name, p in gs.PRESETS.items():
         assert p["budget"] <= 540 and sum(s[2] for s in p["steps"]) <= p["budget"], name
     assert gs.PRESETS["quick"]["budget"] <= 240
@@ -101,19 +101,24 @@ def test_graph_presets_name_flags_and_keys_that_exist(preset):
                 assert key in groups or re.search(rf"^\s*{key}:", cfg_text, re.M), (preset, key)
 
 
-@pytest.mark.parametrize("preset", ["layernorm-mb8", "layernorm-parity"])
+@pytest.mark.parametrize("preset", ["layernorm-mb8", "layernorm-parity", "graphs-full"])
 def test_ab_presets_name_trees_flags_and_keys_that_exist(preset):
     """An A/B preset (scripts/device/step_ab.py): its flags exist, --arm and the compare tool
     name its trees, every launcher override after ``--`` is a config key, and the option under
     test is set on one tree only."""
-    import re
-
     gs = _load_session()
     conf = os.path.join(REPO, "nemo_ssa", "configs")
     cfg_text = "".join(open(os.path.join(root, f)).read() for root, _, files in os.walk(conf) for f in files
                        if f.endswith(".yaml"))
     groups = {d for d in os.listdir(conf) if os.path.isdir(os.path.join(conf, d))}
-    (cmd,) = [s[3] for s in gs.PRESETS[preset]["steps"] if s[0] == "cmd"]
+    for cmd in [s[3] for s in gs.PRESETS[preset]["steps"] if s[0] == "cmd"]:
+        _check_ab_command(cmd, src_groups=(groups, cfg_text), preset=preset)
+
+
+def _check_ab_command(cmd, src_groups, preset):
+    import re
+
+    groups, cfg_text = src_groups
     ab, _, rest = cmd.partition(" -- ")
     src = open(os.path.join(REPO, "scripts/device/step_ab.py")).read()
     for flag in re.findall(r" (--[a-z-]+)", ab):
