@@ -116,3 +116,13 @@ def test_cuda_values_log_as_lightning_logs_them(installed):
     assert lightning_log.install() is None
     for a, b in zip(fast[0] + [fast[1]], ref[0] + [ref[1]]):
         assert a.keys() == b.keys() and all(a[k].device == b[k].device and torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_benchmark_runs_both_variants_and_leaves_lightning_as_it_was(capsys):
+    from benchmarks import bench_lightning_log
+
+    before = result._ResultMetric.__dict__["to"]
+    assert bench_lightning_log.main(["--steps", "3", "--rounds", "2"]) == 0
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(("| lightning", "| nemo_ssa"))]
+    assert len(rows) == 2 and rows[0].endswith("| 1.00x |")
+    assert result._ResultMetric.__dict__["to"] is before
