@@ -251,7 +251,8 @@ def pretrain_recipe(
     check_fused_layernorm(fused_layernorm)
     # the device and the environment are the launcher's to check: a recipe may be built where it
     # does not run (a login node submitting to Slurm)
-    cuda_graphs, _ = resolve_cuda_graphs(cuda_graphs, cuda=None, attention=attention, world=1,
+    cuda_graphs, _ = resolve_cuda_graphs(cuda_graphs, cuda=None, attention=attention,
+                                         world=int(num_nodes) * int(num_gpus_per_node),
                                          tensor_parallel=tensor_parallel, context_parallel=context_parallel,
                                          sequence_parallel=sequence_parallel, env={})
     _apply_arch(recipe.model.config, attention, attention_options, policy, seq_length, vocab_size,

@@ -264,6 +264,7 @@ def test_recipe_none_is_the_recipe_without_the_option(recipes, tmp_path, monkeyp
     (dict(attention="softmax"), "attention=softmax is not supported"),
     (dict(tensor_parallel=2, num_gpus_per_node=2), "tensor_parallel=2"),
     (dict(cuda_graphs="full_iteration"), "supported: auto, none, local, full"),
+    (dict(cuda_graphs="full", num_gpus_per_node=2), "full with 2 processes is not supported"),
 ])
 def test_recipe_refuses_before_building(kw, says, tmp_path):
     from recipes import nemotron_114m
