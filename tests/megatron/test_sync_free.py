@@ -355,3 +355,77 @@ def test_megatrons_step_reads_nothing_and_a_nan_is_caught_on_cuda():
     ddp.finish_grad_sync()
     with pytest.raises(RuntimeError, match="found NaN in local grad norm for bucket"):
         opt.step()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_nan_inside_a_captured_iteration_is_caught_on_replay_on_cuda():
+    """model.cuda_graphs=full in small: megatron's gradient finalisation (the bucket checks)
+    captured in one CUDA graph with the forward and backward, as FullCudaGraphWrapper captures
+    them, the optimizer step outside. Replays run none of the guard's Python: a NaN that only a
+    replay produces (a captured add of a poison value) is skipped on the device and raised at the
+    next step with megatron's bucket message; a clean replay before and after steps as usual."""
+    from benchmarks import bench_model as bm
+
+    bm.init_megatron(1234)
+    cfg, model = bm.build("softmax_triton", 128, overrides={"num_layers": 2})
+    bm.wrap_for_step(cfg, model, fast_paths=True, sync_free=True)
+    ddp, opt = model._bench_step_state
+    guard = sync_free.GUARD
+    assert guard.active
+    tokens, pos, labels, mask = bm.batch(2, 128)
+    params = [p for p in model.parameters() if p.requires_grad]
+    poison = torch.zeros((), device="cuda")
+
+    def body():  # what the whole-iteration graph holds: fwd, bwd, the gradient finalisation
+        bm.loss_fn(ddp(tokens, pos, None, labels=labels, loss_mask=mask), mask).backward()
+        params[0].main_grad.view(-1)[3].add_(poison)
+        ddp.finish_grad_sync()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # eager warm-up steps, as the wrapper runs one before capturing
+        for _ in range(2):
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            body()
+            opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    guard.check(wait=True)
+    graph = torch.cuda.CUDAGraph()
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    try:
+        with torch.cuda.graph(graph):
+            body()
+        _replays_catch_the_poison(graph, ddp, opt, params, poison, guard)
+    finally:  # the captured checks belong to this graph: a later test in this process starts clean
+        guard._captured_codes.clear()
+        guard._captured_labels.clear()
+
+
+def _replays_catch_the_poison(graph, ddp, opt, params, poison, guard):
+    assert guard._captured_codes, "the bucket checks were not recorded under the capture"
+
+    def step():
+        ddp.zero_grad_buffer()
+        graph.replay()
+        opt.step()
+
+    graph.replay()  # the capture's own step, as the wrapper replays right after capturing
+    opt.step()
+    before = [p.detach().clone() for p in params]
+    step()  # clean replay: the update lands
+    torch.cuda.synchronize()
+    assert any(not torch.equal(p.detach(), b) for p, b in zip(params, before))
+    guard.check(wait=True)
+    poison.fill_(float("nan"))
+    before = [p.detach().clone() for p in params]
+    step()  # the NaN exists only in this replay
+    torch.cuda.synchronize()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
+    poison.zero_()
+    with pytest.raises(RuntimeError, match="found NaN in local grad norm for bucket"):
+        step()
+    step()
+    guard.check(wait=True)  # clean again from the same captured tensors
