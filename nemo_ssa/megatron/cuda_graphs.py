@@ -29,7 +29,7 @@ from typing import Any, Dict, Optional
 import torch
 
 __all__ = ["CUDA_GRAPH_WARMUP_STEPS", "cuda_graph_fields", "use_cudagraphable_rng_tracker",
-           "capture_recorded_graphs", "graphs_created"]
+           "capture_recorded_graphs", "graphs_created", "arm_full_iteration"]
 
 #: eager runs of each layer inside the capture call before it is captured (megatron's default,
 #: the value benchmarks/bench_model.py --cuda-graph local ran with), pinned here so that a change
@@ -51,12 +51,26 @@ def cuda_graph_fields(cuda_graphs: Any) -> Dict[str, Any]:
     if value == "none":
         return {}
     if value == "full":
-        # what NeMo 2.7's MegatronStep reads to wrap megatron's schedule in FullCudaGraphWrapper (and
-        # GPTConfig.configure_model to skip its Transformer Engine assert); megatron 0.15 turns the
-        # deprecated flag into cuda_graph_impl='local', and its layers take no graphs of their own at
-        # this scope
-        return {"enable_cuda_graph": True, "cuda_graph_scope": "full_iteration"}
+        # megatron's whole-iteration scope, where no layer takes graphs of its own. Not the
+        # deprecated enable_cuda_graph=True NeMo 2.7's MegatronStep reads: megatron 0.15's
+        # __post_init__ turns it into cuda_graph_impl='local' and leaves it set, and NeMo's strategy
+        # runs __post_init__ a second time (set_model_parallel_attributes), which then asserts
+        # "Do not use enable_cuda_graph ... with cuda_graph_impl". arm_full_iteration sets it on
+        # the live config after that second run.
+        return {"cuda_graph_impl": "local", "cuda_graph_scope": "full_iteration"}
     return {"cuda_graph_impl": "local", "cuda_graph_warmup_steps": CUDA_GRAPH_WARMUP_STEPS}
+
+
+def arm_full_iteration(config) -> bool:
+    """Set ``enable_cuda_graph`` on a config whose scope is ``full_iteration``: the flag NeMo 2.7's
+    ``MegatronStep.forward_backward_func`` reads to wrap megatron's schedule in
+    ``FullCudaGraphWrapper``. Called once the strategy has re-run the config's ``__post_init__``
+    (Lightning's ``setup`` hook, ``CudaGraphRNGCallback``); a later ``__post_init__`` would refuse
+    the flag beside ``cuda_graph_impl``. Returns whether the config was armed."""
+    if getattr(config, "cuda_graph_scope", None) != "full_iteration":
+        return False
+    config.enable_cuda_graph = True
+    return True
 
 
 def use_cudagraphable_rng_tracker(generator: Optional[torch.Generator] = None) -> bool:

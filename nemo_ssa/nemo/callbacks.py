@@ -360,12 +360,20 @@ class CudaGraphRNGCallback(Callback):
     (``nemo_ssa.megatron.cuda_graphs.use_cudagraphable_rng_tracker``), so the weights start as
     they would without graphs. The rest is megatron's: the config fields the recipe set, and
     ``create_cudagraphs()``, which the schedule NeMo's step runs calls after each fwd+bwd.
+    With ``model.cuda_graphs=full`` it also arms NeMo's whole-iteration switch
+    (``nemo_ssa.megatron.cuda_graphs.arm_full_iteration``).
     """
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        from nemo_ssa.megatron.cuda_graphs import use_cudagraphable_rng_tracker
+        from nemo_ssa.megatron.cuda_graphs import arm_full_iteration, use_cudagraphable_rng_tracker
 
         use_cudagraphable_rng_tracker()
+        # model.cuda_graphs=full: the strategy has re-run the config's __post_init__ by now
+        # (Lightning calls setup after strategy.connect), so NeMo's flag can go on
+        config = getattr(pl_module, "config", None)
+        if config is not None and arm_full_iteration(config) and getattr(trainer, "global_rank", 0) == 0:
+            print("[nemo_ssa] CUDA graphs: megatron's whole-iteration graph (FullCudaGraphWrapper), captured "
+                  "at the second training step", flush=True)
 
 
 class SyncFreeLossReductionCallback(Callback):

@@ -178,17 +178,51 @@ def test_fields_are_ones_the_installed_megatron_builds():
                           recompute_method="uniform", recompute_num_layers=1)
     with pytest.raises(ValueError, match="supported: auto, none, local, full"):
         cuda_graph_fields("on")
-    # full: what NeMo's step reads to wrap the schedule; megatron makes it local at the
-    # whole-iteration scope, where no layer takes graphs of its own
-    assert cuda_graph_fields("full") == {"enable_cuda_graph": True, "cuda_graph_scope": "full_iteration"}
-    with pytest.warns(UserWarning, match="enable_cuda_graph is deprecated"):
-        full = TransformerConfig(**small, **cuda_graph_fields("full"))
-    assert (full.cuda_graph_impl, full.cuda_graph_scope, full.enable_cuda_graph) == ("local", "full_iteration", True)
+    # full: megatron's whole-iteration scope, where no layer takes graphs of its own
+    assert cuda_graph_fields("full") == {"cuda_graph_impl": "local", "cuda_graph_scope": "full_iteration"}
+    full = TransformerConfig(**small, **cuda_graph_fields("full"))
+    assert (full.cuda_graph_impl, full.cuda_graph_scope, full.enable_cuda_graph) == ("local", "full_iteration", False)
+
+
+def test_full_survives_nemos_second_post_init_and_is_armed_after_it(monkeypatch):
+    """NeMo's strategy re-runs the config's ``__post_init__`` (set_model_parallel_attributes, in
+    ``strategy.connect``); megatron 0.15 then refuses ``enable_cuda_graph`` beside
+    ``cuda_graph_impl`` -- the first full run on an H200 died there. The fields must pass that
+    second run; the callback's ``setup`` (after connect) arms NeMo's flag; none and local are
+    left unarmed."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from nemo.lightning._strategy_lib import set_model_parallel_attributes
+
+    from nemo_ssa.megatron.cuda_graphs import arm_full_iteration
+    from nemo_ssa.nemo.callbacks import CudaGraphRNGCallback
+
+    small = dict(num_layers=1, hidden_size=32, num_attention_heads=4)
+    parallelism = types.SimpleNamespace(tensor_model_parallel_size=1, context_parallel_size=1)
+    for value in ("full", "local"):
+        cfg = TransformerConfig(**small, **cuda_graph_fields(value))
+        model = types.SimpleNamespace(config=cfg, configure_model=lambda: None)
+        assert set_model_parallel_attributes(model, parallelism) is cfg  # the second __post_init__, NeMo's own
+        armed = []
+        import nemo_ssa.megatron.cuda_graphs as cg
+
+        monkeypatch.setattr(cg, "use_cudagraphable_rng_tracker", lambda: armed.append("tracker"))  # a CUDA tracker
+        CudaGraphRNGCallback().setup(types.SimpleNamespace(global_rank=0), model, "fit")
+        assert armed == ["tracker"]
+        assert cfg.enable_cuda_graph is (value == "full"), value
+        assert (cfg.cuda_graph_impl, cfg.cuda_graph_scope) == ("local", "full_iteration" if value == "full" else
+                                                               TransformerConfig(**small).cuda_graph_scope)
+    # armed, the config would not survive a third __post_init__: the reason the flag goes on last
+    with pytest.raises(AssertionError, match="Do not use enable_cuda_graph"):
+        cfg = TransformerConfig(**small, **cuda_graph_fields("full"))
+        arm_full_iteration(cfg)
+        cfg.__post_init__()
+    assert arm_full_iteration(TransformerConfig(**small)) is False
 
 
 def test_nemos_step_wraps_the_schedule_in_megatrons_full_graph(monkeypatch):
-    """NeMo 2.7's MegatronStep, given the config full sets, runs megatron's schedule through
+    """NeMo 2.7's MegatronStep, given the config full sets (armed), runs megatron's schedule through
     FullCudaGraphWrapper (and the config local sets, through the schedule itself)."""
+    from nemo_ssa.megatron.cuda_graphs import arm_full_iteration
     from megatron.core.full_cuda_graph import FullCudaGraphWrapper
     from megatron.core.transformer.transformer_config import TransformerConfig
     from nemo.lightning.megatron_parallel import MegatronStep
@@ -207,6 +241,7 @@ def test_nemos_step_wraps_the_schedule_in_megatrons_full_graph(monkeypatch):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             cfg = TransformerConfig(**small, **cuda_graph_fields(value))
+        arm_full_iteration(cfg)  # what CudaGraphRNGCallback.setup does, after the strategy's __post_init__
         step = MegatronStep.__new__(MegatronStep)
         step.pipeline = types.SimpleNamespace(pipeline=types.SimpleNamespace(config=cfg))  # step.model
         func = step.forward_backward_func
@@ -257,7 +292,7 @@ def test_recipe_none_is_the_recipe_without_the_option(recipes, tmp_path, monkeyp
     # full: NeMo's two fields for the whole-iteration graph and the same callback
     diff = [ln for ln in ser(recipes["full"]).splitlines() if ln not in set(ser(recipes["none"]).splitlines())]
     assert sorted(s.strip() for s in diff) == ["- _target_: nemo_ssa.nemo.callbacks.CudaGraphRNGCallback",
-                                               "cuda_graph_scope: full_iteration", "enable_cuda_graph: true"]
+                                               "cuda_graph_impl: local", "cuda_graph_scope: full_iteration"]
 
 
 @pytest.mark.parametrize("kw, says", [
