@@ -110,3 +110,24 @@ def test_the_record_check_sees_code(tmp_path):
     (tmp_path / "docs" / "results" / "r" / "README.md").write_text("# r")
     (tmp_path / "docs" / "results" / "r" / "commands" / "call1.sh").write_text("echo")
     assert code_in_records(tmp_path) == ["docs/results/r/commands/call1.sh"]
+
+
+def records_missing_from_index(root: Path):
+    """Record folders under docs/results that its README's table does not link: the index is
+    how a reader finds a record from a claim (three had gone unlisted)."""
+    results = root / "docs" / "results"
+    index = (results / "README.md").read_text()
+    return sorted(p.name for p in results.iterdir()  # a folder beside its record NAME.md counts as linked
+                  if p.is_dir() and f"({p.name}/" not in index and f"({p.name}.md)" not in index)
+
+
+def test_every_record_is_in_the_index():
+    assert records_missing_from_index(ROOT) == []
+
+
+def test_the_index_check_sees_a_missing_record(tmp_path):
+    results = tmp_path / "docs" / "results"
+    (results / "2026-01-01-a").mkdir(parents=True)
+    (results / "2026-01-02-b").mkdir()
+    (results / "README.md").write_text("| [2026-01-01-a](2026-01-01-a/README.md) | a |\n")
+    assert records_missing_from_index(tmp_path) == ["2026-01-02-b"]

@@ -396,7 +396,10 @@ def test_a_nan_inside_a_captured_iteration_is_caught_on_replay_on_cuda():
     ddp.zero_grad_buffer()
     opt.zero_grad()
     try:
-        with torch.cuda.graph(graph):
+        # as FullCudaGraphWrapper captures: its own stream and thread-local capture errors (the
+        # backward runs on autograd's device thread; the global mode, torch's default, failed here
+        # with "operation would make the legacy stream depend on a capturing blocking stream")
+        with torch.cuda.graph(graph, stream=torch.cuda.Stream(), capture_error_mode="thread_local"):
             body()
         _replays_catch_the_poison(graph, ddp, opt, params, poison, guard)
     finally:  # the captured checks belong to this graph: a later test in this process starts clean
