@@ -3,6 +3,7 @@
     python -m nemo_ssa.study.icl_train --attentions softmax,ssa --seeds 3 --out runs/icl   # GPU: minutes
     python -m nemo_ssa.study.icl_train --cpu-smoke --out /tmp/icl                         # CPU: seconds
     python -m nemo_ssa.study.icl_train --attentions ssa --first-seed 4 --seeds 1 --out runs/icl &   # one run per process
+    python -m nemo_ssa.study.icl_train --attentions ssa --steps 50000 --cuda-graphs --budget-s 450 --out runs/icl   # long
 
 The model is megatron-core's ``TransformerBlock`` built from
 ``nemo_ssa.megatron.spec.layer_spec(config, attention)`` — the same core attentions and
@@ -66,6 +67,9 @@ class ICLConfig:
     batch: int = 64           # prompts per step
     lr: float = 3e-4
     eval_prompts: int = 512   # held-out prompts per evaluation condition
+    #: the whole training step as one CUDA graph (``--cuda-graphs``, CUDA only): part of the
+    #: run's identity, so a run never resumes on the other path
+    cuda_graphs: bool = False
 
 
 CPU_SMOKE = ICLConfig(d=3, k=8, layers=2, hidden=32, heads=4, groups=2, steps=40, batch=16, lr=3e-3, eval_prompts=64)
@@ -114,6 +118,61 @@ def _save_ckpt(path: str, cfg: ICLConfig, step: int, model, opt, losses: List[fl
     os.replace(path + ".tmp", path)
 
 
+#: eager steps before the step is captured (each a real training step): the first builds Adam's
+#: state and the attention kernels' compiled launches, which must exist before a capture
+GRAPH_WARMUP = 3
+
+
+def _train_step(model, opt, tokens: torch.Tensor, ys: torch.Tensor, cfg: ICLConfig) -> torch.Tensor:
+    """One step: forward, mean squared error / d, backward, clipping at 1, AdamW. Returns the
+    loss on the device (reading it here would make the host wait for the GPU every step)."""
+    loss = (model(tokens) - ys).pow(2).mean() / cfg.d
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss.detach()
+
+
+class _GraphedStep:
+    """:func:`_train_step` as one CUDA graph (the prompts' shape never changes): ``GRAPH_WARMUP``
+    eager steps, then the step is captured into static input buffers and replayed from then on
+    (the capture itself runs nothing: its step is the first replay). The host's work per step
+    is one prompt draw, two copies and a replay instead of ~hundreds of launches: the step of
+    this small model is otherwise host-bound. AdamW runs ``capturable`` (its step count on the
+    device): the same update rule."""
+
+    def __init__(self, model, opt, cfg: ICLConfig, dev: torch.device, stream):
+        self.model, self.opt, self.cfg, self.stream = model, opt, cfg, stream
+        self.tokens = torch.zeros(cfg.batch, 2 * cfg.k, cfg.d + 1, device=dev)
+        self.ys = torch.zeros(cfg.batch, cfg.k, device=dev)
+        self.graph, self.loss, self.warm, self.failed = None, None, 0, None
+
+    @property
+    def captured(self) -> bool:
+        return self.graph is not None
+
+    def __call__(self, tokens: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+        self.tokens.copy_(tokens, non_blocking=True)
+        self.ys.copy_(ys, non_blocking=True)
+        if self.graph is None and (self.warm < GRAPH_WARMUP or self.failed):
+            self.warm += 1
+            return _train_step(self.model, self.opt, self.tokens, self.ys, self.cfg)
+        if self.graph is None:
+            self.opt.zero_grad(set_to_none=True)  # .grad then lives in the graph's pool: each replay writes it
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, stream=self.stream):
+                    loss = _train_step(self.model, self.opt, self.tokens, self.ys, self.cfg)
+            except Exception as e:  # a capture runs nothing: the weights are untouched, the step runs eagerly
+                self.failed = f"{type(e).__name__}: {e}"
+                print(f"[icl] CUDA graph capture failed ({self.failed}); the run continues without graphs", flush=True)
+                return _train_step(self.model, self.opt, self.tokens, self.ys, self.cfg)
+            self.graph, self.loss = graph, loss
+        self.graph.replay()
+        return self.loss
+
+
 def train_one(cfg: ICLConfig, attention: str, seed: int, log_every: int = 0, *, ckpt: Optional[str] = None,
               checkpoint_every: int = 0, deadline: Optional[float] = None,
               stop_at: Optional[int] = None) -> Optional[Dict]:
@@ -122,18 +181,24 @@ def train_one(cfg: ICLConfig, attention: str, seed: int, log_every: int = 0, *, 
     (``time.time()``) or at step ``stop_at`` -- save and return None (a later call goes on from
     there). The prompts of a
     step depend only on the seed and the step, so a resumed run sees what it would have seen:
-    bit for bit on CPU."""
+    bit for bit on CPU. On CUDA the run works on its own stream and the losses stay on the
+    device until a log line, a checkpoint or the end; ``cfg.cuda_graphs`` replays the step as
+    one graph (:class:`_GraphedStep`)."""
     from nemo_ssa.megatron.single import init_single_process
 
-    init_single_process(seed)
     cuda = torch.cuda.is_available()
+    if cfg.cuda_graphs and not cuda:
+        raise ValueError("--cuda-graphs needs a CUDA device (run without it on a CPU)")
+    init_single_process(seed)
     dev = torch.device("cuda" if cuda else "cpu")
     from nemo_ssa.megatron.cpu import cpu_device_shims
 
     shims = contextlib.nullcontext() if cuda else cpu_device_shims()
-    with shims:
+    stream = torch.cuda.Stream() if cuda else None  # a graph is captured on a side stream, warm-up included
+    with shims, (torch.cuda.stream(stream) if cuda else contextlib.nullcontext()):
         model = ICLModel(cfg, attention).to(dev)
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0,
+                                **({"capturable": True} if cfg.cuda_graphs else {}))
         losses, t0, first, before = [], time.time(), 0, 0.0
         if ckpt and os.path.isfile(ckpt):
             state = torch.load(ckpt, map_location=dev, weights_only=True)
@@ -145,25 +210,32 @@ def train_one(cfg: ICLConfig, attention: str, seed: int, log_every: int = 0, *, 
             else:
                 print(f"[icl] {attention} seed {seed}: {ckpt} is another configuration's checkpoint; starting afresh",
                       flush=True)
+        # every step's loss, float32 as computed; read back (.tolist()) only where it is needed
+        history = torch.zeros(cfg.steps, device=dev)
+        if losses:
+            history[:len(losses)] = torch.tensor(losses)
+        graphed = _GraphedStep(model, opt, cfg, dev, stream) if cfg.cuda_graphs else None
         for step in range(first, cfg.steps):
             if ckpt and (deadline is not None and time.time() > deadline or stop_at is not None and step >= stop_at):
-                _save_ckpt(ckpt, cfg, step, model, opt, losses, before + time.time() - t0)
+                _save_ckpt(ckpt, cfg, step, model, opt, history[:step].tolist(), before + time.time() - t0)
                 print(f"[icl] {attention} seed {seed}: stopped at step {step}/{cfg.steps} (budget); "
                       f"checkpoint {ckpt}", flush=True)
                 return None
             p = icl.sample(cfg.batch, cfg.k, cfg.d, seed=seed * 1_000_003 + step)  # same prompts for every attention
-            pred = model(icl.to_tokens(p).to(dev))
-            loss = (pred - p.ys.to(dev)).pow(2).mean() / cfg.d
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            losses.append(float(loss))
+            tokens, ys = icl.to_tokens(p), p.ys
+            if cuda:  # copied without blocking (a copy from pageable memory waits for the GPU)
+                tokens, ys = tokens.pin_memory(), ys.pin_memory()
+            if graphed is not None:
+                loss = graphed(tokens, ys)
+            else:
+                loss = _train_step(model, opt, tokens.to(dev, non_blocking=True), ys.to(dev, non_blocking=True), cfg)
+            history[step].copy_(loss)
             if log_every and (step + 1) % log_every == 0:
-                print(f"[icl] {attention} seed {seed} step {step + 1}/{cfg.steps} loss {losses[-1]:.4f} "
+                print(f"[icl] {attention} seed {seed} step {step + 1}/{cfg.steps} loss {float(history[step]):.4f} "
                       f"({time.time() - t0:.0f} s)", flush=True)
             if ckpt and checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < cfg.steps:
-                _save_ckpt(ckpt, cfg, step + 1, model, opt, losses, before + time.time() - t0)
+                _save_ckpt(ckpt, cfg, step + 1, model, opt, history[:step + 1].tolist(), before + time.time() - t0)
+        losses = history.tolist()
         curves = {}
         model.eval()
         with torch.no_grad():
@@ -171,8 +243,11 @@ def train_one(cfg: ICLConfig, attention: str, seed: int, log_every: int = 0, *, 
                 p = icl.sample(cfg.eval_prompts, cfg.k, cfg.d, seed=10_000_019 + seed, **kw)
                 err = (model(icl.to_tokens(p).to(dev)).float().cpu() - p.ys).pow(2).mean(0) / cfg.d
                 curves[name] = {"model": err.tolist(), "least_squares": (icl.least_squares_error(p) / cfg.d).tolist()}
-    return {"attention": attention, "seed": seed, "train_loss": losses, "eval": curves,
-            "seconds": before + time.time() - t0}
+    out = {"attention": attention, "seed": seed, "train_loss": losses, "eval": curves,
+           "seconds": before + time.time() - t0}
+    if graphed is not None:  # whether the steps of this call replayed a graph, and why not
+        out["cuda_graph"] = {"captured": graphed.captured, "failed": graphed.failed}
+    return out
 
 
 def run_path(out: str, attention: str, seed: int) -> str:
@@ -255,10 +330,16 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps")
     ap.add_argument("--stop-after-steps", type=int, default=None,
                     help="stop each run at this step with a checkpoint (exit 3), as --budget-s does")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="replay each training step as one CUDA graph (CUDA only; part of the run's configuration)")
     args = ap.parse_args(argv)
     cfg = CPU_SMOKE if args.cpu_smoke else ICLConfig()
     if args.steps:
         cfg = ICLConfig(**{**asdict(cfg), "steps": args.steps})
+    if args.cuda_graphs:
+        if not torch.cuda.is_available():
+            ap.error("--cuda-graphs needs a CUDA device (run without it on a CPU)")
+        cfg = ICLConfig(**{**asdict(cfg), "cuda_graphs": True})
     os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
     results, t0, trained = [], time.time(), 0
     seeds = range(args.first_seed, args.first_seed + args.seeds)

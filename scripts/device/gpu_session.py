@@ -14,6 +14,7 @@ Named presets (the GPU test plan; ``PRESETS`` below lists what each runs)::
     python scripts/device/gpu_session.py --preset graphs-full --out $OUT --commit <sha>   # model.cuda_graphs=full vs local
     python scripts/device/gpu_session.py --preset graphs-full-parity --out $OUT --commit <sha>   # its mb-8 parity + the spread
     python scripts/device/gpu_session.py --preset graphs-full-mb32 --out $OUT --commit <sha>   # its mb-32 speed, 600 steps
+    python scripts/device/gpu_session.py --preset icl-dreg --out $OUT --commit <sha>   # issue 44: d-dim regression, 50k steps
     python scripts/device/gpu_session.py --list-presets
 
 Every session (a preset or free-form steps) installs the offline wheel bundle first when ``.whl/`` is present (as
@@ -222,6 +223,21 @@ PRESETS = {
         steps=[("cmd", "full-mb32-600", 420, _option_ab(
                    "full-mb32-600", ["local", "full"], "model.cuda_graphs=full", rounds=1, timeout=200,
                    job="train.max_steps=600 train.val_check_interval=300", compare=True))]),
+    "icl-dreg": dict(
+        about="issue 44: the d-dimensional in-context regression (nemo_ssa.study.icl_train, d 8, k 24) toward "
+              "its floor: the graphed step's GPU test, then softmax and ssa x seeds 1-3 for 50,000 steps, one "
+              "process per run, each step one CUDA graph, checkpoints under /tmp/icl-dreg (the next call on a "
+              "warm machine resumes them), then the table of what finished",
+        expect=520, budget=540,
+        steps=[("pytest", "tests-icl-graphs", 90, ["tests/test_icl_train.py"], "gpu", 80, 1),
+               ("cmd", "icl-dreg", 445,
+                "for s in 1 2 3; do for a in softmax ssa; do {py} -m nemo_ssa.study.icl_train --attentions $a "
+                "--first-seed $s --seeds 1 --steps 50000 --cuda-graphs --budget-s 360 --checkpoint-every 5000 "
+                "--out /tmp/icl-dreg > {out}/icl-dreg-$a-s$s.log 2>&1 & done; done; wait; "
+                "{py} -m nemo_ssa.study.icl_train --attentions softmax,ssa --seeds 3 --steps 50000 --cuda-graphs "
+                "--budget-s 1 --out /tmp/icl-dreg > {out}/icl-dreg-table.log 2>&1; "
+                "mkdir -p {out}/icl-dreg && cp /tmp/icl-dreg/runs/*.json /tmp/icl-dreg/icl.md {out}/icl-dreg/ ; "
+                "tail -3 {out}/icl-dreg-*-s*.log; cat {out}/icl-dreg-table.log | tail -30")]),
     "graphs-default": dict(
         about="the checks model.cuda_graphs=auto (local where they passed) rests on, on two GPUs "
               "(scripts/device/graphs_default.py): softmax_triton's 1,000-step parity through NeMo, a graphed "
