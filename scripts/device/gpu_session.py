@@ -67,13 +67,15 @@ GPU_FILES = ["tests/ops/attention/test_flash_gpu.py", "tests/ops/attention/test_
              "tests/ops/nsa/test_nsa_gpu.py", "tests/ops/test_fused_attention_range.py", "tests/ops/mlp/test_mlp_gpu.py",
              "tests/ops/test_tiny_shapes.py"]
 
-def _option_ab(out: str, trees, option: str, rounds: int, timeout: int, job: str, compare: bool = False) -> str:
+def _option_ab(out: str, trees, option: str, rounds: int, timeout: int, job: str, compare: bool = False,
+               warmup: int = 0) -> str:
     """A step_ab command: the NeMo main job (ssa, graphs) from this checkout under each label in
     ``trees``, ``option`` set on the last one only; ``compare`` adds the compare tool over the
-    runs' curves (one round)."""
+    runs' curves (one round); ``warmup`` steps of one uncounted run first (the kernels compiled)."""
     cmd = ("{py} scripts/device/step_ab.py " + " ".join(f"--tree {t}=." for t in trees) + f" --arm {trees[-1]}={option} "
-           f"--rounds {rounds} --out {{out}}/{out} --timeout {timeout} -- attention=ssa train=gpu_9min {job} "
-           "model.cuda_graphs=local")
+           f"--rounds {rounds} --out {{out}}/{out} --timeout {timeout} "
+           + (f"--warmup-steps {warmup} " if warmup else "") +
+           f"-- attention=ssa train=gpu_9min {job} model.cuda_graphs=local")
     if compare:
         cmd += (" && {py} -m nemo_ssa.tools.compare " + " ".join(f"{t}={{out}}/{out}/{t}-r0" for t in trees) +
                 f" --ema 0.9 --out {{out}}/{out}/compare")
@@ -207,21 +209,21 @@ PRESETS = {
                    "full-mb32", ["local", "full"], "model.cuda_graphs=full", rounds=1, timeout=95,
                    job="train.max_steps=60 train.val_check_interval=60"))]),
     "graphs-full-parity": dict(
-        about="model.cuda_graphs=full against local over 1,000 steps at micro batch 8, one tree: local, local "
-              "again (the run-to-run spread the gate is judged against) and full, then the compare tool on the "
-              "three curves; the tokens/s are medians over every step after the first",
+        about="model.cuda_graphs=full against local over 1,000 steps at micro batch 8, one tree, after a "
+              "20-step uncounted warm-up run: local, local again (the run-to-run spread the gate is judged "
+              "against) and full, then the compare tool on the three curves",
         expect=480, budget=540,
         steps=[("cmd", "full-parity-mb8", 535, _option_ab(
                     "full-parity-mb8", ["local", "local_again", "full"], "model.cuda_graphs=full", rounds=1,
-                    timeout=170, job="train.micro_batch_size=8 train.global_batch_size=8 train.max_steps=1000 "
+                    timeout=140, warmup=20, job="train.micro_batch_size=8 train.global_batch_size=8 train.max_steps=1000 "
                                      "train.val_check_interval=500", compare=True))]),
     "graphs-full-mb32": dict(
-        about="model.cuda_graphs=full against local at micro batch 32 over 600 steps, local first (the "
-              "first run of a fresh machine also compiles the kernels: the limit allows for it), the curves "
+        about="model.cuda_graphs=full against local at micro batch 32 over 600 steps after a 20-step "
+              "uncounted warm-up run (the first run of a fresh machine also compiles the kernels), the curves "
               "through the compare tool",
         expect=300, budget=540,
         steps=[("cmd", "full-mb32-600", 420, _option_ab(
-                   "full-mb32-600", ["local", "full"], "model.cuda_graphs=full", rounds=1, timeout=200,
+                   "full-mb32-600", ["local", "full"], "model.cuda_graphs=full", rounds=1, timeout=160, warmup=20,
                    job="train.max_steps=600 train.val_check_interval=300", compare=True))]),
     "icl-dreg": dict(
         about="issue 44: the d-dimensional in-context regression (nemo_ssa.study.icl_train, d 8, k 24) toward "

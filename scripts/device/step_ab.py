@@ -21,6 +21,9 @@ tokens/s of each round (``summary.json``'s median), their median and the ratio t
 tree, peak memory, whether graphs were captured, and the first and last step's loss (a change
 that should not touch numerics leaves them equal), then every run in the order it ran with the
 host's load average as it started. Each run's log is ``{out}/<label>-r<round>.log``.
+``--warmup-steps N`` first runs each distinct tree once for N steps, not counted
+(``{out}/<label>-warmup.log``): on a fresh machine the first run also compiles the kernels, and
+its step rate came out 10-40 % below the later runs'.
 """
 
 from __future__ import annotations
@@ -127,7 +130,9 @@ def run_order(ran: Sequence[Tuple[int, str, float, Optional[float], float]]) -> 
     run's place in the call (seen at micro batch 8) shows here, not in the per-tree table."""
     lines = ["| # | round | tree | load at start | tokens/s | seconds |", "|---|---|---|---|---|---|"]
     for i, (rnd, label, load, rate, secs) in enumerate(ran, 1):
-        lines.append(f"| {i} | {rnd + 1} | {label} | {load:.2f} | {_fmt(rate) if rate else 'failed'} | {secs:.0f} |")
+        shown = "warm-up" if rnd < 0 else str(rnd + 1)
+        speed = "not counted" if rnd < 0 else _fmt(rate) if rate else "failed"
+        lines.append(f"| {i} | {shown} | {label} | {load:.2f} | {speed} | {secs:.0f} |")
     return "\n".join(lines)
 
 
@@ -140,6 +145,9 @@ def main(argv: Optional[Sequence[str]] = None, run: Callable = launch) -> int:
     ap.add_argument("--timeout", type=float, default=240, help="seconds per run")
     ap.add_argument("--arm", action="append", default=[], metavar='LABEL="k=v ..."',
                     help="overrides added to one tree's runs only (an option A/B'd on one tree)")
+    ap.add_argument("--warmup-steps", type=int, default=0, metavar="N",
+                    help="before round 1, run the job for N steps once per distinct tree, not counted: the "
+                         "first run of a fresh machine also compiles the kernels, and ran 10-40 %% slower")
     args = ap.parse_args(argv)
     refs = dict(parse_tree(t) for t in args.tree)
     if len(refs) < 2:
@@ -175,6 +183,19 @@ def _alternate(trees: Dict[str, str], overrides: List[str], args, run: Callable)
     results: Dict[str, List[Optional[Dict]]] = {label: [] for label in labels}
     ran: List[Tuple[int, str, float, Optional[float], float]] = []  # (round, tree, load, tokens/s, seconds)
     t0 = time.time()
+    warm = int(getattr(args, "warmup_steps", 0) or 0)
+    first_label = {}
+    for label, path in trees.items():
+        first_label.setdefault(path, label)
+    for label in first_label.values() if warm else []:
+        # one short run per distinct tree (the first label naming it): its kernels compiled and
+        # cached, the machine past its first run; later duplicates of the override win in Hydra
+        run_dir = os.path.join(os.path.abspath(args.out), f"{label}-warmup")
+        load, t_run = _load_average(), time.time()
+        rc = run(trees[label], overrides + [f"train.max_steps={warm}", f"train.val_check_interval={warm}"], run_dir,
+                 run_dir + ".log", args.timeout)
+        ran.append((-1, label, load, None, time.time() - t_run))
+        print(f"[step_ab] warm-up {label} ({warm} steps, not counted): exit {rc} ({time.time() - t0:.0f} s)", flush=True)
     for rnd in range(args.rounds):
         for label in order(labels, rnd):
             run_dir = os.path.join(os.path.abspath(args.out), f"{label}-r{rnd}")

@@ -126,3 +126,28 @@ def test_a_git_ref_is_checked_out_beside_and_removed_after(tmp_path):
     assert rc == 1 and len(seen) == 2 and all(seen.values())
     ref_tree = next(t for t in seen if t != REPO)
     assert ref_tree != REPO and not os.path.exists(ref_tree)  # the worktree is gone afterwards
+
+
+def test_warmup_runs_each_distinct_tree_once_short_and_uncounted(tmp_path):
+    """--warmup-steps: one short run per distinct tree before round 1 (two labels on one
+    checkout share it), its steps set last so they win, none of it in the per-tree table."""
+    ab = _load()
+    a = _tree(tmp_path, "a")
+    calls = []
+
+    def run(tree, overrides, run_dir, log, timeout):
+        calls.append((os.path.basename(run_dir), list(overrides)))
+        os.makedirs(run_dir)
+        rate = 1.0 if run_dir.endswith("-warmup") else 200_000.0
+        json.dump({"tokens_per_s_median": rate, "loss": {"1": 10.0}}, open(os.path.join(run_dir, "summary.json"), "w"))
+        return 0
+
+    out = tmp_path / "out"
+    rc = ab.main(["--tree", f"off={a}", "--tree", f"on={a}", "--arm", "on=model.x=1", "--rounds", "1",
+                  "--warmup-steps", "20", "--out", str(out), "--", "train.max_steps=60"], run=run)
+    assert rc == 0
+    assert [c[0] for c in calls] == ["off-warmup", "off-r0", "on-r0"]
+    assert calls[0][1] == ["train.max_steps=60", "train.max_steps=20", "train.val_check_interval=20"]
+    md = (out / "ab.md").read_text()
+    assert "| 1 | warm-up | off |" in md and "not counted" in md
+    assert "| off | 200,000 | 200,000 | 1.000x |" in md  # the warm-up's rate is in no median
