@@ -22,6 +22,19 @@ def _tree(tmp_path, name):
     return str(d)
 
 
+def _recording_launcher(calls, rate_of):
+    """A stand-in for step_ab.launch: records (run dir name, overrides), writes a summary with
+    ``rate_of(run_dir)`` tokens/s."""
+    def run(tree, overrides, run_dir, log, timeout):
+        calls.append((os.path.basename(run_dir), list(overrides)))
+        os.makedirs(run_dir)
+        json.dump({"tokens_per_s_median": rate_of(run_dir), "loss": {"1": 10.0}},
+                  open(os.path.join(run_dir, "summary.json"), "w"))
+        return 0
+
+    return run
+
+
 def test_trees_alternate_and_the_table_compares_to_the_first(tmp_path):
     ab = _load()
     a, b = _tree(tmp_path, "a"), _tree(tmp_path, "b")
@@ -74,12 +87,7 @@ def test_an_arm_adds_overrides_to_one_trees_runs(tmp_path):
     ab = _load()
     a = _tree(tmp_path, "a")
     calls = []
-
-    def run(tree, overrides, run_dir, log, timeout):
-        calls.append((os.path.basename(run_dir), list(overrides)))
-        os.makedirs(run_dir)
-        json.dump({"tokens_per_s_median": 1.0, "loss": {}}, open(os.path.join(run_dir, "summary.json"), "w"))
-        return 0
+    run = _recording_launcher(calls, lambda run_dir: 1.0)
 
     out = tmp_path / "o"
     rc = ab.main(["--tree", f"off={a}", "--tree", f"on={a}", "--arm", "on=model.fused_layernorm=true x=1",
@@ -134,13 +142,7 @@ def test_warmup_runs_each_distinct_tree_once_short_and_uncounted(tmp_path):
     ab = _load()
     a = _tree(tmp_path, "a")
     calls = []
-
-    def run(tree, overrides, run_dir, log, timeout):
-        calls.append((os.path.basename(run_dir), list(overrides)))
-        os.makedirs(run_dir)
-        rate = 1.0 if run_dir.endswith("-warmup") else 200_000.0
-        json.dump({"tokens_per_s_median": rate, "loss": {"1": 10.0}}, open(os.path.join(run_dir, "summary.json"), "w"))
-        return 0
+    run = _recording_launcher(calls, lambda run_dir: 1.0 if run_dir.endswith("-warmup") else 200_000.0)
 
     out = tmp_path / "out"
     rc = ab.main(["--tree", f"off={a}", "--tree", f"on={a}", "--arm", "on=model.x=1", "--rounds", "1",
