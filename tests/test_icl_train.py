@@ -138,7 +138,8 @@ def test_the_graphed_step_trains_as_the_eager_one_on_cuda(attention):
     """--cuda-graphs: the step is captured after the warm-up and replayed (the result says so),
     and the losses follow the eager run's: the same prompts and update rule (AdamW capturable
     keeps its step count on the device, so the bias corrections round differently)."""
-    base = icl_train.asdict(icl_train.CPU_SMOKE)
+    # the smoke model at width 64: head dim 16, the Triton kernels' smallest (the smoke's 8 is below it)
+    base = {**icl_train.asdict(icl_train.CPU_SMOKE), "hidden": 64}
     eager = icl_train.train_one(icl_train.ICLConfig(**{**base, "steps": 12}), attention, 1)
     graphed = icl_train.train_one(icl_train.ICLConfig(**{**base, "steps": 12, "cuda_graphs": True}), attention, 1)
     assert graphed["cuda_graph"] == {"captured": True, "failed": None}
