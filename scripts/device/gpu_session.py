@@ -234,7 +234,7 @@ PRESETS = {
         steps=[("pytest", "tests-icl-graphs", 90, ["tests/test_icl_train.py"], "gpu", 80, 1),
                ("cmd", "icl-dreg", 445,
                 "for s in 1 2 3; do for a in softmax ssa; do {py} -m nemo_ssa.study.icl_train --attentions $a "
-                "--first-seed $s --seeds 1 --steps 50000 --cuda-graphs --budget-s 360 --checkpoint-every 5000 "
+                "--first-seed $s --seeds 1 --steps 50000 --cuda-graphs --budget-s 330 --checkpoint-every 5000 "
                 "--out /tmp/icl-dreg > {out}/icl-dreg-$a-s$s.log 2>&1 & done; done; wait; "
                 "{py} -m nemo_ssa.study.icl_train --attentions softmax,ssa --seeds 3 --steps 50000 --cuda-graphs "
                 "--budget-s 1 --out /tmp/icl-dreg > {out}/icl-dreg-table.log 2>&1; "
