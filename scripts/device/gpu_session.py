@@ -239,7 +239,8 @@ PRESETS = {
                 "{py} -m nemo_ssa.study.icl_train --attentions softmax,ssa --seeds 3 --steps 50000 --cuda-graphs "
                 "--budget-s 1 --out /tmp/icl-dreg > {out}/icl-dreg-table.log 2>&1; "
                 "mkdir -p {out}/icl-dreg && cp /tmp/icl-dreg/runs/*.json /tmp/icl-dreg/icl.md {out}/icl-dreg/ ; "
-                "tail -3 {out}/icl-dreg-*-s*.log; cat {out}/icl-dreg-table.log | tail -30")]),
+                "tail -n 3 {out}/icl-dreg-*-s*.log; tail -n 30 {out}/icl-dreg-table.log; "
+                "test -s {out}/icl-dreg/icl.md")]),
     "graphs-default": dict(
         about="the checks model.cuda_graphs=auto (local where they passed) rests on, on two GPUs "
               "(scripts/device/graphs_default.py): softmax_triton's 1,000-step parity through NeMo, a graphed "
@@ -299,6 +300,21 @@ def install_bundle(out: str) -> str:
 #: file over this size; ``left-out.txt`` in the archive names each
 PACK_SKIP_DIRS = ("checkpoints",)
 PACK_MAX_FILE = 32 << 20
+
+
+#: what every preset's steps import beyond torch and triton (the device image has those)
+STACK_MODULES = ("megatron.core",)
+
+
+def missing_stack(modules=None) -> list:
+    """The modules of ``modules`` that do not import in a fresh interpreter (with this process's
+    PYTHONPATH, so after ``install_bundle``)."""
+    missing = []
+    for m in STACK_MODULES if modules is None else modules:
+        proc = subprocess.run([sys.executable, "-c", f"import {m}"], capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            missing.append(m)
+    return missing
 
 
 def pack(out: str) -> list:
@@ -457,6 +473,15 @@ def main(argv=None) -> int:
     # as much as a preset does
     bundle = "--no-bundle" if args.no_bundle else install_bundle(out)
     print(f"[session] bundle: {bundle}", flush=True)
+    missing = [] if args.no_bundle else missing_stack()
+    if missing:
+        # every preset and the recipe import the stack: without it each step fails in seconds
+        # and the call's start-up is spent for nothing
+        print(f"[session] stopped before any step: {', '.join(missing)} does not import (bundle: {bundle}). "
+              "Carry the offline bundle (bash scripts/build_offline_bundle.sh && python3 "
+              "scripts/device/pack_bundle.py, then carry [\".bundle\"]) or pass --no-bundle to run anyway.",
+              flush=True)
+        return 2
     for var, sub in (("TRITON_CACHE_DIR", "triton"), ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
         os.environ.setdefault(var, os.path.join(REPO, ".cache", sub))
     os.environ.setdefault("PYTHONUNBUFFERED", "1")

@@ -251,3 +251,17 @@ def test_the_archive_leaves_out_checkpoints_and_large_files(tmp_path, monkeypatc
         left = tar.extractfile("left-out.txt").read().decode()
     assert {"a.log", "run", "run/metrics.csv", "left-out.txt"} == names
     assert "run/checkpoints (a checkpoint folder)" in left and "big.bin (2,000 bytes)" in left
+
+
+def test_the_session_stops_before_any_step_when_the_stack_does_not_import(tmp_path, monkeypatch, capsys):
+    """A call whose carry lacked the bundle ran every step into ``No module named 'megatron'``
+    and reported the last one as passing (2026-12-02): now nothing runs and the exit says why."""
+    gs = _load_session()
+    monkeypatch.setattr(gs, "REPO", str(tmp_path))  # no .whl/, no .bundle/
+    monkeypatch.setattr(gs, "STACK_MODULES", ("nemo_ssa_no_such_module",))
+    marker = tmp_path / "ran"
+    rc = gs.main(["--out", str(tmp_path / "o"), f"step:10:touch {marker}"])
+    assert rc == 2 and not marker.exists()
+    assert "nemo_ssa_no_such_module does not import" in capsys.readouterr().out
+    monkeypatch.setattr(gs, "STACK_MODULES", ("json",))
+    assert gs.main(["--out", str(tmp_path / "o2"), f"step:10:touch {marker}"]) == 0 and marker.exists()
