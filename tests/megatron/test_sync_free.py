@@ -369,7 +369,14 @@ def test_a_nan_inside_a_captured_iteration_is_caught_on_replay_on_cuda():
 
     bm.init_megatron(1234)
     cfg, model = bm.build("softmax_triton", 128, overrides={"num_layers": 2})
-    bm.wrap_for_step(cfg, model, fast_paths=True, sync_free=True)
+    # DDP built on a side stream, as NeMo's MegatronParallel builds it for the full-iteration
+    # graph: DDP keeps each parameter's AccumulateGrad node, which remembers the stream it was
+    # made on; made on the legacy default stream, the captured backward makes that stream wait
+    # on the capture ("operation would make the legacy stream depend on a capturing blocking
+    # stream", H200 2026-12-02)
+    with torch.cuda.stream(torch.cuda.Stream()):
+        bm.wrap_for_step(cfg, model, fast_paths=True, sync_free=True)
+    torch.cuda.synchronize()
     ddp, opt = model._bench_step_state
     guard = sync_free.GUARD
     assert guard.active
@@ -395,10 +402,9 @@ def test_a_nan_inside_a_captured_iteration_is_caught_on_replay_on_cuda():
     graph = torch.cuda.CUDAGraph()
     ddp.zero_grad_buffer()
     opt.zero_grad()
+    torch.cuda.synchronize()  # the capture stream does not wait on the default one (the wrapper syncs too)
     try:
-        # as FullCudaGraphWrapper captures: its own stream and thread-local capture errors (the
-        # backward runs on autograd's device thread; the global mode, torch's default, failed here
-        # with "operation would make the legacy stream depend on a capturing blocking stream")
+        # as FullCudaGraphWrapper captures: its own stream and thread-local capture errors
         with torch.cuda.graph(graph, stream=torch.cuda.Stream(), capture_error_mode="thread_local"):
             body()
         _replays_catch_the_poison(graph, ddp, opt, params, poison, guard)
