@@ -82,6 +82,25 @@ def _option_ab(out: str, trees, option: str, rounds: int, timeout: int, job: str
     return cmd
 
 
+def _icl_linear(groups, budget_s: int) -> str:
+    """The paper's linear in-context task retrained (issue 44: its ``outlier_after`` grid exists
+    only in runs evaluated after it was added): one process per ``(attentions, seed)`` group,
+    the pinned runs' configuration (TF32, graphs, 50,000 steps), checkpoints under /tmp/icl-outlier
+    (the next call on the warm machine resumes), then the run JSONs copied out; exit 0 only when
+    every run finished."""
+    conf = "--task linear --seeds 1 --steps 50000 --cuda-graphs --tf32 --checkpoint-every 5000 --log-every 2500"
+    runs, procs = [], []
+    for atts, seed in groups:
+        out = f"/tmp/icl-outlier/s{seed}-{atts.replace(',', '-')}"
+        n = len(atts.split(","))
+        procs.append(f"{{py}} -m nemo_ssa.study.icl_paper {conf} --attentions {atts} --first-seed {seed} "
+                     f"--concurrent {n} --budget-s {budget_s} --out {out} > {{out}}/icl-{seed}-{atts.replace(',', '-')}.log 2>&1 &")
+        runs += [f"{out}/runs/linear-{a}-s{seed}.json" for a in atts.split(",")]
+    return (" ".join(procs) + " wait; mkdir -p {out}/icl-outlier && cp " + " ".join(runs) +
+            " {out}/icl-outlier/ ; tail -n 4 {out}/icl-*.log; ls {out}/icl-outlier; " +
+            " && ".join(f"test -s {r}" for r in runs))
+
+
 # name -> (what it runs, expected seconds on an H100 incl. start-up, budget, steps). A pytest
 # step is ("pytest", NAME, SECONDS, files, marker, per-test timeout); anything else is
 # ("cmd", NAME, SECONDS, command); a pytest step may end with its own worker count (1: alone on the GPU). Expected times are estimates from the known file timings
@@ -241,6 +260,16 @@ PRESETS = {
                 "mkdir -p {out}/icl-dreg && cp /tmp/icl-dreg/runs/*.json /tmp/icl-dreg/icl.md {out}/icl-dreg/ ; "
                 "tail -n 3 {out}/icl-dreg-*-s*.log; tail -n 30 {out}/icl-dreg-table.log; "
                 "test -s {out}/icl-dreg/icl.md")]),
+    "icl-outlier-a": dict(
+        about="issue 44: the paper's linear in-context task retrained for its outlier_after grid, first half: "
+              "softmax and ssa seed 1 (one process, 2 at once) beside softmax seed 2, 50,000 steps each, TF32, "
+              "graphs; ~2 calls back to back on one warm machine (the second resumes), then the run JSONs",
+        expect=535, budget=540,
+        steps=[("cmd", "icl-outlier-a", 535, _icl_linear([("softmax,ssa", 1), ("softmax", 2)], 495))]),
+    "icl-outlier-b": dict(
+        about="issue 44: the second half of icl-outlier-a: ssa seed 2 beside softmax and ssa seed 3",
+        expect=535, budget=540,
+        steps=[("cmd", "icl-outlier-b", 535, _icl_linear([("ssa", 2), ("softmax,ssa", 3)], 495))]),
     "graphs-default": dict(
         about="the checks model.cuda_graphs=auto (local where they passed) rests on, on two GPUs "
               "(scripts/device/graphs_default.py): softmax_triton's 1,000-step parity through NeMo, a graphed "

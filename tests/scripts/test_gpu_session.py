@@ -48,7 +48,8 @@ def test_presets_fit_the_device_limits():
     every GPU test file and every op test that runs on CUDA."""
     gs = _load_session()
     assert set(gs.PRESETS) == {"quick", "full-1", "full-2", "graphs", "graphs-default", "step-graphs", "syncs",
-                               "layernorm-mb8", "layernorm-parity", "graphs-full", "graphs-full-parity", "graphs-full-mb32", "icl-dreg"}
+                               "layernorm-mb8", "layernorm-parity", "graphs-full", "graphs-full-parity", "graphs-full-mb32", "icl-dreg",
+                               "icl-outlier-a", "icl-outlier-b"}
     for name, p in gs.PRESETS.items():
         assert p["budget"] <= 540 and sum(s[2] for s in p["steps"]) <= p["budget"], name
     assert gs.PRESETS["quick"]["budget"] <= 240
@@ -265,3 +266,26 @@ def test_the_session_stops_before_any_step_when_the_stack_does_not_import(tmp_pa
     assert "nemo_ssa_no_such_module does not import" in capsys.readouterr().out
     monkeypatch.setattr(gs, "STACK_MODULES", ("json",))
     assert gs.main(["--out", str(tmp_path / "o2"), f"step:10:touch {marker}"]) == 0 and marker.exists()
+
+
+def test_the_icl_outlier_presets_retrain_each_pinned_run_once():
+    """The two halves together: softmax and ssa at seeds 1-3 on the linear task, each once, in
+    the pinned runs' configuration (2026-11-28-icl-paper: TF32, graphs, 50,000 steps), and the
+    step fails unless every run's JSON was written (a budget-stopped call must not read as done)."""
+    import re
+
+    gs = _load_session()
+    seen, done = [], set()
+    for name in ("icl-outlier-a", "icl-outlier-b"):
+        (step,) = gs.PRESETS[name]["steps"]
+        cmd = step[3]
+        for proc in cmd.split(" & ")[:-1]:
+            assert "--task linear" in proc and "--steps 50000" in proc and "--tf32" in proc and "--cuda-graphs" in proc
+            atts = re.search(r"--attentions (\S+)", proc).group(1).split(",")
+            seed = int(re.search(r"--first-seed (\d+)", proc).group(1))
+            assert f"--concurrent {len(atts)}" in proc
+            seen += [(a, seed) for a in atts]
+        checked = {os.path.basename(p) for p in re.findall(r"test -s (\S+)", cmd)}
+        assert checked == {f"linear-{a}-s{s}.json" for a, s in seen if (a, s) not in done}, name
+        done |= set(seen)
+    assert sorted(seen) == sorted((a, s) for a in ("softmax", "ssa") for s in (1, 2, 3))
