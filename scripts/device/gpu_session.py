@@ -260,6 +260,15 @@ PRESETS = {
                 "mkdir -p {out}/icl-dreg && cp /tmp/icl-dreg/runs/*.json /tmp/icl-dreg/icl.md {out}/icl-dreg/ ; "
                 "tail -n 3 {out}/icl-dreg-*-s*.log; tail -n 30 {out}/icl-dreg-table.log; "
                 "test -s {out}/icl-dreg/icl.md")]),
+    "graphs-full-resume": dict(
+        about="model.cuda_graphs=full before it could become a default: the sync-free guard's captured-"
+              "iteration GPU test (DDP built on a side stream as NeMo builds it), then a full-graph ssa run "
+              "killed at step 45 and resumed (graphs_default.py's resume check: the re-done step's loss to "
+              "the last digit, step 60 reached, held-out at 20/40/60, graphs captured)",
+        expect=330, budget=480,
+        steps=[("pytest", "tests-guard", 90, ["tests/megatron/test_sync_free.py"], "gpu", 80, 1),
+               ("cmd", "full-resume", 380,
+                "{py} scripts/device/graphs_default.py --only resume --resume-graphs full --out {out}/full-resume")]),
     "icl-outlier-a": dict(
         about="issue 44: the paper's linear in-context task retrained for its outlier_after grid, first half: "
               "softmax and ssa seed 1 (one process, 2 at once) beside softmax seed 2, 50,000 steps each, TF32, "

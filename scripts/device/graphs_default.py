@@ -171,20 +171,22 @@ def check_softmax_triton(out: str, gpus: Sequence[str], steps: int, start: Calla
     return [parity(out, "softmax_triton parity", dirs["none"], dirs["local"])]
 
 
-def start_resume(out: str, gpu: Optional[str], start: Callable = launch):
-    run_dir = os.path.join(out, "resume-local")
+def start_resume(out: str, gpu: Optional[str], start: Callable = launch, graphs: str = "local"):
+    run_dir = os.path.join(out, f"resume-{graphs}")
     extra = (f"train.max_steps={RESUME_STEPS}", f"train.ckpt_every_n_steps={RESUME_EVERY}",
              f"train.val_check_interval={RESUME_EVERY}", "train.log_every_n_steps=1")
-    return run_dir, start(pretrain_args(run_dir, "ssa_triton", "local", *extra), run_dir + ".log", gpu), extra
+    return run_dir, start(pretrain_args(run_dir, "ssa_triton", graphs, *extra), run_dir + ".log", gpu), extra
 
 
 def finish_resume(out: str, run_dir: str, proc, extra, gpu: Optional[str], start: Callable = launch,
-                  timeout: float = 240) -> List[Dict]:
+                  timeout: float = 240, graphs: str = "local") -> List[Dict]:
+    check = "resume with graphs" + ("" if graphs == "local" else f" ({graphs})")
     if not kill_after(proc, run_dir, KILL_AFTER, timeout):
-        return [{"check": "resume with graphs", "result": "FAIL",
-                 "detail": f"the first launch ended or timed out before step {KILL_AFTER} (see resume-local.log)"}]
-    start(pretrain_args(run_dir, "ssa_triton", "local", *extra, "resume=true"), run_dir + ".log", gpu).wait()
-    return [resume_verdict(run_dir)]
+        return [{"check": check, "result": "FAIL",
+                 "detail": f"the first launch ended or timed out before step {KILL_AFTER} "
+                           f"(see {os.path.basename(run_dir)}.log)"}]
+    start(pretrain_args(run_dir, "ssa_triton", graphs, *extra, "resume=true"), run_dir + ".log", gpu).wait()
+    return [dict(resume_verdict(run_dir), check=check)]
 
 
 def check_dp2(out: str, steps: int, start: Callable = launch) -> List[Dict]:
@@ -207,6 +209,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--only", default="softmax_triton,resume,dp2", help="comma list of softmax_triton, resume, dp2")
     ap.add_argument("--parity-steps", type=int, default=1000)
     ap.add_argument("--dp2-steps", type=int, default=100)
+    ap.add_argument("--resume-graphs", choices=("local", "full"), default="local",
+                    help="the graphs of the resume check (full: megatron's whole-iteration graph, opt-in; "
+                         "its killed-and-resumed run had not run)")
     args = ap.parse_args(argv)
     only = set(args.only.split(","))
     unknown = only - {"softmax_triton", "resume", "dp2"}
@@ -233,8 +238,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rows += check_softmax_triton(args.out, gpus[:2], args.parity_steps)
         report()
     if "resume" in only:
-        run_dir, proc, extra = start_resume(args.out, gpus[0])
-        rows += finish_resume(args.out, run_dir, proc, extra, gpus[0])
+        run_dir, proc, extra = start_resume(args.out, gpus[0], graphs=args.resume_graphs)
+        rows += finish_resume(args.out, run_dir, proc, extra, gpus[0], graphs=args.resume_graphs)
         report()
     if "dp2" in only:
         if n >= 2:

@@ -116,3 +116,27 @@ def test_unknown_check_is_refused():
     gd = _load()
     with pytest.raises(SystemExit, match="softmax_triton, resume, dp2"):
         gd.main(["--out", "/tmp/unused-graphs-default", "--only", "resume,tp2"])
+
+
+def test_the_resume_check_runs_under_the_graphs_it_is_given(tmp_path, monkeypatch):
+    """``--resume-graphs full``: both launches of the killed-and-resumed run use megatron's
+    whole-iteration graph (the check's row says so); the default stays local."""
+    gd = _load()
+    seen = []
+
+    class Done:
+        def wait(self):
+            return 0
+
+    def start(args, log, gpu, torchrun=0):
+        seen.append(args)
+        return Done()
+
+    run_dir, proc, extra = gd.start_resume(str(tmp_path), "0", start=start, graphs="full")
+    assert run_dir.endswith("resume-full") and "model.cuda_graphs=full" in seen[0]
+    monkeypatch.setattr(gd, "kill_after", lambda *a, **k: True)  # the first launch "reached" the kill step
+    rows = gd.finish_resume(str(tmp_path), run_dir, proc, extra, "0", start=start, graphs="full")
+    assert "model.cuda_graphs=full" in seen[1] and "resume=true" in seen[1]
+    assert rows[0]["check"] == "resume with graphs (full)" and rows[0]["result"] == "FAIL"  # no metrics here
+    gd.start_resume(str(tmp_path), "0", start=start)
+    assert "model.cuda_graphs=local" in seen[2]
