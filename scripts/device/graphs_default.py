@@ -210,8 +210,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--parity-steps", type=int, default=1000)
     ap.add_argument("--dp2-steps", type=int, default=100)
     ap.add_argument("--resume-graphs", choices=("local", "full"), default="local",
-                    help="the graphs of the resume check (full: megatron's whole-iteration graph, opt-in; "
-                         "its killed-and-resumed run had not run)")
+                    help="the graphs of the resume check (full: megatron's whole-iteration graph, opt-in)")
     args = ap.parse_args(argv)
     only = set(args.only.split(","))
     unknown = only - {"softmax_triton", "resume", "dp2"}
@@ -230,7 +229,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     def report() -> str:  # after every check: a call cut at its limit keeps what finished
         md = table(rows)
         with open(os.path.join(args.out, "graphs-default.md"), "w") as f:
-            f.write(f"# model.cuda_graphs=local: the checks before the default ({n} GPU(s), "
+            # the title names the graphs each check ran: the parity and dp2 checks are local's
+            title = "local" if args.resume_graphs == "local" else (
+                args.resume_graphs if only == {"resume"} else f"local (resume: {args.resume_graphs})")
+            f.write(f"# model.cuda_graphs={title}: the checks before the default ({n} GPU(s), "
                     f"{time.time() - t0:.0f} s)\n\n" + md + "\n")
         return md
 

@@ -289,3 +289,18 @@ def test_the_icl_outlier_presets_retrain_each_pinned_run_once():
         assert checked == {f"linear-{a}-s{s}.json" for a, s in seen if (a, s) not in done}, name
         done |= set(seen)
     assert sorted(seen) == sorted((a, s) for a in ("softmax", "ssa") for s in (1, 2, 3))
+
+
+def test_the_icl_training_budget_ends_before_the_step_is_killed():
+    """A run's own budget must stop it (checkpointed) before the session kills the step: the
+    training clock starts after ~30 s of imports, a finished run is evaluated for up to ~40 s, and
+    the step's limit is the preset's budget less the bundle's install and start-up (~41 s on the
+    first call of 2026-12-02, where a budget of 495 s was killed at 499 s before checkpointing)."""
+    import re
+
+    gs = _load_session()
+    for name in ("icl-outlier-a", "icl-outlier-b"):
+        preset = gs.PRESETS[name]
+        budgets = {float(b) for b in re.findall(r"--budget-s (\S+)", preset["steps"][0][3])}
+        assert budgets == {gs.ICL_BUDGET_S}, name
+        assert gs.ICL_BUDGET_S + 30 + 40 <= preset["budget"] - 41, name
