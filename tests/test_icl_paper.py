@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from dataclasses import replace
 
 import pytest
@@ -518,3 +519,44 @@ def test_least_squares_shares_pseudo_inverses_between_equal_prompts_bit_for_bit(
         assert torch.equal(P.least_squares_affine(x, y), per_prompt(x, y))
     x, y = torch.randn(40, 6, generator=_g(9)), torch.randn(40, 6, generator=_g(10))  # all distinct
     assert torch.equal(P.least_squares_affine(x, y), per_prompt(x, y))
+
+
+def test_deterministic_is_its_own_configuration_and_turns_torchs_switch_on(tmp_path, megatron_cpu, monkeypatch):
+    """--deterministic: torch's deterministic algorithms for the process (under which the fused
+    attention backward takes its two-kernel schedule, not the single pass with fp32 atomics), a
+    configuration of its own (a default-mode run is not reused for it), and each run's result
+    says which kernels the process chose."""
+    assert "deterministic" not in P.PAPER.identity()  # default runs keep the identity they had
+    assert replace(P.PAPER, deterministic=True).identity() == {**P.PAPER.identity(), "deterministic": True}
+    calls = []
+    monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda on, **kw: calls.append((on, kw)))
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    common = ["--cpu-smoke", "--task", "linear", "--attentions", "softmax", "--seeds", "1", "--steps", "2"]
+    assert P.main(common + ["--out", str(tmp_path)]) == 0
+    assert calls == []  # the default leaves torch's setting alone
+    assert P.main(common + ["--deterministic", "--out", str(tmp_path)]) == 0
+    assert calls == [(True, {"warn_only": True})] and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    run = json.loads((tmp_path / "runs" / "linear-softmax-s1.json").read_text())
+    assert run["config"]["deterministic"] is True  # retrained, not the default run reused
+    assert isinstance(run["result"]["kernels"], list)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_deterministic_ssa_run_repeats_to_the_last_bit_on_cuda(tmp_path, megatron_cpu):
+    """The bit-exact rerun --deterministic promises, on the kernel it changes: two fresh ssa runs
+    (head dim 16, the Triton kernels' smallest) give the same loss curve and grid, and the process
+    noted the two-kernel backward for them."""
+    from nemo_ssa.ops.common import dispatch
+
+    cfg = replace(P.CPU_SMOKE, hidden=32, heads=2, steps=12, deterministic=True)
+    curves = []
+    try:
+        for i in range(2):
+            r = P.train_run(cfg, "ssa", 1, ckpt_path=str(tmp_path / f"run{i}.pt"))
+            curves.append((r["loss_curve"], r["eval"]["clean"]["model"]))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert curves[0] == curves[1]
+    bwd = [c for c in dispatch.chosen() if c["op"] == "attention.bwd"]
+    assert bwd and all(c["path"] == dispatch.TWO_KERNEL for c in bwd), bwd

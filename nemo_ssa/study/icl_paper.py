@@ -49,7 +49,9 @@ step, each on its own CUDA stream; ``--cuda-graphs`` makes each run's whole step
 backward, fused Adam, the loss sum) one CUDA graph per prompt length; the host never waits
 for the GPU inside the loop (pinned, non-blocking batch copies; losses read back only at
 log lines, checkpoints and the end). ``--tf32`` (a different configuration: its runs are
-kept apart) lets cuBLAS use TF32. ``--bench-steps N`` times N steps of the call's runs
+kept apart) lets cuBLAS use TF32; ``--deterministic`` (also a configuration of its own) turns on
+torch's deterministic algorithms, under which the SSA backward adds no atomics (so that a rerun
+repeats a run to the last bit; its GPU test: tests/test_icl_paper.py). ``--bench-steps N`` times N steps of the call's runs
 together and writes nothing. None of this changes the CPU loop.
 """
 
@@ -138,6 +140,11 @@ class PaperConfig:
     every_from: int = 3
     # precision: TF32 matrix products on CUDA (--tf32); off = IEEE fp32 everywhere (the default)
     tf32: bool = False
+    # bit-exact reruns (--deterministic): torch's deterministic algorithms, under which the fused
+    # attention backward takes its two-kernel schedule instead of the single pass that adds dQ
+    # with fp32 atomics (ops/common/dispatch.py decides and notes it); part of the identity when
+    # on, since only runs of one mode repeat each other to the last bit
+    deterministic: bool = False
     # the labels --variant defines (not part of a plain run's identity: see run_identity)
     variants: Tuple[Variant, ...] = ()
 
@@ -162,6 +169,8 @@ class PaperConfig:
         d = {k: v for k, v in asdict(self).items() if k not in other and k != "variants"}
         if not self.tf32:
             del d["tf32"]  # fp32 runs keep the identity they had before the field existed
+        if not self.deterministic:
+            del d["deterministic"]  # the same for runs in the default (atomic-backward) mode
         return json.loads(json.dumps(d))
 
 
@@ -698,6 +707,8 @@ class _Trainer:
 
     def finish(self) -> Dict:
         """Evaluate the trained model: the run's result."""
+        from nemo_ssa.config.policy import kernels_chosen
+
         self.seconds += time.time() - self.t0
         self.graph = self.static_xy = None
         with self._on_stream():
@@ -706,7 +717,10 @@ class _Trainer:
             ev = _evaluate(self.model, self.cfg, self.seed, self.dev)
         return {"task": self.cfg.task, "attention": self.attention, "seed": self.seed, "steps": self.cfg.steps,
                 "loss_curve": self.curve, "eval": ev, "train_seconds": self.seconds,
-                "eval_seconds": time.time() - t_eval, "ssa_scalars": ssa_scalars(self.model)}
+                "eval_seconds": time.time() - t_eval, "ssa_scalars": ssa_scalars(self.model),
+                # which kernels this process chose (the backward schedule sets whether a rerun repeats
+                # this one to the last bit); with --concurrent, every run of the process
+                "kernels": kernels_chosen()}
 
 
 def ssa_scalars(model: torch.nn.Module) -> Optional[Dict[str, List[float]]]:
@@ -716,6 +730,17 @@ def ssa_scalars(model: torch.nn.Module) -> Optional[Dict[str, List[float]]]:
     if not layers:
         return None
     return {k: [float(getattr(m, k).detach().float().mean()) for m in layers] for k in ("n", "b")}
+
+
+def set_deterministic(on: bool) -> None:
+    """torch's deterministic algorithms for the process when ``on`` (PaperConfig.deterministic);
+    off leaves torch's setting alone. cuBLAS needs its workspace pinned before its first handle
+    (set here when unset: a process that already ran a CUDA matmul must set it itself)."""
+    if not on:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    # warn_only: an op without a deterministic kernel warns instead of stopping a run mid-way
+    torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 def _training_device() -> Tuple[torch.device, Callable]:
@@ -752,6 +777,7 @@ def train_runs(cfg: PaperConfig, jobs: Sequence[Tuple[str, int]], *, ckpt_dir: s
     if dev.type == "cuda":
         # the run's precision is part of its configuration (PaperConfig.tf32), set for the whole process
         torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+    set_deterministic(cfg.deterministic)
     results: Dict[Tuple[str, int], Optional[Dict]] = {}
     pending = list(dict.fromkeys((a, int(s)) for a, s in jobs))
 
@@ -1108,6 +1134,9 @@ def main(argv=None) -> int:
     ap.add_argument("--positions", choices=POSITIONS, default=None, help="learned (GPT-2's, default) or rope")
     ap.add_argument("--tf32", action="store_true",
                     help="TF32 matrix products (CUDA only; part of the run's configuration: fp32 runs are not reused)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="bit-exact reruns: torch's deterministic algorithms (the SSA backward without atomics; "
+                         "a configuration of its own: runs without it are not reused)")
     ap.add_argument("--cpu-smoke", action="store_true", help="a tiny model and grid (seconds on CPU)")
     ap.add_argument("--out", default=None, help="where runs, checkpoints and the summary go (required but with --bench-steps)")
     ap.add_argument("--ckpt-dir", default=None, help="where runs in progress checkpoint (default <out>/ckpt)")
@@ -1138,8 +1167,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     cfg = replace(CPU_SMOKE if args.cpu_smoke else PAPER, task=args.task)
-    overrides = {k: v for k, v in (("steps", args.steps), ("positions", args.positions), ("tf32", args.tf32 or None))
-                 if v is not None}
+    overrides = {k: v for k, v in (("steps", args.steps), ("positions", args.positions), ("tf32", args.tf32 or None),
+                                   ("deterministic", args.deterministic or None)) if v is not None}
     if overrides:
         cfg = replace(cfg, **overrides)
     variants = [parse_variant(v) for v in args.variant]

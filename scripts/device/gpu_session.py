@@ -287,6 +287,12 @@ PRESETS = {
         about="issue 44: the second half of icl-outlier-a: ssa seed 2 beside softmax and ssa seed 3",
         expect=535, budget=540,
         steps=[("cmd", "icl-outlier-b", 535, _icl_linear([("ssa", 2), ("softmax,ssa", 3)], ICL_BUDGET_S))]),
+    "icl-deterministic": dict(
+        about="issue 44: icl_paper --deterministic on CUDA (two fresh ssa runs equal to the last bit, the "
+              "two-kernel backward noted; the default single pass adds dQ with fp32 atomics, which is why a "
+              "retrained ssa run left the pinned one at step 22,100: 2026-12-02-icl-outlier-after)",
+        expect=120, budget=200,
+        steps=[("pytest", "tests-icl-paper", 150, ["tests/test_icl_paper.py"], "gpu", 140, 1)]),
     "graphs-default": dict(
         about="the checks model.cuda_graphs=auto (local where they passed) rests on, on two GPUs "
               "(scripts/device/graphs_default.py): softmax_triton's 1,000-step parity through NeMo, a graphed "
