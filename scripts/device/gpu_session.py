@@ -276,6 +276,23 @@ PRESETS = {
         steps=[("pytest", "tests-guard", 90, ["tests/megatron/test_sync_free.py"], "gpu", 80, 1),
                ("cmd", "full-resume", 380,
                 "{py} scripts/device/graphs_default.py --only resume --resume-graphs full --out {out}/full-resume")]),
+    "full-mb8-profile": dict(
+        about="where the micro-batch-8 step goes under model.cuda_graphs=full (issue 43: mb 8 at 0.73x mb 32 "
+              "with full; the host costs the layer graphs left -- argument checks per replay, module walks, "
+              "the NaN-check reads -- are inside the one graph there): the main job at micro batch 8 and 32 with "
+              "full graphs, profiled at steps 40-42, each trace summarised (GPU busy against the step, host gaps, "
+              "syncs by call site)",
+        expect=300, budget=420,
+        steps=[("cmd", "full-mb8-profile", 170,
+                "{py} scripts/pretrain.py attention=ssa compare_to=[] train=gpu_9min train.micro_batch_size=8 "
+                "train.global_batch_size=8 train.max_steps=60 train.val_check_interval=60 model.cuda_graphs=full "
+                "profile.start=40 profile.steps=3 run_dir={out}/full-mb8 && {py} -m nemo_ssa.tools.profile_summary "
+                "{out}/full-mb8/profile/trace.json.gz > {out}/full-mb8-gaps.md"),
+               ("cmd", "full-mb32-profile", 200,
+                "{py} scripts/pretrain.py attention=ssa compare_to=[] train=gpu_9min train.max_steps=60 "
+                "train.val_check_interval=60 model.cuda_graphs=full profile.start=40 profile.steps=3 "
+                "run_dir={out}/full-mb32 && {py} -m nemo_ssa.tools.profile_summary "
+                "{out}/full-mb32/profile/trace.json.gz > {out}/full-mb32-gaps.md")]),
     "icl-outlier-a": dict(
         about="issue 44: the paper's linear in-context task retrained for its outlier_after grid, first half: "
               "softmax and ssa seed 1 (one process, 2 at once) beside softmax seed 2, 50,000 steps each, TF32, "
