@@ -494,8 +494,11 @@ class ProfilerCallback(Callback):
         what = "device" if device else "CPU"
         with open(os.path.join(self.out, "where.md"), "w") as f:
             modules = (sp.table(sp.by_module(events, device=device), "module", self._profiled) if self.module_ranges
-                       else "No module table: the layers replay as CUDA graphs (model.cuda_graphs=local), and "
-                            "the module ranges are forward pre-hooks, which megatron refuses on a graphed layer.")
+                       else "No module table: the layers replay as CUDA graphs (model.cuda_graphs=local or full), "
+                            "and the module ranges are forward pre-hooks, which megatron refuses on a graphed layer. "
+                            "The tables below hold the kernels launched outside the graphs only (a graph's kernels "
+                            "belong to no op); every kernel, by time: `python -m nemo_ssa.tools.profile_summary "
+                            "trace.json.gz`.")
             f.write(f"# Where the step goes: {what} time per step over {self._profiled} profiled steps\n\n"
                     + modules + "\n\n"
                     + sp.table(sp.by_family(events, device=device), "kernel family", self._profiled) + "\n\n"

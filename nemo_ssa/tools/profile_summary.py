@@ -10,7 +10,8 @@ per stack level; needs ``with_stack``), then every host-device synchronisation i
 (``cudaStreamSynchronize`` and the other calls in ``SYNC_CALLS``: an ``.item()``, a blocking
 copy, a host read of a device flag) grouped by the call site that asked for it, with how long
 the host waited -- each one drains the GPU's queue, and the host must refill it before the GPU
-works again -- plus the CUDA kernels by total time. Pure Python; runs on any machine.
+works again -- then the host's torch ops by call site and count (a per-tensor Python loop
+shows as ~one op per parameter per step), plus the CUDA kernels by total time. Pure Python; runs on any machine.
 """
 
 from __future__ import annotations
@@ -130,6 +131,7 @@ def summarize(events: List[dict], top: int = 25, min_gap_us: float = 20.0) -> st
         for name, t in sorted(idle_leaf.items(), key=lambda kv: -kv[1])[:top]:
             lines.append(f"  {t / 1e3:9.2f} ms  {name[:150]}")
     lines.extend(_sync_table(events, tid, windows, stack_at, top))
+    lines.extend(_op_table(events, tid, windows, stack_at, top))
     k_tot: Dict[str, float] = defaultdict(float)
     k_cnt: Dict[str, int] = defaultdict(int)
     a0, b1 = windows[0][0], windows[-1][1]
@@ -169,6 +171,36 @@ def _sync_table(events: List[dict], tid, windows: List[Tuple[float, float]], sta
     lines.append("|---|---|---|")
     for site in sorted(count, key=lambda k: -count[k] * 1e9 - waited[k])[:top]:
         lines.append(f"| {count[site] / n:.1f} | {waited[site] / n / 1e3:.3f} | {site[:220]} |")
+    return lines
+
+
+def _op_table(events: List[dict], tid, windows: List[Tuple[float, float]], stack_at, top: int) -> List[str]:
+    """The host's torch ops per step outside any other op, by (op, call site): the per-tensor
+    Python loops a step runs (one dispatch, often one launch, each) stand out by count -- the
+    host time a CUDA graph of the model does not remove when the loop runs outside it."""
+    a0, b1 = windows[0][0], windows[-1][1]
+    ops = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op" and e.get("tid") == tid
+                  and a0 <= e["ts"] < b1), key=lambda e: (e["ts"], -e["dur"]))
+    outer, end = [], -1.0
+    for e in ops:  # top-level ops only: an aten::copy_ inside aten::to is the same dispatch
+        if e["ts"] >= end:
+            outer.append(e)
+            end = e["ts"] + e["dur"]
+    n = len(windows)
+    lines = [f"\nHost ops on the main thread (outermost only): {len(outer) / n:.0f} per step, "
+             f"{sum(e['dur'] for e in outer) / n / 1e3:.2f} ms of op time per step (profiled)"]
+    if not outer:
+        return lines
+    count: Dict[str, int] = defaultdict(int)
+    spent: Dict[str, float] = defaultdict(float)
+    for e in outer:
+        site = f"{e['name']}: {call_site(stack_at(e['ts'] + e['dur'] / 2))}"
+        count[site] += 1
+        spent[site] += e["dur"]
+    lines.append("| per step | op ms per step | op: call site (innermost first) |")
+    lines.append("|---|---|---|")
+    for site in sorted(count, key=lambda k: -count[k] * 1e9 - spent[k])[:top]:
+        lines.append(f"| {count[site] / n:.1f} | {spent[site] / n / 1e3:.3f} | {site[:220]} |")
     return lines
 
 

@@ -56,3 +56,22 @@ def test_call_site_skips_plumbing():
     frames = ["a.py(1): step", "b.py(2): clip", "torch/_tensor.py(3): item", "<built-in method item>"]
     assert call_site(frames) == "b.py(2): clip <- a.py(1): step"
     assert call_site(["torch/x.py(1): f"]) == "(no Python frame)"
+
+
+def test_op_table_counts_a_per_tensor_loop_by_call_site():
+    """Three copies per step from one loop (each with a nested op that must not count twice),
+    one norm elsewhere: the loop's row says 3.0 per step and names its frame."""
+    ev = _trace()
+    for t0 in (0.0, 10_000.0):
+        ev.append(_x("megatron/core/optimizer/optimizer.py(77): _copy_this_to_that", t0 + 8_100.0, 400.0,
+                     "python_function"))
+        for k in range(3):
+            ev.append(_x("aten::copy_", t0 + 8_120.0 + 100.0 * k, 50.0, "cpu_op"))
+            ev.append(_x("aten::empty", t0 + 8_130.0 + 100.0 * k, 10.0, "cpu_op"))  # inside the copy
+        ev.append(_x("aten::_foreach_norm", t0 + 9_000.0, 30.0, "cpu_op"))
+    out = summarize(ev)
+    assert "Host ops on the main thread (outermost only): 4 per step, 0.18 ms" in out, out
+    rows = [line for line in out.splitlines() if line.startswith("| 3.0 |")]
+    assert rows == ["| 3.0 | 0.150 | aten::copy_: megatron/core/optimizer/optimizer.py(77): _copy_this_to_that |"], out
+    assert "| 1.0 | 0.030 | aten::_foreach_norm: (no Python frame) |" in out
+    assert "aten::empty" not in out
