@@ -20,6 +20,10 @@ local fallback, so apex/TE kernels are never shadowed:
 - ``scale``: ``torch._foreach_mul_`` in place when source and destination are the same
   list (gradient clipping), ``torch._foreach_copy_`` for the scale-1 main->model
   parameter copy, ``_foreach_mul`` + ``_foreach_copy_`` otherwise.
+- ``copy_this_to_that``: the main->model parameter copy of a bf16 run, which megatron does
+  not send through ``scale`` (no overflow buffer for bf16) but copies tensor by tensor in
+  Python: ~100 ``copy_`` dispatches per step, host time outside even a whole-iteration CUDA
+  graph (the mb-8 profile of docs/results/2026-12-02-full-mb8-profile).
 
 Same results as the originals (tests/megatron/test_fast_paths.py compares them on fp32
 and bf16 lists, with inf/NaN gradients too). :func:`fused_adamw` is a context manager
@@ -51,8 +55,11 @@ def l2_norm(chunk_size, noop_flag, tensor_lists: Sequence[Sequence[torch.Tensor]
         return torch.zeros(1, dtype=torch.float32, device="cuda" if torch.cuda.is_available() else "cpu"), None
     norms = torch._foreach_norm(tensors)
     dev = tensors[0].device
-    # megatron's fallback takes the norm of the norms in fp32 (torch.tensor of Python floats)
-    total = torch.linalg.vector_norm(torch.stack([n.to(device=dev, dtype=torch.float32) for n in norms]))
+    # megatron's fallback takes the norm of the norms in fp32 (torch.tensor of Python floats);
+    # the fp32 main gradients' norms already are, and a no-op ``.to`` per tensor is a dispatch each
+    if not all(n.dtype == torch.float32 and n.device == dev for n in norms):
+        norms = [n.to(device=dev, dtype=torch.float32) for n in norms]
+    total = torch.linalg.vector_norm(torch.stack(norms))
     return total.reshape(1), None
 
 
@@ -69,6 +76,40 @@ def scale(chunk_size, noop_flag, tensor_lists: Sequence[Sequence[torch.Tensor]],
         torch._foreach_copy_(dst, src)
     else:
         torch._foreach_copy_(dst, torch._foreach_mul(src, scale_))
+
+
+def copy_this_to_that(this: Sequence[torch.Tensor], that: Sequence[torch.Tensor], overflow_buf=None) -> None:
+    """Drop-in for ``megatron.core.optimizer.optimizer._multi_tensor_copy_this_to_that``
+    without an overflow buffer (every bf16 run: megatron sets none for bf16): one
+    ``torch._foreach_copy_`` in place of a Python ``copy_`` per tensor, so the fp32 main
+    parameters reach the bf16 model parameters in one call; with a buffer (fp16, apex's
+    kernel) megatron's own function runs."""
+    this, that = list(this), list(that)
+    if overflow_buf is not None or len(this) != len(that):
+        return _ORIGINAL_COPY[0](this, that, overflow_buf)
+    if this:
+        torch._foreach_copy_(that, this)
+
+
+_ORIGINAL_COPY: List = []
+
+
+def _install_param_copy() -> List[str]:
+    """Bind :func:`copy_this_to_that` where megatron's loop is (and only that function)."""
+    import megatron.core.optimizer.optimizer as mopt
+
+    cur = getattr(mopt, "_multi_tensor_copy_this_to_that", None)
+    if cur is copy_this_to_that:
+        return ["megatron.core.optimizer.optimizer._multi_tensor_copy_this_to_that"]
+    if cur is None or getattr(cur, "__module__", None) != mopt.__name__:
+        return []
+    import inspect
+
+    if list(inspect.signature(cur).parameters) != ["this", "that", "overflow_buf"]:
+        return []  # a megatron whose copy takes other arguments keeps its own
+    _ORIGINAL_COPY[:] = [cur]
+    mopt._multi_tensor_copy_this_to_that = copy_this_to_that
+    return ["megatron.core.optimizer.optimizer._multi_tensor_copy_this_to_that"]
 
 
 def install() -> List[str]:
@@ -95,6 +136,7 @@ def install() -> List[str]:
                 done.append(f"{modname}.{name}")
             elif cur in (l2_norm, scale):
                 done.append(f"{modname}.{name}")
+    done += _install_param_copy()
     if done and not _INSTALLED:
         log.info("nemo_ssa fast paths installed: %s", ", ".join(done))
     _INSTALLED[:] = done

@@ -232,7 +232,9 @@ def clip_grad_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad
             continue
         if grad.dtype != torch.float32 and not (use_decoupled_grad and grad.dtype == torch.bfloat16):
             raise TypeError(f"gradient clipping takes fp32 main gradients (megatron's rule); got {grad.dtype}")
-        grads.append(to_local_if_dtensor(grad).detach())
+        grad = to_local_if_dtensor(grad)
+        # a main gradient is no autograd node: detach only what is (a dispatch per tensor otherwise)
+        grads.append(grad.detach() if grad.requires_grad else grad)
     GUARD.record_total(total_norm)
     if not grads:
         return

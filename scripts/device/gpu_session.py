@@ -293,6 +293,18 @@ PRESETS = {
                 "train.val_check_interval=60 model.cuda_graphs=full profile.start=40 profile.steps=3 "
                 "run_dir={out}/full-mb32 && {py} -m nemo_ssa.tools.profile_summary "
                 "{out}/full-mb32/profile/trace.json.gz > {out}/full-mb32-gaps.md")]),
+    "param-copy-ab": dict(
+        about="issue 43: megatron's bf16 main->model parameter copy in one foreach call, the per-tensor no-op "
+              "casts and detaches of the norm and the clip skipped (host work outside even the whole-iteration "
+              "graph: ~100 dispatches each per step in the full-mb8 profile, 2026-12-02-full-mb8-profile), "
+              "against its parent at micro batch 8 with model.cuda_graphs=full, 3 rounds alternated; the parent "
+              "tree carried: git archive 95624af nemo_ssa recipes scripts | tar -x -C dev/95624af, carry "
+              "[\".bundle\", \"dev/95624af\"]",
+        expect=470, budget=540,
+        steps=[("cmd", "param-copy-ab", 535,
+                "{py} scripts/device/step_ab.py --tree before=dev/95624af --tree after=. --rounds 3 "
+                "--out {out}/param-copy --timeout 120 -- attention=ssa train=gpu_9min train.micro_batch_size=8 "
+                "train.global_batch_size=8 train.max_steps=60 train.val_check_interval=60 model.cuda_graphs=full")]),
     "icl-outlier-a": dict(
         about="issue 44: the paper's linear in-context task retrained for its outlier_after grid, first half: "
               "softmax and ssa seed 1 (one process, 2 at once) beside softmax seed 2, 50,000 steps each, TF32, "

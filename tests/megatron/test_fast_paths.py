@@ -69,21 +69,55 @@ def test_install_replaces_only_megatron_fallbacks():
     import megatron.core.optimizer.optimizer as mo
     import megatron.core.utils as mu
 
-    saved = (cg.l2_norm_impl, cg.multi_tensor_scale_impl, mo.multi_tensor_scale_impl)
+    saved = (cg.l2_norm_impl, cg.multi_tensor_scale_impl, mo.multi_tensor_scale_impl, mo._multi_tensor_copy_this_to_that)
     try:
         cg.l2_norm_impl, cg.multi_tensor_scale_impl = mu.local_multi_tensor_l2_norm, mu.local_multi_tensor_scale
         mo.multi_tensor_scale_impl = mu.local_multi_tensor_scale
+        if fast_paths._ORIGINAL_COPY:
+            mo._multi_tensor_copy_this_to_that = fast_paths._ORIGINAL_COPY[0]
+        original_copy = mo._multi_tensor_copy_this_to_that
+        assert original_copy.__module__ == mo.__name__
         done = fast_paths.install()
         assert cg.l2_norm_impl is fast_paths.l2_norm and cg.multi_tensor_scale_impl is fast_paths.scale
-        assert mo.multi_tensor_scale_impl is fast_paths.scale and len(done) == 3
-        assert len(fast_paths.install()) == 3  # idempotent
-        # an apex/TE kernel bound there is left alone
+        assert mo.multi_tensor_scale_impl is fast_paths.scale and len(done) == 4
+        assert mo._multi_tensor_copy_this_to_that is fast_paths.copy_this_to_that
+        assert fast_paths._ORIGINAL_COPY == [original_copy]
+        assert len(fast_paths.install()) == 4  # idempotent
+        # an apex/TE kernel bound there is left alone, and so is another package's copy
         sentinel = object()
         cg.l2_norm_impl = sentinel
+        other = lambda this, that, overflow_buf=None: None  # noqa: E731
+        mo._multi_tensor_copy_this_to_that = other
         fast_paths.install()
-        assert cg.l2_norm_impl is sentinel
+        assert cg.l2_norm_impl is sentinel and mo._multi_tensor_copy_this_to_that is other
     finally:
-        cg.l2_norm_impl, cg.multi_tensor_scale_impl, mo.multi_tensor_scale_impl = saved
+        cg.l2_norm_impl, cg.multi_tensor_scale_impl, mo.multi_tensor_scale_impl, mo._multi_tensor_copy_this_to_that = saved
+
+
+def test_param_copy_is_megatrons_copy_in_one_call(monkeypatch):
+    """The bf16 main->model copy (no overflow buffer): the same bits as megatron's per-tensor
+    loop, fp32 rounded to bf16 (and fp32 to fp32), through one foreach call, not one per tensor."""
+    import megatron.core.optimizer.optimizer as mo
+
+    fast_paths.install()
+    original = fast_paths._ORIGINAL_COPY[0]
+    src = _lists() + [torch.randn(5, dtype=torch.float32) * 1e3]
+    dst = [torch.full_like(t, float("nan"), dtype=torch.bfloat16) for t in src[:-1]] + [torch.empty(5)]
+    want = [torch.full_like(t, float("nan")) for t in dst]
+    original(src, want, None)
+    calls = []
+    real = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda *a, **k: (calls.append(len(a[0])), real(*a, **k)))
+    mo._multi_tensor_copy_this_to_that(this=src, that=dst, overflow_buf=None)
+    assert calls == [len(src)]
+    for a, b in zip(dst, want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    # with an overflow buffer (fp16 with apex) megatron's own function runs
+    seen = []
+    monkeypatch.setattr(fast_paths, "_ORIGINAL_COPY", [lambda this, that, buf: seen.append(buf)])
+    buf = torch.zeros(1, dtype=torch.int)
+    fast_paths.copy_this_to_that(src, dst, buf)
+    assert seen == [buf] and calls == [len(src)]
 
 
 def test_fused_adamw_context_is_scoped():
