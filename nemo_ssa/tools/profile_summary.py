@@ -152,6 +152,20 @@ def call_site(frames: List[str], depth: int = 2) -> str:
     return " <- ".join(reversed(own[-depth:])) if own else "(no Python frame)"
 
 
+def _by_site(found: List[dict], n: int, stack_at, top: int, time_header: str) -> List[str]:
+    """``found`` events grouped by (name, call site): per step, their time, the site."""
+    count: Dict[str, int] = defaultdict(int)
+    spent: Dict[str, float] = defaultdict(float)
+    for e in found:
+        site = f"{e['name']}: {call_site(stack_at(e['ts'] + e['dur'] / 2))}"
+        count[site] += 1
+        spent[site] += e["dur"]
+    lines = [f"| per step | {time_header} | call site (innermost first) |", "|---|---|---|"]
+    for site in sorted(count, key=lambda k: -count[k] * 1e9 - spent[k])[:top]:
+        lines.append(f"| {count[site] / n:.1f} | {spent[site] / n / 1e3:.3f} | {site[:220]} |")
+    return lines
+
+
 def _sync_table(events: List[dict], tid, windows: List[Tuple[float, float]], stack_at, top: int) -> List[str]:
     a0, b1 = windows[0][0], windows[-1][1]
     syncs = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cuda_runtime"
@@ -159,19 +173,7 @@ def _sync_table(events: List[dict], tid, windows: List[Tuple[float, float]], sta
     n = len(windows)
     lines = [f"\nHost-device synchronisations on the main thread: {len(syncs) / n:.1f} per step, "
              f"{sum(e['dur'] for e in syncs) / n / 1e3:.2f} ms waited per step"]
-    if not syncs:
-        return lines
-    count: Dict[str, int] = defaultdict(int)
-    waited: Dict[str, float] = defaultdict(float)
-    for e in syncs:
-        site = f"{e['name']}: {call_site(stack_at(e['ts'] + e['dur'] / 2))}"
-        count[site] += 1
-        waited[site] += e["dur"]
-    lines.append("| per step | ms waited per step | call site (innermost first) |")
-    lines.append("|---|---|---|")
-    for site in sorted(count, key=lambda k: -count[k] * 1e9 - waited[k])[:top]:
-        lines.append(f"| {count[site] / n:.1f} | {waited[site] / n / 1e3:.3f} | {site[:220]} |")
-    return lines
+    return lines + (_by_site(syncs, n, stack_at, top, "ms waited per step") if syncs else [])
 
 
 def _op_table(events: List[dict], tid, windows: List[Tuple[float, float]], stack_at, top: int) -> List[str]:
@@ -189,19 +191,7 @@ def _op_table(events: List[dict], tid, windows: List[Tuple[float, float]], stack
     n = len(windows)
     lines = [f"\nHost ops on the main thread (outermost only): {len(outer) / n:.0f} per step, "
              f"{sum(e['dur'] for e in outer) / n / 1e3:.2f} ms of op time per step (profiled)"]
-    if not outer:
-        return lines
-    count: Dict[str, int] = defaultdict(int)
-    spent: Dict[str, float] = defaultdict(float)
-    for e in outer:
-        site = f"{e['name']}: {call_site(stack_at(e['ts'] + e['dur'] / 2))}"
-        count[site] += 1
-        spent[site] += e["dur"]
-    lines.append("| per step | op ms per step | op: call site (innermost first) |")
-    lines.append("|---|---|---|")
-    for site in sorted(count, key=lambda k: -count[k] * 1e9 - spent[k])[:top]:
-        lines.append(f"| {count[site] / n:.1f} | {spent[site] / n / 1e3:.3f} | {site[:220]} |")
-    return lines
+    return lines + (_by_site(outer, n, stack_at, top, "op ms per step") if outer else [])
 
 
 def main(argv=None) -> int:

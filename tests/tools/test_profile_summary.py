@@ -74,4 +74,5 @@ def test_op_table_counts_a_per_tensor_loop_by_call_site():
     rows = [line for line in out.splitlines() if line.startswith("| 3.0 |")]
     assert rows == ["| 3.0 | 0.150 | aten::copy_: megatron/core/optimizer/optimizer.py(77): _copy_this_to_that |"], out
     assert "| 1.0 | 0.030 | aten::_foreach_norm: (no Python frame) |" in out
+    assert "| per step | op ms per step | call site (innermost first) |" in out
     assert "aten::empty" not in out
