@@ -189,6 +189,12 @@ GUARD = GradGuard()
 # ------------------------------------------------------------------------- the stand-ins
 
 
+def _local(t: torch.Tensor, to_local_if_dtensor) -> torch.Tensor:
+    """megatron's ``to_local_if_dtensor`` where ``t`` may be a DTensor; a plain tensor as it is
+    (megatron's enters a no_grad context per call: ~2 x 100 per step of host work)."""
+    return t if type(t) is torch.Tensor else to_local_if_dtensor(t)
+
+
 def grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=None):
     """Megatron's ``get_grad_norm_fp32`` for the 2-norm, returned as a 0-dim float64 device tensor."""
     if float(norm_type) != 2.0:
@@ -200,8 +206,10 @@ def grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=None):
         grads_for_norm = [grads_for_norm]
     data_parallel_group = None
     for grad in grads_for_norm:
-        data_parallel_group = get_data_parallel_group_if_dtensor(grad, data_parallel_group)
-    grads_for_norm = [to_local_if_dtensor(grad) for grad in grads_for_norm]
+        # megatron's helper answers None for a plain tensor (the last gradient decides, as there)
+        data_parallel_group = None if type(grad) is torch.Tensor else \
+            get_data_parallel_group_if_dtensor(grad, data_parallel_group)
+    grads_for_norm = [_local(grad, to_local_if_dtensor) for grad in grads_for_norm]
     if grads_for_norm:
         device = grads_for_norm[0].device
         overflow = torch.zeros(1, dtype=torch.int, device=device)
@@ -232,7 +240,7 @@ def clip_grad_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad
             continue
         if grad.dtype != torch.float32 and not (use_decoupled_grad and grad.dtype == torch.bfloat16):
             raise TypeError(f"gradient clipping takes fp32 main gradients (megatron's rule); got {grad.dtype}")
-        grad = to_local_if_dtensor(grad)
+        grad = _local(grad, to_local_if_dtensor)
         # a main gradient is no autograd node: detach only what is (a dispatch per tensor otherwise)
         grads.append(grad.detach() if grad.requires_grad else grad)
     GUARD.record_total(total_norm)
