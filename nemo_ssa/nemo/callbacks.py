@@ -388,17 +388,26 @@ class SyncFreeLossReductionCallback(Callback):
 
 class LightningLogCallback(Callback):
     """Lightning's ``self.log`` without its per-call walk over a metric already on the value's
-    device (``nemo_ssa.nemo.lightning_log``): installed in ``setup``, taken out in ``teardown``;
+    device, and -- when the trainer has no progress bar -- without the progress-bar values,
+    which Lightning reads from the device at the end of every batch for a bar that is not there
+    (``nemo_ssa.nemo.lightning_log``): installed in ``setup``, taken out in ``teardown``;
     global rank 0 prints what it decided."""
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         from nemo_ssa.nemo import lightning_log
 
         why = lightning_log.install()
+        if getattr(trainer, "progress_bar_callback", None) is None:
+            why_bar = lightning_log.install_progress_bar_off()
+            bar = ("logged without prog_bar (no progress bar reads them; Lightning would read each from the "
+                   "device at every batch's end)" if why_bar is None else f"as Lightning logs them ({why_bar})")
+        else:
+            bar = ("as Lightning logs them: the progress bar reads them, one device read a step "
+                   "(enable_progress_bar=False removes it)")
         if getattr(trainer, "global_rank", 0) == 0:
             print("[nemo_ssa] Lightning's self.log: " + ("a metric already on the value's device is not walked"
-                                                          if why is None else f"as Lightning does it ({why})"),
-                  flush=True)
+                                                          if why is None else f"as Lightning does it ({why})")
+                  + "; progress-bar values " + bar, flush=True)
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         from nemo_ssa.nemo import lightning_log

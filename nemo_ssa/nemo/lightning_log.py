@@ -17,6 +17,19 @@ it (unchanged); any other call -- a dtype, keyword arguments, a tensor elsewhere
 Lightning's own ``to``. The check is exact, not a cache: a metric moved behind Lightning's back
 (``Metric._apply``) still takes Lightning's path.
 
+:func:`install_progress_bar_off` is for a trainer without a progress bar (the launcher turns
+Lightning's off and prints its own lines): it logs every value with ``prog_bar=False``.
+Lightning's ``_LoggerConnector.on_batch_end`` builds the progress-bar dict at the end of every
+training batch, and for it turns each ``prog_bar=True`` value into a Python number with
+``.item()`` -- NeMo logs four of them (``reduced_train_loss``, ``lr``, ``global_step``,
+``consumed_samples``), each a device tensor, so every step ended in a host-device
+synchronisation that nothing read: the host waited for the whole step's kernels, and the GPU
+then waited for the host's next-step Python (a py-spy record of the NeMo main job: 49 % of
+the micro-batch-8 step's host time, 76 % at micro batch 32, waiting there;
+docs/results/2026-12-03-pbar-sync). The logged, callback and reduced values are Lightning's
+unchanged (they never pass through the progress-bar dict); only ``trainer.progress_bar_metrics``
+stays empty, which only a progress bar reads.
+
 Installed only on the Lightning this was written against (``_ResultMetric.to`` defined in
 ``lightning.pytorch.trainer.connectors.logger_connector.result`` as the method that walks
 ``__dict__``); elsewhere :func:`install` leaves Lightning as it is and says why.
@@ -81,3 +94,36 @@ def uninstall() -> None:
 
     if "to" in _ORIGINAL:
         result._ResultMetric.to = _ORIGINAL.pop("to")
+    if "log" in _ORIGINAL:
+        result._ResultCollection.log = _ORIGINAL.pop("log")
+
+
+def log_progress_bar_off(self, fx: str, name: str, value: Any, *args: Any, **kwargs: Any):
+    """``_ResultCollection.log`` with ``prog_bar=False``: see the module's docstring."""
+    if args:  # prog_bar is the first parameter after value
+        args = (False,) + args[1:]
+    else:
+        kwargs["prog_bar"] = False
+    return _ORIGINAL["log"](self, fx, name, value, *args, **kwargs)
+
+
+def install_progress_bar_off() -> Optional[str]:
+    """Log every value without ``prog_bar`` (for a trainer with no progress bar). Returns why
+    not, or None when installed; :func:`uninstall` takes it out with :func:`to`."""
+    try:
+        from lightning.pytorch.trainer.connectors.logger_connector import result
+    except ImportError as e:  # pragma: no cover - NeMo needs Lightning
+        return f"lightning.pytorch is not importable ({e})"
+    current = result._ResultCollection.__dict__.get("log")
+    if current is log_progress_bar_off:
+        return None
+    if current is None or getattr(current, "__module__", None) != result.__name__:
+        return "lightning's _ResultCollection.log is not the one this was written against"
+    import inspect
+
+    params = list(inspect.signature(current).parameters)
+    if params[1:5] != ["fx", "name", "value", "prog_bar"]:
+        return f"lightning's _ResultCollection.log takes {params[1:5]}, not (fx, name, value, prog_bar)"
+    _ORIGINAL["log"] = current
+    result._ResultCollection.log = log_progress_bar_off
+    return None

@@ -37,18 +37,22 @@ from typing import Dict, List, Optional, Sequence, Tuple
 #: the step's frame in Lightning's fit loop (one call per training step)
 WITHIN = "training_epoch_loop.py:advance"
 #: stacks of one-off work at the start of training ("file:function", the function matched by
-#: its end, empty = any; "A&B" = both in one stack): kernel compiles, CUDA graph captures
+#: its end, empty = any; "A&B" = both in one stack): kernel compiles (dynamo's frame
+#: conversion, not its eval_frame: torch.optim's fused step runs under a dynamo-disable
+#: wrapper every step), CUDA graph captures
 #: (torch's graph context, megatron's layer graphs, the whole-iteration wrapper running the
 #: schedule eagerly -- its warm-up step and its capture; a replay does not run the schedule)
-WARMUP = ("triton/compiler/:", "torch/_inductor/:", "torch/_dynamo/:",
+WARMUP = ("triton/compiler/:", "torch/_inductor/compile_fx.py:", "torch/_inductor/codecache.py:",
+          "torch/_dynamo/convert_frame.py:",
           "torch/cuda/graphs.py:capture_begin", "torch/cuda/graphs.py:capture_end",
           "torch/cuda/graphs.py:graph.__enter__", "torch/cuda/graphs.py:graph.__exit__",
           "torch/cuda/graphs.py:make_graphed_callables",
           "megatron/core/transformer/cuda_graphs.py:create_fwd_graph",
           "megatron/core/transformer/cuda_graphs.py:create_bwd_graph",
           "megatron/core/full_cuda_graph.py:__call__&megatron/core/pipeline_parallel/schedules.py:")
-#: stacks inside the step that are not the step: validation and checkpoints
-OTHER = ("evaluation_loop.py:", "checkpoint_connector.py:", "model_checkpoint.py:", ":save_checkpoint")
+#: stacks inside the step that are not the step: validation and checkpoint saves (a
+#: ModelCheckpoint hook that only decides not to save is the step's)
+OTHER = ("evaluation_loop.py:", "checkpoint_connector.py:", ":save_checkpoint", ":_save_checkpoint")
 #: Lightning's dispatch functions: the frame below one of them is the hook that ran
 DISPATCH = ("_call_callback_hooks", "_call_lightning_module_hook", "_call_strategy_hook",
             "_call_lightning_datamodule_hook")

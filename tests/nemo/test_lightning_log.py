@@ -126,3 +126,104 @@ def test_the_benchmark_runs_both_variants_and_leaves_lightning_as_it_was(capsys)
     rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(("| lightning", "| nemo_ssa"))]
     assert len(rows) == 2 and rows[0].endswith("| 1.00x |")
     assert result._ResultMetric.__dict__["to"] is before
+
+
+# --- the progress-bar values off (a trainer without a progress bar) ---------------------------
+
+def _all_metrics(rc, values):
+    """Per step: the three dicts Lightning's on_batch_end builds; then the epoch's callback dict."""
+    seen = []
+    for step, v in enumerate(values):
+        rc.log("training_step", "reduced_train_loss", v, on_step=True, on_epoch=True, batch_size=2, prog_bar=True)
+        rc.log("training_step", "lr", v * 0.5, True, on_step=True, on_epoch=False, batch_size=1)  # positional
+        rc.log("training_step", "global_step", torch.tensor(float(step), device=v.device), on_step=True,
+               on_epoch=False, batch_size=1, prog_bar=True)
+        m = rc.metrics(True)
+        seen.append({part: {k: (t.clone() if isinstance(t, torch.Tensor) else t) for k, t in m[part].items()}
+                     for part in ("callback", "log", "pbar")})
+    return seen, rc.metrics(False)["callback"]
+
+
+@pytest.fixture
+def bar_off():
+    assert lightning_log.install_progress_bar_off() is None
+    yield
+    lightning_log.uninstall()
+
+
+def test_progress_bar_off_keeps_every_logged_and_callback_value(bar_off):
+    vals = _values()
+    off, off_epoch = _all_metrics(result._ResultCollection(training=True), vals)
+    lightning_log.uninstall()
+    ref, ref_epoch = _all_metrics(result._ResultCollection(training=True), vals)
+    assert lightning_log.install_progress_bar_off() is None
+    assert all(step["pbar"] == {} for step in off)
+    assert all(step["pbar"] for step in ref)  # Lightning's own fills it: the comparison means something
+    for a, b in zip(off, ref):
+        for part in ("callback", "log"):
+            assert a[part].keys() == b[part].keys()
+            assert all(torch.equal(a[part][k], b[part][k]) for k in a[part]), part
+    assert off_epoch.keys() == ref_epoch.keys() and all(torch.equal(off_epoch[k], ref_epoch[k]) for k in off_epoch)
+
+
+def test_progress_bar_off_refuses_a_log_it_does_not_know(monkeypatch):
+    monkeypatch.setattr(result._ResultCollection, "log", lambda self, fx, name, value, **k: None, raising=True)
+    assert "not the one" in lightning_log.install_progress_bar_off()
+    assert "log" not in lightning_log._ORIGINAL
+
+
+def test_progress_bar_off_is_idempotent_and_uninstall_restores_both():
+    log_before, to_before = result._ResultCollection.__dict__["log"], result._ResultMetric.__dict__["to"]
+    assert lightning_log.install() is None
+    assert lightning_log.install_progress_bar_off() is None and lightning_log.install_progress_bar_off() is None
+    assert result._ResultCollection.__dict__["log"] is lightning_log.log_progress_bar_off
+    lightning_log.uninstall()
+    assert result._ResultCollection.__dict__["log"] is log_before and result._ResultMetric.__dict__["to"] is to_before
+
+
+class _Trainer:
+    global_rank = 0
+
+    def __init__(self, bar):
+        self.progress_bar_callback = bar
+
+
+@pytest.mark.parametrize("bar", [None, object()])
+def test_the_callback_turns_the_bar_values_off_only_without_a_bar(bar, capsys):
+    from nemo_ssa.nemo.callbacks import LightningLogCallback
+
+    cb, before = LightningLogCallback(), result._ResultCollection.__dict__["log"]
+    cb.setup(_Trainer(bar), None, "fit")
+    try:
+        installed = result._ResultCollection.__dict__["log"] is lightning_log.log_progress_bar_off
+        assert installed == (bar is None)
+        out = capsys.readouterr().out
+        assert ("logged without prog_bar" in out) == (bar is None) and "progress-bar values" in out
+    finally:
+        cb.teardown(_Trainer(bar), None, "fit")
+    assert result._ResultCollection.__dict__["log"] is before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_progress_bar_off_reads_nothing_from_the_device_at_a_batch_end():
+    """Lightning's on_batch_end dicts with CUDA values: a device sync without the patch (so the
+    test can fail), none with it."""
+    vals = [v.cuda() for v in _values(n=2)]
+
+    def batch_end(rc):
+        rc.log("training_step", "reduced_train_loss", vals[0], on_step=True, on_epoch=True, batch_size=1, prog_bar=True)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            rc.metrics(True)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    with pytest.raises(RuntimeError, match="synchroniz"):
+        batch_end(result._ResultCollection(training=True))
+    assert lightning_log.install_progress_bar_off() is None
+    try:
+        batch_end(result._ResultCollection(training=True))
+    finally:
+        lightning_log.uninstall()

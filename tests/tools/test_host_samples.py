@@ -70,3 +70,19 @@ def test_not_a_training_record_is_a_clear_error(tmp_path):
     path = _record(tmp_path, [[10]] * 5)
     with pytest.raises(ValueError, match="no thread has a sample inside"):
         main([path])
+
+
+def test_steady_work_under_dynamo_disable_and_a_checkpoint_check_is_not_cut(tmp_path):
+    """torch.optim's fused step runs under a dynamo-disable wrapper every step and ModelCheckpoint
+    decides not to save every step: both are the step's, only a save is left out."""
+    global FRAMES
+    extra = [("DisableContext.__call__.<locals>._fn", SP + "torch/_dynamo/eval_frame.py", 838),   # 11
+             ("ModelCheckpoint.on_train_batch_end", SP + "lightning/pytorch/callbacks/model_checkpoint.py", 300),  # 12
+             ("ModelCheckpoint._save_checkpoint", SP + "lightning/pytorch/callbacks/model_checkpoint.py", 400)]  # 13
+    saved, FRAMES = FRAMES, FRAMES + extra
+    try:
+        samples = [[0, 1, 4, 5, 7]] * 5 + [[0, 1, 4, 11]] * 20 + [[0, 1, 2, 12]] * 10 + [[0, 1, 2, 12, 13]] * 7
+        split = steady_samples(load_speedscope(_record(tmp_path, samples)))
+    finally:
+        FRAMES = saved
+    assert split["warm_loop"] == 5 and split["other"] == 7 and len(split["steady"]) == 30
