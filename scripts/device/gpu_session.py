@@ -305,6 +305,40 @@ PRESETS = {
                 "{py} scripts/device/step_ab.py --tree before=dev/95624af --tree after=. --rounds 3 "
                 "--out {out}/param-copy --timeout 120 -- attention=ssa train=gpu_9min train.micro_batch_size=8 "
                 "train.global_batch_size=8 train.max_steps=60 train.val_check_interval=60 model.cuda_graphs=full")]),
+    "host-samples": dict(
+        about="issue 43: where the NeMo step's host time goes, sampled from outside the process (py-spy "
+              "--idle: torch.profiler's with_stack inflates the Python it measures): the main job under "
+              "model.cuda_graphs=full at micro batch 8 (400 steps) and 32 (200), each record summarised by "
+              "nemo_ssa.tools.host_samples (hooks, functions, the lines the thread waited on); py-spy carried as "
+              "a binary: unzip -j the py-spy 0.4.3 manylinux wheel's py-spy into .cache/pyspy/, carry "
+              "[\".bundle\", \".cache/pyspy\"]",
+        expect=260, budget=540,
+        steps=[("cmd", f"host-samples-mb{mb}", lim,
+                "chmod +x .cache/pyspy/py-spy && .cache/pyspy/py-spy record --idle --threads --nonblocking -r 500 "
+                f"-f speedscope -o {{out}}/host-mb{mb}.json -- {{py}} scripts/pretrain.py attention=ssa compare_to=[] "
+                f"train=gpu_9min train.micro_batch_size={mb} train.global_batch_size={mb} train.max_steps={n} "
+                f"train.val_check_interval={n} model.cuda_graphs=full run_dir={{out}}/host-mb{mb} && "
+                f"{{py}} -m nemo_ssa.tools.host_samples {{out}}/host-mb{mb}.json --top 40 > {{out}}/host-mb{mb}.md")
+               for mb, n, lim in ((8, 400, 270), (32, 200, 240))]),
+    "pbar-ab": dict(
+        about="issue 43: NeMo's values logged without prog_bar when no progress bar reads them (Lightning's "
+              "on_batch_end read each from the device every batch: a sync per step, half the mb-8 step's "
+              "host time waiting there by host-samples) against its parent at micro batch 8 with "
+              "model.cuda_graphs=full, 3 rounds alternated; the parent tree carried: git archive d0112c0 "
+              "nemo_ssa recipes scripts | tar -x -C dev/d0112c0, carry [\".bundle\", \"dev/d0112c0\"]",
+        expect=470, budget=540,
+        steps=[("cmd", "pbar-ab", 535,
+                "{py} scripts/device/step_ab.py --tree before=dev/d0112c0 --tree after=. --rounds 3 "
+                "--out {out}/pbar-mb8 --timeout 130 -- attention=ssa train=gpu_9min train.micro_batch_size=8 "
+                "train.global_batch_size=8 train.max_steps=60 train.val_check_interval=60 model.cuda_graphs=full")]),
+    "pbar-ab-mb32": dict(
+        about="issue 43: pbar-ab on the README's main job as printed (micro batch 32, model.cuda_graphs=auto), "
+              "2 rounds alternated; same carry as pbar-ab",
+        expect=480, budget=540,
+        steps=[("cmd", "pbar-ab-mb32", 535,
+                "{py} scripts/device/step_ab.py --tree before=dev/d0112c0 --tree after=. --rounds 2 "
+                "--out {out}/pbar-mb32 --timeout 120 -- attention=ssa train=gpu_9min train.max_steps=80 "
+                "train.val_check_interval=80")]),
     "icl-outlier-a": dict(
         about="issue 44: the paper's linear in-context task retrained for its outlier_after grid, first half: "
               "softmax and ssa seed 1 (one process, 2 at once) beside softmax seed 2, 50,000 steps each, TF32, "

@@ -50,7 +50,8 @@ def test_presets_fit_the_device_limits():
     assert set(gs.PRESETS) == {"quick", "full-1", "full-2", "graphs", "graphs-default", "step-graphs", "syncs",
                                "layernorm-mb8", "layernorm-parity", "graphs-full", "graphs-full-parity", "graphs-full-mb32", "icl-dreg",
                                "icl-outlier-a", "icl-outlier-b", "graphs-full-resume", "icl-deterministic",
-                               "full-mb8-profile", "param-copy-ab"}
+                               "full-mb8-profile", "param-copy-ab", "host-samples", "pbar-ab",
+                               "pbar-ab-mb32"}
     for name, p in gs.PRESETS.items():
         assert p["budget"] <= 540 and sum(s[2] for s in p["steps"]) <= p["budget"], name
     assert gs.PRESETS["quick"]["budget"] <= 240
