@@ -29,7 +29,7 @@ from typing import Any, Dict, Optional
 import torch
 
 __all__ = ["CUDA_GRAPH_WARMUP_STEPS", "cuda_graph_fields", "use_cudagraphable_rng_tracker",
-           "capture_recorded_graphs", "graphs_created", "arm_full_iteration"]
+           "capture_recorded_graphs", "graphs_created", "arm_full_iteration", "order_static_buffer_copies"]
 
 #: eager runs of each layer inside the capture call before it is captured (megatron's default,
 #: the value benchmarks/bench_model.py --cuda-graph local ran with), pinned here so that a change
@@ -70,7 +70,54 @@ def arm_full_iteration(config) -> bool:
     if getattr(config, "cuda_graph_scope", None) != "full_iteration":
         return False
     config.enable_cuda_graph = True
+    order_static_buffer_copies()
     return True
+
+
+#: the line megatron-core 0.17 added to ``StaticBufferLoader.__call__`` (before each copy)
+_WAIT = "self.stream.wait_stream(torch.cuda.current_stream())"
+_ORIGINAL_LOADER_CALL: Dict[str, Any] = {}
+
+
+def _ordered_loader_call(self, inputs, stage, microbatch):
+    """megatron's ``StaticBufferLoader.__call__`` after its side stream waits for the current one."""
+    self.stream.wait_stream(torch.cuda.current_stream())
+    return _ORIGINAL_LOADER_CALL["call"](self, inputs, stage, microbatch)
+
+
+def order_static_buffer_copies() -> str:
+    """Make megatron-core 0.15/0.16's whole-iteration graph copy each batch into its static
+    input buffers only after the work already queued: what megatron 0.17 does.
+
+    ``StaticBufferLoader`` copies the next batch into the buffers the captured graph reads on a
+    stream of its own, and before 0.17 that stream waits for nothing: neither for the graph
+    replay of the step before, still reading the buffers, nor for the host-to-device copy of
+    the batch it copies from. A per-step device sync (Lightning's progress-bar values) had kept
+    the host from running ahead, which hid it; without one, the next batch overwrote the tokens
+    and labels under the running step (the losses left the synced runs' from step 3,
+    held-out 7.08 against 6.66 at step 60; docs/results/2026-12-03-pbar-sync). Returns what it
+    decided; patches megatron's class at most once."""
+    try:
+        import inspect
+
+        from megatron.core import full_cuda_graph
+    except ImportError as e:
+        return f"megatron.core.full_cuda_graph is not importable ({e})"
+    loader = full_cuda_graph.StaticBufferLoader
+    if not isinstance(loader, type):
+        return f"megatron's StaticBufferLoader is {loader!r}, not the class this was written against: left as it is"
+    current = loader.__call__
+    if current is _ordered_loader_call:
+        return "megatron's static-buffer copies wait for the queued work (patched)"
+    try:
+        source = inspect.getsource(current)
+    except (OSError, TypeError):
+        source = ""
+    if _WAIT in source:
+        return "megatron's static-buffer copies wait for the queued work (its own)"
+    _ORIGINAL_LOADER_CALL["call"] = current
+    loader.__call__ = _ordered_loader_call
+    return "megatron's static-buffer copies wait for the queued work (patched: megatron < 0.17 did not)"
 
 
 def use_cudagraphable_rng_tracker(generator: Optional[torch.Generator] = None) -> bool:

@@ -361,11 +361,13 @@ class CudaGraphRNGCallback(Callback):
     they would without graphs. The rest is megatron's: the config fields the recipe set, and
     ``create_cudagraphs()``, which the schedule NeMo's step runs calls after each fwd+bwd.
     With ``model.cuda_graphs=full`` it also arms NeMo's whole-iteration switch
-    (``nemo_ssa.megatron.cuda_graphs.arm_full_iteration``).
+    (``nemo_ssa.megatron.cuda_graphs.arm_full_iteration``), whose static input buffers then take
+    each batch only after the queued work (``order_static_buffer_copies``: megatron < 0.17 raced).
     """
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        from nemo_ssa.megatron.cuda_graphs import arm_full_iteration, use_cudagraphable_rng_tracker
+        from nemo_ssa.megatron.cuda_graphs import (arm_full_iteration, order_static_buffer_copies,
+                                                   use_cudagraphable_rng_tracker)
 
         use_cudagraphable_rng_tracker()
         # model.cuda_graphs=full: the strategy has re-run the config's __post_init__ by now
@@ -373,7 +375,7 @@ class CudaGraphRNGCallback(Callback):
         config = getattr(pl_module, "config", None)
         if config is not None and arm_full_iteration(config) and getattr(trainer, "global_rank", 0) == 0:
             print("[nemo_ssa] CUDA graphs: megatron's whole-iteration graph (FullCudaGraphWrapper), captured "
-                  "at the second training step", flush=True)
+                  f"at the second training step; {order_static_buffer_copies()}", flush=True)
 
 
 class SyncFreeLossReductionCallback(Callback):

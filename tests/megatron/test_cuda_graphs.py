@@ -540,3 +540,90 @@ def test_launcher_callbacks_print_the_progress_themselves(tmp_path):
     assert len(metrics) == 1 and metrics[0].progress is True and metrics[0].flush_every == 10
     assert names == ["SyncFreeLossReductionCallback", "LightningLogCallback", "MetricsCallback",
                      "ResumeCadenceCallback", "AttentionWarmupCallback"]  # the first two are the recipe's
+
+
+@pytest.fixture
+def restore_loader():
+    from megatron.core import full_cuda_graph
+
+    import nemo_ssa.megatron.cuda_graphs as cg
+
+    # megatron's own call (an earlier test's arm_full_iteration may have patched it: the patch is
+    # process-wide by design)
+    before = cg._ORIGINAL_LOADER_CALL.get("call", full_cuda_graph.StaticBufferLoader.__dict__["__call__"])
+    full_cuda_graph.StaticBufferLoader.__call__ = before
+    cg._ORIGINAL_LOADER_CALL.clear()
+    yield full_cuda_graph.StaticBufferLoader
+    full_cuda_graph.StaticBufferLoader.__call__ = before
+    cg._ORIGINAL_LOADER_CALL.clear()
+
+
+def test_the_static_buffer_copy_waits_for_the_queued_work_first(restore_loader, monkeypatch):
+    """megatron < 0.17 copies each batch into the whole-iteration graph's input buffers on a side
+    stream that waits for nothing; the patched call makes that stream wait for the current one,
+    then runs megatron's own call."""
+    import nemo_ssa.megatron.cuda_graphs as cg
+
+    loader = restore_loader
+    import inspect
+
+    own = cg._WAIT in inspect.getsource(loader.__call__)
+    msg = cg.order_static_buffer_copies()
+    if own:  # a megatron that has the line: left alone
+        assert "(its own)" in msg and loader.__call__ is not cg._ordered_loader_call
+        return
+    assert "patched" in msg and loader.__call__ is cg._ordered_loader_call
+    assert "(patched)" in cg.order_static_buffer_copies()  # once
+    order = []
+    current = object()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: current)
+    monkeypatch.setitem(cg._ORIGINAL_LOADER_CALL, "call",
+                        lambda self, inputs, stage, mb: order.append(("copy", inputs, stage, mb)) or "buffers")
+    fake = types.SimpleNamespace(stream=types.SimpleNamespace(wait_stream=lambda s: order.append(("wait", s))))
+    assert cg._ordered_loader_call(fake, {"tokens": 1}, "training", 0) == "buffers"
+    assert order == [("wait", current), ("copy", {"tokens": 1}, "training", 0)]
+
+
+def test_a_loader_with_megatrons_own_wait_is_left_alone(restore_loader, monkeypatch):
+    import nemo_ssa.megatron.cuda_graphs as cg
+
+    class Fixed:  # megatron 0.17+'s shape
+        def __call__(self, inputs, stage, microbatch):
+            self.stream.wait_stream(torch.cuda.current_stream())
+            return inputs
+
+    from megatron.core import full_cuda_graph
+
+    monkeypatch.setattr(full_cuda_graph, "StaticBufferLoader", Fixed)
+    assert "(its own)" in cg.order_static_buffer_copies() and Fixed.__call__ is not cg._ordered_loader_call
+    monkeypatch.setattr(full_cuda_graph, "StaticBufferLoader", lambda: None)
+    assert "left as it is" in cg.order_static_buffer_copies()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_next_batch_does_not_overwrite_the_buffers_a_running_step_reads(restore_loader):
+    """On the GPU: a step still reading the static tokens (a long kernel queued first) must see
+    its own batch. megatron 0.15's loader overwrites them under it (so the test can fail); the
+    ordered one copies after."""
+    import nemo_ssa.megatron.cuda_graphs as cg
+
+    loader_cls = restore_loader
+
+    def run(loader):
+        loader_cls.static_buffers = {"training": [], "validation": []}
+        first = {"tokens": torch.zeros(1 << 20, device="cuda")}
+        static = loader(first, "training", 0)["tokens"]
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # the step still running (~0.1 s on the current stream)
+        seen = static.clone()  # what the step reads, after it
+        loader({"tokens": torch.ones(1 << 20, device="cuda")}, "training", 0)  # the next batch
+        torch.cuda.synchronize()
+        return float(seen.sum())
+
+    import inspect
+
+    if cg._WAIT not in inspect.getsource(loader_cls.__call__):
+        assert run(loader_cls()) > 0  # megatron's own: the next batch was read by the running step
+    cg.order_static_buffer_copies()
+    assert run(loader_cls()) == 0.0
