@@ -61,10 +61,13 @@ Frame = Tuple[str, str, int]  # (function, file, line)
 
 
 def _short(path: str) -> str:
-    """A file as a reader finds it: relative to site-packages or the Python library, else as given."""
-    for marker in ("site-packages/", "dist-packages/"):
+    """A file as a reader finds it: relative to site-packages (or the folder gpu_session installs
+    the offline bundle into), this package's checkout or the Python library, else as given."""
+    for marker in ("site-packages/", "dist-packages/", "nemo-ssa-site/"):
         if marker in path:
             return path.rsplit(marker, 1)[1]
+    if "/nemo_ssa/" in path:
+        return "nemo_ssa/" + path.rsplit("/nemo_ssa/", 1)[1]
     parts = path.split("/lib/python3")
     if len(parts) > 1 and "/" in parts[-1]:
         return parts[-1].split("/", 1)[1]
