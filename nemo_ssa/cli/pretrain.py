@@ -251,6 +251,11 @@ def launcher_callbacks(cfg, train, recipe, resolved, run_dir) -> None:
     recipe.trainer.enable_progress_bar = False
     callbacks = [c for c in (recipe.trainer.callbacks or [])
                  if getattr(getattr(c, "__fn_or_cls__", None), "__name__", "") != "TimingCallback"]
+    # with the progress bar off, train.progress_bar_values=drop stops Lightning's per-batch read of
+    # the values a bar would show (LightningLogCallback, docs/training-step.md)
+    for c in callbacks:
+        if getattr(getattr(c, "__fn_or_cls__", None), "__name__", "") == "LightningLogCallback":
+            c.progress_bar_values = str(train.get("progress_bar_values") or "keep")
     mc = recipe.model.config
     vocab = mc.vocab_size or -(-int(cfg.data.get("vocab_size") or 50257) // 128) * 128  # padded as megatron pads
     fpt = flops_per_token(int(mc.hidden_size), int(mc.num_layers), int(mc.ffn_hidden_size),

@@ -339,6 +339,9 @@ def check_run_config(cfg: Mapping[str, Any], *, cuda: bool, world: Optional[int]
         _int("train.val_check_interval", train["val_check_interval"])
     if train.get("ckpt_every_n_steps") is not None:
         _int("train.ckpt_every_n_steps", train["ckpt_every_n_steps"])
+    pbv = train.get("progress_bar_values")
+    if pbv is not None and str(pbv).lower() not in ("keep", "drop"):
+        raise ValueError(f"train.progress_bar_values={pbv!r} is not supported (supported: keep, drop)")
     precision = train.get("precision")
     if precision is not None and str(precision) not in PRECISIONS:
         raise ValueError(f"train.precision={precision!r} is not supported (supported: {', '.join(PRECISIONS)})")

@@ -390,22 +390,40 @@ class SyncFreeLossReductionCallback(Callback):
 
 class LightningLogCallback(Callback):
     """Lightning's ``self.log`` without its per-call walk over a metric already on the value's
-    device, and -- when the trainer has no progress bar -- without the progress-bar values,
-    which Lightning reads from the device at the end of every batch for a bar that is not there
-    (``nemo_ssa.nemo.lightning_log``): installed in ``setup``, taken out in ``teardown``;
-    global rank 0 prints what it decided."""
+    device, and with ``progress_bar_values="drop"`` -- when the trainer has no progress bar --
+    without the progress-bar values, which Lightning reads from the device at the end of every
+    batch for a bar that is not there (``nemo_ssa.nemo.lightning_log``): installed in ``setup``,
+    taken out in ``teardown``; global rank 0 prints what it decided.
+
+    ``progress_bar_values``: ``keep`` (the default: Lightning's per-batch read, one device sync
+    a step) or ``drop``. ``drop`` lets the host run ahead of the GPU, which uncovered a race in
+    megatron < 0.17's whole-iteration graph (fixed: ``order_static_buffer_copies``); it stays
+    opt-in until its loss parity has run on a GPU (``gpu_session --preset pbar-ab``;
+    docs/results/2026-12-03-pbar-sync)."""
+
+    VALUES = ("keep", "drop")
+
+    def __init__(self, progress_bar_values: str = "keep"):
+        value = str(progress_bar_values).lower()
+        if value not in self.VALUES:
+            raise ValueError(f"train.progress_bar_values={progress_bar_values!r} is not supported "
+                             f"(supported: {', '.join(self.VALUES)})")
+        self.progress_bar_values = value
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         from nemo_ssa.nemo import lightning_log
 
         why = lightning_log.install()
-        if getattr(trainer, "progress_bar_callback", None) is None:
-            why_bar = lightning_log.install_progress_bar_off()
-            bar = ("logged without prog_bar (no progress bar reads them; Lightning would read each from the "
-                   "device at every batch's end)" if why_bar is None else f"as Lightning logs them ({why_bar})")
+        if self.progress_bar_values == "keep":
+            bar = ("as Lightning logs them: read from the device at every batch's end, one sync a step "
+                   "(train.progress_bar_values=drop removes it where no progress bar is shown)")
+        elif getattr(trainer, "progress_bar_callback", None) is not None:
+            bar = "as Lightning logs them: the progress bar reads them (one device read a step)"
         else:
-            bar = ("as Lightning logs them: the progress bar reads them, one device read a step "
-                   "(enable_progress_bar=False removes it)")
+            why_bar = lightning_log.install_progress_bar_off()
+            bar = ("logged without prog_bar (train.progress_bar_values=drop: no progress bar reads them; Lightning "
+                   "would read each from the device at every batch's end)" if why_bar is None
+                   else f"as Lightning logs them ({why_bar})")
         if getattr(trainer, "global_rank", 0) == 0:
             print("[nemo_ssa] Lightning's self.log: " + ("a metric already on the value's device is not walked"
                                                           if why is None else f"as Lightning does it ({why})")

@@ -321,24 +321,40 @@ PRESETS = {
                 f"{{py}} -m nemo_ssa.tools.host_samples {{out}}/host-mb{mb}.json --top 40 > {{out}}/host-mb{mb}.md")
                for mb, n, lim in ((8, 400, 270), (32, 200, 240))]),
     "pbar-ab": dict(
-        about="issue 43: NeMo's values logged without prog_bar when no progress bar reads them (Lightning's "
-              "on_batch_end read each from the device every batch: a sync per step, half the mb-8 step's "
-              "host time waiting there by host-samples) against its parent at micro batch 8 with "
-              "model.cuda_graphs=full, 3 rounds alternated; the parent tree carried: git archive d0112c0 "
-              "nemo_ssa recipes scripts | tar -x -C dev/d0112c0, carry [\".bundle\", \"dev/d0112c0\"]",
+        about="issue 43: train.progress_bar_values=drop (NeMo's values logged without prog_bar when no "
+              "progress bar reads them: Lightning's on_batch_end read each from the device every batch, half "
+              "the mb-8 step's host time waiting there by host-samples) against keep at micro batch 8 with "
+              "model.cuda_graphs=full, one tree, 3 rounds alternated after a 10-step warm-up, first/last loss "
+              "per run; first the GPU tests of the two things it rests on (no device read at a batch's end, "
+              "the whole-iteration graph's static-buffer copy ordered after the running step)",
         expect=470, budget=540,
-        steps=[("cmd", "pbar-ab", 535,
-                "{py} scripts/device/step_ab.py --tree before=dev/d0112c0 --tree after=. --rounds 3 "
-                "--out {out}/pbar-mb8 --timeout 130 -- attention=ssa train=gpu_9min train.micro_batch_size=8 "
-                "train.global_batch_size=8 train.max_steps=60 train.val_check_interval=60 model.cuda_graphs=full")]),
-    "pbar-ab-mb32": dict(
-        about="issue 43: pbar-ab on the README's main job as printed (micro batch 32, model.cuda_graphs=auto), "
-              "2 rounds alternated; same carry as pbar-ab",
+        steps=[("pytest", "pbar-gpu-tests", 80, ["tests/nemo/test_lightning_log.py", "tests/megatron/test_cuda_graphs.py"],
+                "gpu", 60, 1),
+               ("cmd", "pbar-ab", 455,
+                "{py} scripts/device/step_ab.py --tree keep=. --tree drop=. --arm drop=train.progress_bar_values=drop "
+                "--rounds 3 --warmup-steps 10 --out {out}/pbar-mb8 --timeout 110 -- attention=ssa train=gpu_9min "
+                "train.micro_batch_size=8 train.global_batch_size=8 train.max_steps=60 train.val_check_interval=60 "
+                "model.cuda_graphs=full")]),
+    "pbar-parity": dict(
+        about="issue 43: train.progress_bar_values=drop's 1,000-step loss parity at micro batch 8 under "
+              "model.cuda_graphs=full (where the host running ahead had raced): keep, keep again (the spread "
+              "the gate is judged against) and drop, one tree, then the compare tool on the three curves",
         expect=480, budget=540,
+        steps=[("cmd", "pbar-parity", 535,
+                "{py} scripts/device/step_ab.py --tree keep=. --tree keep_again=. --tree drop=. "
+                "--arm drop=train.progress_bar_values=drop --rounds 1 --warmup-steps 20 --out {out}/pbar-parity "
+                "--timeout 140 -- attention=ssa train=gpu_9min train.micro_batch_size=8 train.global_batch_size=8 "
+                "train.max_steps=1000 train.val_check_interval=500 model.cuda_graphs=full && {py} -m "
+                "nemo_ssa.tools.compare keep={out}/pbar-parity/keep-r0 keep_again={out}/pbar-parity/keep_again-r0 "
+                "drop={out}/pbar-parity/drop-r0")]),
+    "pbar-ab-mb32": dict(
+        about="issue 43: pbar-ab on the README's main job as printed (micro batch 32, model.cuda_graphs=auto: "
+              "the layer graphs), 2 rounds alternated, first/last loss per run",
+        expect=420, budget=540,
         steps=[("cmd", "pbar-ab-mb32", 535,
-                "{py} scripts/device/step_ab.py --tree before=dev/d0112c0 --tree after=. --rounds 2 "
-                "--out {out}/pbar-mb32 --timeout 120 -- attention=ssa train=gpu_9min train.max_steps=80 "
-                "train.val_check_interval=80")]),
+                "{py} scripts/device/step_ab.py --tree keep=. --tree drop=. --arm drop=train.progress_bar_values=drop "
+                "--rounds 2 --warmup-steps 10 --out {out}/pbar-mb32 --timeout 110 -- attention=ssa train=gpu_9min "
+                "train.max_steps=80 train.val_check_interval=80")]),
     "icl-outlier-a": dict(
         about="issue 44: the paper's linear in-context task retrained for its outlier_after grid, first half: "
               "softmax and ssa seed 1 (one process, 2 at once) beside softmax seed 2, 50,000 steps each, TF32, "

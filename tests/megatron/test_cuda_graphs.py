@@ -540,6 +540,23 @@ def test_launcher_callbacks_print_the_progress_themselves(tmp_path):
     assert len(metrics) == 1 and metrics[0].progress is True and metrics[0].flush_every == 10
     assert names == ["SyncFreeLossReductionCallback", "LightningLogCallback", "MetricsCallback",
                      "ResumeCadenceCallback", "AttentionWarmupCallback"]  # the first two are the recipe's
+    log = [c for c in recipe.trainer.callbacks if c.__fn_or_cls__.__name__ == "LightningLogCallback"]
+    assert log[0].progress_bar_values == "keep"  # train.progress_bar_values, Lightning's by default
+
+
+def test_train_progress_bar_values_reaches_the_callback_and_is_checked(tmp_path):
+    from nemo_ssa.cli import pretrain
+    from nemo_ssa.config.check import check_run_config
+
+    cfg = _compose("train=gpu_9min", "train.global_batch_size=32", "attention=ssa_triton", f"run_dir={tmp_path}",
+                   "model.cuda_graphs=none", "train.progress_bar_values=drop")
+    recipe, resolved = pretrain.build_recipe(cfg, cfg.train, "/data/none", "/tok/none", str(tmp_path))
+    pretrain.launcher_callbacks(cfg, cfg.train, recipe, resolved, str(tmp_path))
+    log = [c for c in recipe.trainer.callbacks if c.__fn_or_cls__.__name__ == "LightningLogCallback"]
+    assert log[0].progress_bar_values == "drop"
+    bad = _compose("train=gpu_9min", "attention=ssa_triton", "train.progress_bar_values=off")
+    with pytest.raises(ValueError, match=r"train.progress_bar_values='off' is not supported \(supported: keep, drop\)"):
+        check_run_config(bad, cuda=True)
 
 
 @pytest.fixture
@@ -613,11 +630,12 @@ def test_the_next_batch_does_not_overwrite_the_buffers_a_running_step_reads(rest
     def run(loader):
         loader_cls.static_buffers = {"training": [], "validation": []}
         first = {"tokens": torch.zeros(1 << 20, device="cuda")}
+        nxt = {"tokens": torch.ones(1 << 20, device="cuda")}  # the next batch, on the device before the step
         static = loader(first, "training", 0)["tokens"]
         torch.cuda.synchronize()
         torch.cuda._sleep(200_000_000)  # the step still running (~0.1 s on the current stream)
         seen = static.clone()  # what the step reads, after it
-        loader({"tokens": torch.ones(1 << 20, device="cuda")}, "training", 0)  # the next batch
+        loader(nxt, "training", 0)
         torch.cuda.synchronize()
         return float(seen.sum())
 

@@ -188,20 +188,29 @@ class _Trainer:
         self.progress_bar_callback = bar
 
 
-@pytest.mark.parametrize("bar", [None, object()])
-def test_the_callback_turns_the_bar_values_off_only_without_a_bar(bar, capsys):
+@pytest.mark.parametrize("value,bar,dropped", [("drop", None, True), ("drop", object(), False),
+                                               ("keep", None, False), ("KEEP", object(), False)])
+def test_the_callback_drops_the_bar_values_only_when_asked_and_without_a_bar(value, bar, dropped, capsys):
     from nemo_ssa.nemo.callbacks import LightningLogCallback
 
-    cb, before = LightningLogCallback(), result._ResultCollection.__dict__["log"]
+    cb, before = LightningLogCallback(progress_bar_values=value), result._ResultCollection.__dict__["log"]
     cb.setup(_Trainer(bar), None, "fit")
     try:
         installed = result._ResultCollection.__dict__["log"] is lightning_log.log_progress_bar_off
-        assert installed == (bar is None)
+        assert installed == dropped
         out = capsys.readouterr().out
-        assert ("logged without prog_bar" in out) == (bar is None) and "progress-bar values" in out
+        assert ("logged without prog_bar" in out) == dropped and "progress-bar values" in out
     finally:
         cb.teardown(_Trainer(bar), None, "fit")
     assert result._ResultCollection.__dict__["log"] is before
+
+
+def test_the_callback_names_what_it_supports():
+    from nemo_ssa.nemo.callbacks import LightningLogCallback
+
+    assert LightningLogCallback().progress_bar_values == "keep"  # Lightning's behaviour by default
+    with pytest.raises(ValueError, match="supported: keep, drop"):
+        LightningLogCallback(progress_bar_values="off")
 
 
 @pytest.mark.gpu
