@@ -73,20 +73,31 @@ def to(self, *args: Any, **kwargs: Any):
     return _ORIGINAL["to"](self, *args, **kwargs)
 
 
-def install() -> Optional[str]:
-    """Put :func:`to` in place of ``_ResultMetric.to``. Returns why not, or None when installed."""
+def _replace(cls_name: str, attr: str, new, check=None) -> Optional[str]:
+    """Put ``new`` in place of Lightning's ``result.<cls_name>.<attr>`` (its original kept in
+    ``_ORIGINAL[attr]``) when that is the function this module was written against and
+    ``check(original)`` finds nothing amiss. Returns why not, or None when in place."""
     try:
         from lightning.pytorch.trainer.connectors.logger_connector import result
     except ImportError as e:  # pragma: no cover - NeMo needs Lightning
         return f"lightning.pytorch is not importable ({e})"
-    current = result._ResultMetric.__dict__.get("to")
-    if current is to:
+    cls = getattr(result, cls_name)
+    current = cls.__dict__.get(attr)
+    if current is new:
         return None
     if current is None or getattr(current, "__module__", None) != result.__name__:
-        return "lightning's _ResultMetric.to is not the one this was written against"
-    _ORIGINAL["to"] = current
-    result._ResultMetric.to = to
+        return f"lightning's {cls_name}.{attr} is not the one this was written against"
+    why = check(current) if check is not None else None
+    if why:
+        return why
+    _ORIGINAL[attr] = current
+    setattr(cls, attr, new)
     return None
+
+
+def install() -> Optional[str]:
+    """Put :func:`to` in place of ``_ResultMetric.to``. Returns why not, or None when installed."""
+    return _replace("_ResultMetric", "to", to)
 
 
 def uninstall() -> None:
@@ -107,23 +118,16 @@ def log_progress_bar_off(self, fx: str, name: str, value: Any, *args: Any, **kwa
     return _ORIGINAL["log"](self, fx, name, value, *args, **kwargs)
 
 
+def _takes_prog_bar_fourth(log) -> Optional[str]:
+    import inspect
+
+    params = list(inspect.signature(log).parameters)
+    if params[1:5] != ["fx", "name", "value", "prog_bar"]:
+        return f"lightning's _ResultCollection.log takes {params[1:5]}, not (fx, name, value, prog_bar)"
+    return None
+
+
 def install_progress_bar_off() -> Optional[str]:
     """Log every value without ``prog_bar`` (for a trainer with no progress bar). Returns why
     not, or None when installed; :func:`uninstall` takes it out with :func:`to`."""
-    try:
-        from lightning.pytorch.trainer.connectors.logger_connector import result
-    except ImportError as e:  # pragma: no cover - NeMo needs Lightning
-        return f"lightning.pytorch is not importable ({e})"
-    current = result._ResultCollection.__dict__.get("log")
-    if current is log_progress_bar_off:
-        return None
-    if current is None or getattr(current, "__module__", None) != result.__name__:
-        return "lightning's _ResultCollection.log is not the one this was written against"
-    import inspect
-
-    params = list(inspect.signature(current).parameters)
-    if params[1:5] != ["fx", "name", "value", "prog_bar"]:
-        return f"lightning's _ResultCollection.log takes {params[1:5]}, not (fx, name, value, prog_bar)"
-    _ORIGINAL["log"] = current
-    result._ResultCollection.log = log_progress_bar_off
-    return None
+    return _replace("_ResultCollection", "log", log_progress_bar_off, check=_takes_prog_bar_fourth)

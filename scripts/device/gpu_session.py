@@ -67,6 +67,13 @@ GPU_FILES = ["tests/ops/attention/test_flash_gpu.py", "tests/ops/attention/test_
              "tests/ops/nsa/test_nsa_gpu.py", "tests/ops/test_fused_attention_range.py", "tests/ops/mlp/test_mlp_gpu.py",
              "tests/ops/test_tiny_shapes.py"]
 
+def _keep_drop(out: str, rounds: int, job: str) -> str:
+    """A step_ab command: the NeMo main job (ssa) with train.progress_bar_values keep against drop,
+    one tree, after a 10-step warm-up run."""
+    return ("{py} scripts/device/step_ab.py --tree keep=. --tree drop=. --arm drop=train.progress_bar_values=drop "
+            f"--rounds {rounds} --warmup-steps 10 --out {{out}}/{out} --timeout 110 -- attention=ssa train=gpu_9min {job}")
+
+
 def _option_ab(out: str, trees, option: str, rounds: int, timeout: int, job: str, compare: bool = False,
                warmup: int = 0) -> str:
     """A step_ab command: the NeMo main job (ssa, graphs) from this checkout under each label in
@@ -330,11 +337,8 @@ PRESETS = {
         expect=470, budget=540,
         steps=[("pytest", "pbar-gpu-tests", 80, ["tests/nemo/test_lightning_log.py", "tests/megatron/test_cuda_graphs.py"],
                 "gpu", 60, 1),
-               ("cmd", "pbar-ab", 455,
-                "{py} scripts/device/step_ab.py --tree keep=. --tree drop=. --arm drop=train.progress_bar_values=drop "
-                "--rounds 3 --warmup-steps 10 --out {out}/pbar-mb8 --timeout 110 -- attention=ssa train=gpu_9min "
-                "train.micro_batch_size=8 train.global_batch_size=8 train.max_steps=60 train.val_check_interval=60 "
-                "model.cuda_graphs=full")]),
+               ("cmd", "pbar-ab", 455, _keep_drop("pbar-mb8", 3, "train.micro_batch_size=8 train.global_batch_size=8 "
+                                                  "train.max_steps=60 train.val_check_interval=60 model.cuda_graphs=full"))]),
     "pbar-parity": dict(
         about="issue 43: train.progress_bar_values=drop's 1,000-step loss parity at micro batch 8 under "
               "model.cuda_graphs=full (where the host running ahead had raced): keep, keep again (the spread "
@@ -351,10 +355,7 @@ PRESETS = {
         about="issue 43: pbar-ab on the README's main job as printed (micro batch 32, model.cuda_graphs=auto: "
               "the layer graphs), 2 rounds alternated, first/last loss per run",
         expect=420, budget=540,
-        steps=[("cmd", "pbar-ab-mb32", 535,
-                "{py} scripts/device/step_ab.py --tree keep=. --tree drop=. --arm drop=train.progress_bar_values=drop "
-                "--rounds 2 --warmup-steps 10 --out {out}/pbar-mb32 --timeout 110 -- attention=ssa train=gpu_9min "
-                "train.max_steps=80 train.val_check_interval=80")]),
+        steps=[("cmd", "pbar-ab-mb32", 535, _keep_drop("pbar-mb32", 2, "train.max_steps=80 train.val_check_interval=80"))]),
     "icl-outlier-a": dict(
         about="issue 44: the paper's linear in-context task retrained for its outlier_after grid, first half: "
               "softmax and ssa seed 1 (one process, 2 at once) beside softmax seed 2, 50,000 steps each, TF32, "
