@@ -24,6 +24,9 @@ CP_ATTENTIONS = tuple(n for n in ATTENTIONS if n not in _NSA_FAMILY)
 #: attentions with tensor parallel (SSA's n/b gradients all-reduced over the TP group)
 TP_ATTENTIONS = CP_ATTENTIONS
 PRECISIONS = ("bf16-mixed", "16-mixed", "32")
+#: train.progress_bar_values (nemo_ssa.nemo.callbacks.LightningLogCallback): keep = Lightning's per-batch
+#: read of the progress-bar values, drop = logged without prog_bar where no progress bar is shown
+PROGRESS_BAR_VALUES = ("keep", "drop")
 POLICIES = ("pinned", "free")
 
 
@@ -340,8 +343,9 @@ def check_run_config(cfg: Mapping[str, Any], *, cuda: bool, world: Optional[int]
     if train.get("ckpt_every_n_steps") is not None:
         _int("train.ckpt_every_n_steps", train["ckpt_every_n_steps"])
     pbv = train.get("progress_bar_values")
-    if pbv is not None and str(pbv).lower() not in ("keep", "drop"):
-        raise ValueError(f"train.progress_bar_values={pbv!r} is not supported (supported: keep, drop)")
+    if pbv is not None and str(pbv).lower() not in PROGRESS_BAR_VALUES:
+        raise ValueError(f"train.progress_bar_values={pbv!r} is not supported "
+                         f"(supported: {', '.join(PROGRESS_BAR_VALUES)})")
     precision = train.get("precision")
     if precision is not None and str(precision) not in PRECISIONS:
         raise ValueError(f"train.precision={precision!r} is not supported (supported: {', '.join(PRECISIONS)})")

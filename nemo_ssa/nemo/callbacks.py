@@ -401,13 +401,13 @@ class LightningLogCallback(Callback):
     opt-in until its loss parity has run on a GPU (``gpu_session --preset pbar-ab``;
     docs/results/2026-12-03-pbar-sync)."""
 
-    VALUES = ("keep", "drop")
-
     def __init__(self, progress_bar_values: str = "keep"):
+        from nemo_ssa.config.check import PROGRESS_BAR_VALUES
+
         value = str(progress_bar_values).lower()
-        if value not in self.VALUES:
+        if value not in PROGRESS_BAR_VALUES:
             raise ValueError(f"train.progress_bar_values={progress_bar_values!r} is not supported "
-                             f"(supported: {', '.join(self.VALUES)})")
+                             f"(supported: {', '.join(PROGRESS_BAR_VALUES)})")
         self.progress_bar_values = value
 
     def setup(self, trainer, pl_module, stage: str) -> None:
