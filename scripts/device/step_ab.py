@@ -177,6 +177,14 @@ def main(argv: Optional[Sequence[str]] = None, run: Callable = launch) -> int:
         return _alternate(trees, overrides, args, run)
 
 
+def _tail(path: str, lines: int = 12) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
 def _alternate(trees: Dict[str, str], overrides: List[str], args, run: Callable) -> int:
     labels = list(trees)
     os.makedirs(args.out, exist_ok=True)
@@ -192,10 +200,17 @@ def _alternate(trees: Dict[str, str], overrides: List[str], args, run: Callable)
         # cached, the machine past its first run; later duplicates of the override win in Hydra
         run_dir = os.path.join(os.path.abspath(args.out), f"{label}-warmup")
         load, t_run = _load_average(), time.time()
-        rc = run(trees[label], overrides + [f"train.max_steps={warm}", f"train.val_check_interval={warm}"], run_dir,
-                 run_dir + ".log", args.timeout)
+        # the LR warm-up shortened with the run: the recipes' 20 warm-up steps would exceed a
+        # 10-step run, the launcher refuses that, and a refused warm-up compiled nothing
+        short = [f"train.max_steps={warm}", f"train.val_check_interval={warm}", f"train.warmup_steps={warm // 2}"]
+        rc = run(trees[label], overrides + short, run_dir, run_dir + ".log", args.timeout)
         ran.append((-1, label, load, None, time.time() - t_run))
         print(f"[step_ab] warm-up {label} ({warm} steps, not counted): exit {rc} ({time.time() - t0:.0f} s)", flush=True)
+        if rc != 0:
+            # the rounds run the same job: stop before they spend the device's time
+            print(f"[step_ab] warm-up {label} failed; its log's last lines ({run_dir}.log):\n{_tail(run_dir + '.log')}",
+                  flush=True)
+            return 1
     for rnd in range(args.rounds):
         for label in order(labels, rnd):
             run_dir = os.path.join(os.path.abspath(args.out), f"{label}-r{rnd}")

@@ -149,7 +149,44 @@ def test_warmup_runs_each_distinct_tree_once_short_and_uncounted(tmp_path):
                   "--warmup-steps", "20", "--out", str(out), "--", "train.max_steps=60"], run=run)
     assert rc == 0
     assert [c[0] for c in calls] == ["off-warmup", "off-r0", "on-r0"]
-    assert calls[0][1] == ["train.max_steps=60", "train.max_steps=20", "train.val_check_interval=20"]
+    assert calls[0][1] == ["train.max_steps=60", "train.max_steps=20", "train.val_check_interval=20",
+                           "train.warmup_steps=10"]
     md = (out / "ab.md").read_text()
     assert "| 1 | warm-up | off |" in md and "not counted" in md
     assert "| off | 200,000 | 200,000 | 1.000x |" in md  # the warm-up's rate is in no median
+
+
+def test_a_failed_warmup_stops_before_the_rounds_and_shows_its_log(tmp_path, capsys):
+    """A refused warm-up (it had passed 20 LR warm-up steps to a 10-step run) let every round run
+    on and pay the compile; now the A/B stops there and prints why."""
+    ab = _load()
+    a = _tree(tmp_path, "a")
+    calls = []
+
+    def run(tree, overrides, run_dir, log, timeout):
+        calls.append(os.path.basename(run_dir))
+        with open(log, "w") as f:
+            f.write("[pretrain] invalid configuration: something the warm-up set\n")
+        return 1
+
+    rc = ab.main(["--tree", f"off={a}", "--tree", f"on={a}", "--warmup-steps", "10", "--out", str(tmp_path / "o"),
+                  "--", "train.max_steps=60"], run=run)
+    assert rc == 1 and calls == ["off-warmup"]
+    assert "invalid configuration: something the warm-up set" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("train", ["gpu_9min", "ssa_authors_full", "cpu_smoke"])
+@pytest.mark.parametrize("warm", [1, 10, 20])
+def test_the_warmup_overrides_pass_the_launchers_check(train, warm, tmp_path):
+    """The warm-up's short run is one the launcher accepts on every train config the presets use."""
+    from hydra import compose, initialize_config_dir
+
+    from nemo_ssa.cli import pretrain
+
+    calls = []
+    a = _tree(tmp_path, "a")
+    _load().main(["--tree", f"off={a}", "--tree", f"on={a}", "--rounds", "0", "--warmup-steps", str(warm),
+                  "--out", str(tmp_path / "o"), "--", "train.max_steps=60"], run=_recording_launcher(calls, lambda d: 1.0))
+    with initialize_config_dir(config_dir=os.path.join(REPO, "nemo_ssa", "configs"), version_base=None):
+        cfg = compose("config", overrides=[f"train={train}", "compare_to=[]"] + calls[0][1])
+    pretrain._check_config(cfg, cuda=train != "cpu_smoke")  # SystemExit names what it refused
