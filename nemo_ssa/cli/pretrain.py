@@ -251,11 +251,11 @@ def launcher_callbacks(cfg, train, recipe, resolved, run_dir) -> None:
     recipe.trainer.enable_progress_bar = False
     callbacks = [c for c in (recipe.trainer.callbacks or [])
                  if getattr(getattr(c, "__fn_or_cls__", None), "__name__", "") != "TimingCallback"]
-    # with the progress bar off, train.progress_bar_values=drop stops Lightning's per-batch read of
-    # the values a bar would show (LightningLogCallback, docs/training-step.md)
+    # with the progress bar off, train.progress_bar_values=drop (the default) stops Lightning's
+    # per-batch read of the values a bar would show (LightningLogCallback, docs/training-step.md)
     for c in callbacks:
         if getattr(getattr(c, "__fn_or_cls__", None), "__name__", "") == "LightningLogCallback":
-            c.progress_bar_values = str(train.get("progress_bar_values") or "keep")
+            c.progress_bar_values = str(train.get("progress_bar_values") or "drop")
     mc = recipe.model.config
     vocab = mc.vocab_size or -(-int(cfg.data.get("vocab_size") or 50257) // 128) * 128  # padded as megatron pads
     fpt = flops_per_token(int(mc.hidden_size), int(mc.num_layers), int(mc.ffn_hidden_size),
@@ -368,6 +368,9 @@ def _nemo_log_dirs(run_dir: str) -> tuple:
 #: identity there, so a run finished before the option existed is still reused (a sweep resumed
 #: across sessions from its returned run directories)
 _NEUTRAL_DEFAULTS = {("data", "tokenizer_from"): None, ("model", "cuda_graphs"): "none"}
+#: options that change how a step is logged, not what it computes: never in the identity, so a run
+#: finished under either value is reused under the other
+_LOGGING_ONLY = (("train", "progress_bar_values"),)
 
 
 def _identity(resolved_cfg: dict) -> str:
@@ -377,6 +380,9 @@ def _identity(resolved_cfg: dict) -> str:
         sub = ident.get(group)
         if isinstance(sub, dict) and key in sub and sub[key] == neutral:
             ident[group] = {k: v for k, v in sub.items() if k != key}
+    for group, key in _LOGGING_ONLY:
+        if isinstance(ident.get(group), dict):
+            ident[group] = {k: v for k, v in ident[group].items() if k != key}
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -395,13 +395,13 @@ class LightningLogCallback(Callback):
     batch for a bar that is not there (``nemo_ssa.nemo.lightning_log``): installed in ``setup``,
     taken out in ``teardown``; global rank 0 prints what it decided.
 
-    ``progress_bar_values``: ``keep`` (the default: Lightning's per-batch read, one device sync
-    a step) or ``drop``. ``drop`` lets the host run ahead of the GPU, which uncovered a race in
-    megatron < 0.17's whole-iteration graph (fixed: ``order_static_buffer_copies``); it stays
-    opt-in until its loss parity has run on a GPU (``gpu_session --preset pbar-ab``;
-    docs/results/2026-12-03-pbar-sync)."""
+    ``progress_bar_values``: ``drop`` (the default; with a progress bar the values stay as
+    Lightning logs them, the bar reads them) or ``keep`` (Lightning's per-batch read, one device
+    sync a step). ``drop`` lets the host run ahead of the GPU, which uncovered a race in
+    megatron < 0.17's whole-iteration graph (fixed: ``order_static_buffer_copies``); its
+    1,000-step loss sits inside keep's rerun spread (docs/results/2026-12-03-pbar-sync)."""
 
-    def __init__(self, progress_bar_values: str = "keep"):
+    def __init__(self, progress_bar_values: str = "drop"):
         from nemo_ssa.config.check import PROGRESS_BAR_VALUES
 
         value = str(progress_bar_values).lower()

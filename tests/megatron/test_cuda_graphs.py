@@ -541,7 +541,7 @@ def test_launcher_callbacks_print_the_progress_themselves(tmp_path):
     assert names == ["SyncFreeLossReductionCallback", "LightningLogCallback", "MetricsCallback",
                      "ResumeCadenceCallback", "AttentionWarmupCallback"]  # the first two are the recipe's
     log = [c for c in recipe.trainer.callbacks if c.__fn_or_cls__.__name__ == "LightningLogCallback"]
-    assert log[0].progress_bar_values == "keep"  # train.progress_bar_values, Lightning's by default
+    assert log[0].progress_bar_values == "drop"  # train.progress_bar_values' default: no bar, no per-batch read
 
 
 def test_train_progress_bar_values_reaches_the_callback_and_is_checked(tmp_path):
@@ -549,11 +549,11 @@ def test_train_progress_bar_values_reaches_the_callback_and_is_checked(tmp_path)
     from nemo_ssa.config.check import check_run_config
 
     cfg = _compose("train=gpu_9min", "train.global_batch_size=32", "attention=ssa_triton", f"run_dir={tmp_path}",
-                   "model.cuda_graphs=none", "train.progress_bar_values=drop")
+                   "model.cuda_graphs=none", "train.progress_bar_values=keep")
     recipe, resolved = pretrain.build_recipe(cfg, cfg.train, "/data/none", "/tok/none", str(tmp_path))
     pretrain.launcher_callbacks(cfg, cfg.train, recipe, resolved, str(tmp_path))
     log = [c for c in recipe.trainer.callbacks if c.__fn_or_cls__.__name__ == "LightningLogCallback"]
-    assert log[0].progress_bar_values == "drop"
+    assert log[0].progress_bar_values == "keep"  # not the default: the override reached the callback
     bad = _compose("train=gpu_9min", "attention=ssa_triton", "train.progress_bar_values=off")
     with pytest.raises(ValueError, match=r"train.progress_bar_values='off' is not supported \(supported: keep, drop\)"):
         check_run_config(bad, cuda=True)

@@ -208,7 +208,7 @@ def test_the_callback_drops_the_bar_values_only_when_asked_and_without_a_bar(val
 def test_the_callback_names_what_it_supports():
     from nemo_ssa.nemo.callbacks import LightningLogCallback
 
-    assert LightningLogCallback().progress_bar_values == "keep"  # Lightning's behaviour by default
+    assert LightningLogCallback().progress_bar_values == "drop"  # kept anyway where a progress bar reads them
     with pytest.raises(ValueError, match="supported: keep, drop"):
         LightningLogCallback(progress_bar_values="off")
 

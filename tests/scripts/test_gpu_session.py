@@ -109,7 +109,7 @@ def test_graph_presets_name_flags_and_keys_that_exist(preset):
 def test_ab_presets_name_trees_flags_and_keys_that_exist(preset):
     """An A/B preset (scripts/device/step_ab.py): its flags exist, --arm and the compare tool
     name its trees, every launcher override after ``--`` is a config key, and the option under
-    test is set on one tree only."""
+    test differs between trees (set on one only, or set on each to its own value)."""
     gs = _load_session()
     conf = os.path.join(REPO, "nemo_ssa", "configs")
     cfg_text = "".join(open(os.path.join(root, f)).read() for root, _, files in os.walk(conf) for f in files
@@ -128,10 +128,11 @@ def _check_ab_command(cmd, src_groups, preset):
     for flag in re.findall(r" (--[a-z-]+)", ab):
         assert f'"{flag}"' in src, flag
     trees = re.findall(r"--tree ([a-z_]+)=\.", ab)
-    arms = re.findall(r"--arm ([a-z_]+)=(\S+)", ab)
-    assert len(trees) >= 2 and len(arms) == 1 and arms[0][0] in trees
+    arms = dict(re.findall(r"--arm ([a-z_]+)=(\S+)", ab))
+    assert len(trees) >= 2 and arms and set(arms) <= set(trees), (trees, arms)
+    assert len({arms.get(t, "") for t in trees}) >= 2, "every tree runs the same options"
     launcher, _, compare = rest.partition("&&")
-    for key in re.findall(r"(?:^| )(?:[a-z_]+\.)?([a-z_]+)=", launcher + " " + arms[0][1]):
+    for key in re.findall(r"(?:^| )(?:[a-z_]+\.)?([a-z_]+)=", launcher + " " + " ".join(arms.values())):
         assert key in groups or re.search(rf"^\s*{key}:", cfg_text, re.M), (preset, key)
     if compare:
         assert sorted(re.findall(r" ([a-z_]+)=\{out\}", compare)) == sorted(trees)

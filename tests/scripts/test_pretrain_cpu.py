@@ -207,6 +207,10 @@ def test_baseline_reuse_and_fresh_runs_set_the_old_one_aside(tmp_path):
     # how a run was launched does not change what it computes; what it trains does
     assert mod._identity(dict(cfg, resume=True, compare_to=["x"], reuse_if_complete=False)) == ident
     assert mod._identity(dict(cfg, seed=2)) != ident
+    # nor how its values reach the log (a run finished before the drop default is reused after)
+    for pbv in ("keep", "drop"):
+        assert mod._identity(dict(cfg, train={"max_steps": 5, "progress_bar_values": pbv})) == ident
+    assert mod._identity(dict(cfg, train={"max_steps": 6})) != ident
     run = tmp_path / "softmax-s1"
     run.mkdir()
     assert not mod._finished(str(run), ident)
