@@ -360,6 +360,24 @@ PRESETS = {
               "the layer graphs), 2 rounds alternated, first/last loss per run",
         expect=420, budget=540,
         steps=[("cmd", "pbar-ab-mb32", 535, _keep_drop("pbar-mb32", 2, "train.max_steps=80 train.val_check_interval=80"))]),
+    "attn-pair-mb32": dict(
+        about="issue 43: softmax_triton against ssa on the README's main job (micro batch 32, the layer graphs, "
+              "train.progress_bar_values=drop by default), one tree, 2 rounds alternated after a 10-step warm-up: "
+              "the ssa >= 0.98x softmax target, last measured (0.91-0.92x) with the per-step progress-bar sync",
+        expect=400, budget=540,
+        steps=[("cmd", "attn-pair-mb32", 535,
+                "{py} scripts/device/step_ab.py --tree softmax=. --tree ssa=. --arm softmax=attention=softmax_triton "
+                "--arm ssa=attention=ssa --rounds 2 --warmup-steps 10 --out {out}/attn-pair-mb32 --timeout 110 -- "
+                "train=gpu_9min train.max_steps=80 train.val_check_interval=80")]),
+    "attn-pair-mb8": dict(
+        about="issue 43: attn-pair-mb32 at micro batch 8 under model.cuda_graphs=full (60 steps): the two "
+              "attentions where the step is now GPU-bound to ~9 % (2026-12-03-pbar-sync)",
+        expect=400, budget=540,
+        steps=[("cmd", "attn-pair-mb8", 535,
+                "{py} scripts/device/step_ab.py --tree softmax=. --tree ssa=. --arm softmax=attention=softmax_triton "
+                "--arm ssa=attention=ssa --rounds 2 --warmup-steps 10 --out {out}/attn-pair-mb8 --timeout 110 -- "
+                "train=gpu_9min train.micro_batch_size=8 train.global_batch_size=8 train.max_steps=60 "
+                "train.val_check_interval=60 model.cuda_graphs=full")]),
     "icl-outlier-a": dict(
         about="issue 44: the paper's linear in-context task retrained for its outlier_after grid, first half: "
               "softmax and ssa seed 1 (one process, 2 at once) beside softmax seed 2, 50,000 steps each, TF32, "
