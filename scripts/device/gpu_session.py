@@ -75,6 +75,14 @@ def _keep_drop(out: str, rounds: int, job: str) -> str:
             f"--rounds {rounds} --warmup-steps 10 --out {{out}}/{out} --timeout 110 -- attention=ssa train=gpu_9min {job}")
 
 
+def _attn_pair(out: str, job: str) -> str:
+    """A step_ab command: the NeMo main job (gpu_9min) as softmax_triton against ssa, one tree,
+    2 rounds alternated after a 10-step warm-up."""
+    return ("{py} scripts/device/step_ab.py --tree softmax=. --tree ssa=. --arm softmax=attention=softmax_triton "
+            f"--arm ssa=attention=ssa --rounds 2 --warmup-steps 10 --out {{out}}/{out} --timeout 110 -- "
+            f"train=gpu_9min {job}")
+
+
 def _option_ab(out: str, trees, option: str, rounds: int, timeout: int, job: str, compare: bool = False,
                warmup: int = 0) -> str:
     """A step_ab command: the NeMo main job (ssa, graphs) from this checkout under each label in
@@ -365,19 +373,15 @@ PRESETS = {
               "train.progress_bar_values=drop by default), one tree, 2 rounds alternated after a 10-step warm-up: "
               "the ssa >= 0.98x softmax target, last measured (0.91-0.92x) with the per-step progress-bar sync",
         expect=400, budget=540,
-        steps=[("cmd", "attn-pair-mb32", 535,
-                "{py} scripts/device/step_ab.py --tree softmax=. --tree ssa=. --arm softmax=attention=softmax_triton "
-                "--arm ssa=attention=ssa --rounds 2 --warmup-steps 10 --out {out}/attn-pair-mb32 --timeout 110 -- "
-                "train=gpu_9min train.max_steps=80 train.val_check_interval=80")]),
+        steps=[("cmd", "attn-pair-mb32", 535, _attn_pair("attn-pair-mb32", "train.max_steps=80 "
+                                                         "train.val_check_interval=80"))]),
     "attn-pair-mb8": dict(
         about="issue 43: attn-pair-mb32 at micro batch 8 under model.cuda_graphs=full (60 steps): the two "
               "attentions where the step is now GPU-bound to ~9 % (2026-12-03-pbar-sync)",
         expect=400, budget=540,
-        steps=[("cmd", "attn-pair-mb8", 535,
-                "{py} scripts/device/step_ab.py --tree softmax=. --tree ssa=. --arm softmax=attention=softmax_triton "
-                "--arm ssa=attention=ssa --rounds 2 --warmup-steps 10 --out {out}/attn-pair-mb8 --timeout 110 -- "
-                "train=gpu_9min train.micro_batch_size=8 train.global_batch_size=8 train.max_steps=60 "
-                "train.val_check_interval=60 model.cuda_graphs=full")]),
+        steps=[("cmd", "attn-pair-mb8", 535, _attn_pair("attn-pair-mb8", "train.micro_batch_size=8 "
+                                                        "train.global_batch_size=8 train.max_steps=60 "
+                                                        "train.val_check_interval=60 model.cuda_graphs=full"))]),
     "icl-outlier-a": dict(
         about="issue 44: the paper's linear in-context task retrained for its outlier_after grid, first half: "
               "softmax and ssa seed 1 (one process, 2 at once) beside softmax seed 2, 50,000 steps each, TF32, "
