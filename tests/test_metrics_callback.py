@@ -320,3 +320,25 @@ def test_tokens_per_s_is_timed_between_flushes_less_validation(tmp_path, monkeyp
     summary = json.load(open(tmp_path / "summary.json"))
     # blocks from step 11: rates 80, 40, 20 -> median 40 (the first block, 16, is warm-up)
     assert summary["tokens_per_s_median"] == pytest.approx(tokens / 2.0)
+
+
+def test_a_checkpoint_save_writes_the_pending_rows(tmp_path):
+    """The rows up to a checkpoint are on disk when it is saved: a run killed after it resumes at
+    the next step, so a row still pending then (checkpoints every 15 steps, flushes every 10)
+    would be missing from the resumed curve for good."""
+    trainer = types.SimpleNamespace(global_step=0, max_steps=40, callback_metrics={}, optimizers=[], loggers=[])
+    pl_module = types.SimpleNamespace(module=torch.nn.Module())
+    cb = MetricsCallback(str(tmp_path), seq_length=4, global_batch_size=2, attention="softmax", flush_every=10)
+    cb.on_train_start(trainer, pl_module)
+    for step in range(1, 16):
+        trainer.global_step = step
+        trainer.callback_metrics[TB_LOSS_TAG] = torch.tensor(float(step))
+        cb.on_train_batch_end(trainer, pl_module, None, None, step)
+    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    assert [int(r["step"]) for r in rows] == list(range(1, 11))  # 11-15 pending
+    cb.on_save_checkpoint(trainer, pl_module, {})
+    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    assert [int(r["step"]) for r in rows] == list(range(1, 16))
+    assert [float(r["loss"]) for r in rows] == [float(s) for s in range(1, 16)]
+    cb.on_save_checkpoint(trainer, pl_module, {})  # nothing pending: nothing written twice
+    assert len(list(csv.DictReader(open(tmp_path / "metrics.csv")))) == 15

@@ -43,8 +43,8 @@ class MetricsCallback(Callback):
     clipping, from the sync-free step; NaN where that is off), n per layer
     (SSA models). No per-step host sync: each step keeps the loss and every layer's n on
     the device (one small concatenation) and the rows are read back and written every
-    ``flush_every`` steps (the trainer's ``log_every_n_steps``) and at the end -- one
-    device-to-host read per flush. tokens/s is measured between flushes: the flush's read
+    ``flush_every`` steps (the trainer's ``log_every_n_steps``), at each checkpoint save and at
+    the end -- one device-to-host read per flush. tokens/s is measured between flushes: the flush's read
     waits for the device to finish the block's steps, so the block's tokens over the wall time
     from the previous flush (less the time spent in validation) is the rate the device kept --
     a step's own host time is not, since the sync-free step (nemo_ssa.megatron.sync_free) lets
@@ -136,6 +136,14 @@ class MetricsCallback(Callback):
         n_now = torch.cat([m.n.detach().float().reshape(-1)[:1] for _, m in self._ssa]) if self._ssa else None
         self._pending.append((step, loss, float(lr), n_now, _step_grad_norm()))
         if len(self._pending) >= self.flush_every or step >= trainer.max_steps:
+            self._flush(trainer)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        # a run killed after this checkpoint resumes at the step after it: the rows up to it are
+        # written now, or the resumed curve would lack the block that was still pending (with a
+        # checkpoint cadence that is not a multiple of the flush's); the save itself waits for
+        # the device, so the read adds no wait of its own
+        if self._main:
             self._flush(trainer)
 
     def _flush(self, trainer=None):
