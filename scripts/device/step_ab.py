@@ -21,9 +21,12 @@ tokens/s of each round (``summary.json``'s median), their median and the ratio t
 tree, peak memory, whether graphs were captured, and the first and last step's loss (a change
 that should not touch numerics leaves them equal), then every run in the order it ran with the
 host's load average as it started. Each run's log is ``{out}/<label>-r<round>.log``.
-``--warmup-steps N`` first runs each distinct tree once for N steps, not counted
-(``{out}/<label>-warmup.log``): on a fresh machine the first run also compiles the kernels, and
-its step rate came out 10-40 % below the later runs'.
+``--warmup-steps N`` first runs each distinct tree and arm once for N steps, not counted
+(``{out}/<label>-warmup.log``, the first label of each): on a fresh machine the first run also
+compiles the kernels, and its step rate came out 10-40 % below the later runs'. An arm can change
+what compiles (``attention=softmax_triton`` against ``attention=ssa``), so each warms up with its
+own overrides; ``--warmup-per tree`` warms each tree once, with its first label's overrides, where
+the arms change only what is logged (``train.progress_bar_values``).
 """
 
 from __future__ import annotations
@@ -146,8 +149,11 @@ def main(argv: Optional[Sequence[str]] = None, run: Callable = launch) -> int:
     ap.add_argument("--arm", action="append", default=[], metavar='LABEL="k=v ..."',
                     help="overrides added to one tree's runs only (an option A/B'd on one tree)")
     ap.add_argument("--warmup-steps", type=int, default=0, metavar="N",
-                    help="before round 1, run the job for N steps once per distinct tree, not counted: the "
-                         "first run of a fresh machine also compiles the kernels, and ran 10-40 %% slower")
+                    help="before round 1, run the job for N steps once per distinct tree and arm, not counted: "
+                         "the first run of a fresh machine also compiles the kernels, and ran 10-40 %% slower")
+    ap.add_argument("--warmup-per", default="arm", choices=("arm", "tree"),
+                    help="arm (default): one warm-up per distinct tree and arm overrides; tree: one per tree, "
+                         "where the arms change only what is logged")
     args = ap.parse_args(argv)
     refs = dict(parse_tree(t) for t in args.tree)
     if len(refs) < 2:
@@ -192,18 +198,21 @@ def _alternate(trees: Dict[str, str], overrides: List[str], args, run: Callable)
     ran: List[Tuple[int, str, float, Optional[float], float]] = []  # (round, tree, load, tokens/s, seconds)
     t0 = time.time()
     warm = int(getattr(args, "warmup_steps", 0) or 0)
+    extra = getattr(args, "extra", {})
+    per_arm = getattr(args, "warmup_per", "arm") == "arm"
     first_label = {}
     for label, path in trees.items():
-        first_label.setdefault(path, label)
+        first_label.setdefault((path, tuple(extra.get(label, ()))) if per_arm else path, label)
     for label in first_label.values() if warm else []:
-        # one short run per distinct tree (the first label naming it): its kernels compiled and
-        # cached, the machine past its first run; later duplicates of the override win in Hydra
+        # one short run per distinct tree and arm (the first label naming it), with that label's
+        # overrides: its kernels compiled and cached, the machine past its first run; the short
+        # run's steps come last, and later duplicates of an override win in Hydra
         run_dir = os.path.join(os.path.abspath(args.out), f"{label}-warmup")
         load, t_run = _load_average(), time.time()
         # the LR warm-up shortened with the run: the recipes' 20 warm-up steps would exceed a
         # 10-step run, the launcher refuses that, and a refused warm-up compiled nothing
         short = [f"train.max_steps={warm}", f"train.val_check_interval={warm}", f"train.warmup_steps={warm // 2}"]
-        rc = run(trees[label], overrides + short, run_dir, run_dir + ".log", args.timeout)
+        rc = run(trees[label], overrides + extra.get(label, []) + short, run_dir, run_dir + ".log", args.timeout)
         ran.append((-1, label, load, None, time.time() - t_run))
         print(f"[step_ab] warm-up {label} ({warm} steps, not counted): exit {rc} ({time.time() - t0:.0f} s)", flush=True)
         if rc != 0:
@@ -215,8 +224,7 @@ def _alternate(trees: Dict[str, str], overrides: List[str], args, run: Callable)
         for label in order(labels, rnd):
             run_dir = os.path.join(os.path.abspath(args.out), f"{label}-r{rnd}")
             load, t_run = _load_average(), time.time()
-            rc = run(trees[label], overrides + getattr(args, "extra", {}).get(label, []), run_dir, run_dir + ".log",
-                     args.timeout)
+            rc = run(trees[label], overrides + extra.get(label, []), run_dir, run_dir + ".log", args.timeout)
             summary = read_summary(run_dir) if rc == 0 else None
             results[label].append(summary)
             ran.append((rnd, label, load, summary["rate"] if summary else None, time.time() - t_run))
@@ -225,7 +233,7 @@ def _alternate(trees: Dict[str, str], overrides: List[str], args, run: Callable)
             with open(os.path.join(args.out, "ab.md"), "w") as f:
                 f.write(f"# The same job from {len(labels)} trees, alternated ({args.rounds} rounds)\n\n"
                         f"Overrides: `{' '.join(overrides)}`\n\n" +
-                        "".join(f"- {label} also: `{' '.join(x)}`\n" for label, x in getattr(args, "extra", {}).items())
+                        "".join(f"- {label} also: `{' '.join(x)}`\n" for label, x in extra.items())
                         + f"\n{table(labels, results)}\n\n{run_order(ran)}\n")
     print(table(labels, results), flush=True)
     return 0 if all(all(r for r in rows) for rows in results.values()) else 1

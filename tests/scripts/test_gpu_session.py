@@ -51,7 +51,8 @@ def test_presets_fit_the_device_limits():
                                "layernorm-mb8", "layernorm-parity", "graphs-full", "graphs-full-parity", "graphs-full-mb32", "icl-dreg",
                                "icl-outlier-a", "icl-outlier-b", "graphs-full-resume", "icl-deterministic",
                                "full-mb8-profile", "param-copy-ab", "host-samples", "pbar-ab",
-                               "pbar-parity", "pbar-ab-mb32", "attn-pair-mb32", "attn-pair-mb8"}
+                               "pbar-parity", "pbar-ab-mb32", "attn-pair-mb32", "attn-pair-mb8",
+                               "attn-sdpa-mb32"}
     for name, p in gs.PRESETS.items():
         assert p["budget"] <= 540 and sum(s[2] for s in p["steps"]) <= p["budget"], name
     assert gs.PRESETS["quick"]["budget"] <= 240
@@ -105,7 +106,7 @@ def test_graph_presets_name_flags_and_keys_that_exist(preset):
 
 
 @pytest.mark.parametrize("preset", ["layernorm-mb8", "layernorm-parity", "graphs-full", "pbar-ab", "pbar-parity",
-                                    "pbar-ab-mb32", "attn-pair-mb32", "attn-pair-mb8"])
+                                    "pbar-ab-mb32", "attn-pair-mb32", "attn-pair-mb8", "attn-sdpa-mb32"])
 def test_ab_presets_name_trees_flags_and_keys_that_exist(preset):
     """An A/B preset (scripts/device/step_ab.py): its flags exist, --arm and the compare tool
     name its trees, every launcher override after ``--`` is a config key, and the option under

@@ -136,24 +136,46 @@ def test_a_git_ref_is_checked_out_beside_and_removed_after(tmp_path):
     assert ref_tree != REPO and not os.path.exists(ref_tree)  # the worktree is gone afterwards
 
 
-def test_warmup_runs_each_distinct_tree_once_short_and_uncounted(tmp_path):
-    """--warmup-steps: one short run per distinct tree before round 1 (two labels on one
-    checkout share it), its steps set last so they win, none of it in the per-tree table."""
+SHORT = ["train.max_steps=20", "train.val_check_interval=20", "train.warmup_steps=10"]
+
+
+def test_warmup_runs_each_distinct_tree_and_arm_once_short_and_uncounted(tmp_path):
+    """--warmup-steps: one short run per distinct tree and arm before round 1, with that arm's
+    overrides (attention=softmax_triton against attention=ssa on one tree compile different
+    kernels: a warm-up without the arm's overrides had compiled ssa's twice and softmax's in its
+    first counted round), two labels with the same tree and overrides sharing one; its steps set
+    last so they win, none of it in the per-tree table."""
     ab = _load()
-    a = _tree(tmp_path, "a")
+    a, b = _tree(tmp_path, "a"), _tree(tmp_path, "b")
     calls = []
     run = _recording_launcher(calls, lambda run_dir: 1.0 if run_dir.endswith("-warmup") else 200_000.0)
 
     out = tmp_path / "out"
-    rc = ab.main(["--tree", f"off={a}", "--tree", f"on={a}", "--arm", "on=model.x=1", "--rounds", "1",
-                  "--warmup-steps", "20", "--out", str(out), "--", "train.max_steps=60"], run=run)
+    rc = ab.main(["--tree", f"off={a}", "--tree", f"on={a}", "--tree", f"again={a}", "--tree", f"other={b}",
+                  "--arm", "on=model.x=1", "--rounds", "1", "--warmup-steps", "20", "--out", str(out), "--",
+                  "train.max_steps=60"], run=run)
     assert rc == 0
-    assert [c[0] for c in calls] == ["off-warmup", "off-r0", "on-r0"]
-    assert calls[0][1] == ["train.max_steps=60", "train.max_steps=20", "train.val_check_interval=20",
-                           "train.warmup_steps=10"]
+    assert [c[0] for c in calls] == ["off-warmup", "on-warmup", "other-warmup", "off-r0", "on-r0", "again-r0",
+                                     "other-r0"]
+    assert calls[0][1] == ["train.max_steps=60"] + SHORT
+    assert calls[1][1] == ["train.max_steps=60", "model.x=1"] + SHORT
     md = (out / "ab.md").read_text()
-    assert "| 1 | warm-up | off |" in md and "not counted" in md
+    assert "| 1 | warm-up | off |" in md and "| 2 | warm-up | on |" in md and "not counted" in md
     assert "| off | 200,000 | 200,000 | 1.000x |" in md  # the warm-up's rate is in no median
+
+
+def test_warmup_per_tree_warms_each_tree_once_with_its_first_arm(tmp_path):
+    """--warmup-per tree: arms that change only what is logged share one warm-up, run with the
+    first label's overrides."""
+    a = _tree(tmp_path, "a")
+    calls = []
+    run = _recording_launcher(calls, lambda run_dir: 200_000.0)
+    rc = _load().main(["--tree", f"keep={a}", "--tree", f"drop={a}", "--arm", "keep=p=keep", "--arm", "drop=p=drop",
+                       "--rounds", "1", "--warmup-steps", "20", "--warmup-per", "tree", "--out", str(tmp_path / "o"),
+                       "--", "train.max_steps=60"], run=run)
+    assert rc == 0
+    assert [c[0] for c in calls] == ["keep-warmup", "keep-r0", "drop-r0"]
+    assert calls[0][1] == ["train.max_steps=60", "p=keep"] + SHORT
 
 
 def test_a_failed_warmup_stops_before_the_rounds_and_shows_its_log(tmp_path, capsys):
