@@ -342,3 +342,121 @@ def test_a_checkpoint_save_writes_the_pending_rows(tmp_path):
     assert [float(r["loss"]) for r in rows] == [float(s) for s in range(1, 16)]
     cb.on_save_checkpoint(trainer, pl_module, {})  # nothing pending: nothing written twice
     assert len(list(csv.DictReader(open(tmp_path / "metrics.csv")))) == 15
+
+
+class _LaggingMarks:
+    """Stand-in for the device's marks: a mark is done only once the test lets the "device" pass
+    it, and a wait on it counts (on a GPU it would block the host)."""
+
+    def __init__(self):
+        self.made, self.passed, self.waited = 0, 0, []
+        self.seconds_each = 2.0  # device time between consecutive marks
+
+    def mark(self):
+        self.made += 1
+        return self.made
+
+    def done(self, mark):
+        return mark <= self.passed
+
+    def wait(self, mark):
+        if mark > self.passed:
+            self.waited.append(mark)
+            self.passed = mark
+
+    def seconds(self, start, end):
+        return (end - start) * self.seconds_each
+
+    def to_host(self, flat):
+        return flat.clone()
+
+
+def _lagging_run(tmp_path, flush_every=2):
+    trainer = types.SimpleNamespace(global_step=0, max_steps=100, callback_metrics={}, optimizers=[], loggers=[],
+                                    sanity_checking=False)
+    pl_module = types.SimpleNamespace(module=torch.nn.Module())
+    cb = MetricsCallback(str(tmp_path), seq_length=4, global_batch_size=2, attention="softmax",
+                         flush_every=flush_every)
+    cb.on_train_start(trainer, pl_module)
+    marks = cb._marks = _LaggingMarks()
+    cb._start = marks.mark()
+
+    def step(s):
+        trainer.global_step = s
+        cb.on_train_batch_end(trainer, pl_module, {"loss": torch.tensor([float(s)])}, None, s)
+
+    def written():
+        path = tmp_path / "metrics.csv"
+        return [int(r["step"]) for r in csv.DictReader(open(path))] if path.exists() else []
+
+    return cb, trainer, pl_module, marks, step, written
+
+
+def test_a_closed_block_is_written_once_the_device_has_passed_it_without_a_wait(tmp_path):
+    """The block's values are read only after the device is past the block's end mark: closing a
+    block waits for nothing (a blocking read drained the GPU's queue every flush), its rows come
+    at the first batch end that finds the mark done, and a block three behind is waited for."""
+    cb, trainer, pl_module, marks, step, written = _lagging_run(tmp_path)
+    step(1), step(2)  # block 1-2 closed behind mark 2
+    assert written() == [] and marks.waited == []
+    step(3)
+    marks.passed = 2  # the device finished steps 1-2
+    step(4)  # closes 3-4 (mark 3) and finds mark 2 done
+    assert written() == [1, 2] and marks.waited == []
+    for s in range(5, 11):  # the device stays behind: blocks 3-4, 5-6, 7-8, 9-10 closed
+        step(s)
+    # never more than two blocks left unwritten: the oldest was waited for (the device busy after it)
+    assert written() == [1, 2, 3, 4, 5, 6] and marks.waited == [3, 4]
+    cb.on_save_checkpoint(trainer, pl_module, {})  # everything up to the checkpoint, waited for
+    assert written() == list(range(1, 11)) and marks.waited == [3, 4, 5, 6]
+    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    assert [float(r["loss"]) for r in rows] == [float(s) for s in range(1, 11)]
+    # each block's rate: its 2 steps' tokens over the device time between its marks (one apart)
+    assert all(float(r["tokens_per_s"]) == pytest.approx(2 * 8 / 2.0) for r in rows)
+
+
+def test_the_end_writes_every_block_and_validation_time_is_left_out(tmp_path):
+    cb, trainer, pl_module, marks, step, written = _lagging_run(tmp_path, flush_every=3)
+    step(1)
+    cb.on_validation_start(trainer, pl_module)  # marks 2 and 3: 2 s of device time in validation
+    cb.on_validation_end(trainer, pl_module)
+    step(2), step(3)  # block 1-3 ends at mark 4: 6 s from its start, 2 of them validation
+    step(4)
+    cb.on_train_end(trainer, pl_module)  # the open block (step 4) closed and everything waited for
+    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4]
+    assert [float(r["tokens_per_s"]) for r in rows[:3]] == [pytest.approx(3 * 8 / 4.0)] * 3
+    assert float(rows[3]["tokens_per_s"]) == pytest.approx(8 / 2.0)
+    assert json.load(open(tmp_path / "summary.json"))["loss"]["4"] == 4.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_closing_a_block_on_the_gpu_does_not_synchronize(tmp_path):
+    """On a GPU the block's copy is enqueued behind a CUDA event and nothing waits for it: the
+    batch end that closes a block runs under torch's sync debug mode 'error', while the device
+    is still busy; the rows come at the next batch end after the device has passed the event."""
+    trainer = types.SimpleNamespace(global_step=0, max_steps=100, callback_metrics={}, optimizers=[], loggers=[])
+    pl_module = types.SimpleNamespace(module=torch.nn.Module())
+    cb = MetricsCallback(str(tmp_path), seq_length=4, global_batch_size=2, attention="softmax", flush_every=2)
+    cb.on_train_start(trainer, pl_module)
+    assert cb._marks.cuda
+    loss = torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for s in (1, 2):
+            torch.cuda._sleep(200_000_000)  # the "step": the device stays busy well past the batch end
+            loss.fill_(float(s))
+            trainer.global_step = s
+            cb.on_train_batch_end(trainer, pl_module, {"loss": loss}, None, s)
+        busy = not cb._closed[-1][3].query()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert busy and not (tmp_path / "metrics.csv").exists()
+    torch.cuda.synchronize()
+    trainer.global_step = 3
+    cb.on_train_batch_end(trainer, pl_module, {"loss": torch.full((1,), 3.0, device="cuda")}, None, 3)
+    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    assert [(int(r["step"]), float(r["loss"])) for r in rows] == [(1, 1.0), (2, 2.0)]
+    assert float(rows[0]["tokens_per_s"]) > 0

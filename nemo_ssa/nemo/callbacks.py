@@ -36,20 +36,60 @@ def _step_loss(outputs: Any, trainer) -> Optional[torch.Tensor]:
     return loss if isinstance(loss, torch.Tensor) and loss.numel() >= 1 else None
 
 
+class _DeviceMarks:
+    """Points on the device's timeline: CUDA events on a GPU, the host's clock without one.
+
+    A block of rows is closed by a mark recorded after its steps' work; its values are copied to
+    pinned host memory behind the same mark and read once the device has passed it, so no read
+    waits for the launch queue to drain (a blocking read there left the GPU idle while the host
+    refilled the queue after it). The block's rate is the device time between two marks. On the
+    CPU every value is ready when the host has it: the marks are ``time.time()`` and always done."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = bool(cuda)
+
+    def mark(self):
+        if not self.cuda:
+            return time.time()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def done(self, mark) -> bool:
+        return mark.query() if self.cuda else True
+
+    def wait(self, mark) -> None:
+        if self.cuda:
+            mark.synchronize()
+
+    def seconds(self, start, end) -> float:
+        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
+
+    def to_host(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat``'s values on the host once the next mark is done (a copy enqueued, not waited for)."""
+        if not flat.is_cuda:
+            return flat
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        return host
+
+
 class MetricsCallback(Callback):
     """Writes ``metrics.csv`` (+ TensorBoard under ``run_dir/tb``): one row per step.
 
     Columns: step, loss (``reduced_train_loss``), lr, tokens/s, grad_norm (the total norm before
     clipping, from the sync-free step; NaN where that is off), n per layer
     (SSA models). No per-step host sync: each step keeps the loss and every layer's n on
-    the device (one small concatenation) and the rows are read back and written every
-    ``flush_every`` steps (the trainer's ``log_every_n_steps``), at each checkpoint save and at
-    the end -- one device-to-host read per flush. tokens/s is measured between flushes: the flush's read
-    waits for the device to finish the block's steps, so the block's tokens over the wall time
-    from the previous flush (less the time spent in validation) is the rate the device kept --
-    a step's own host time is not, since the sync-free step (nemo_ssa.megatron.sync_free) lets
-    the host run steps ahead of the device. Each row carries its block's rate; the steady rate
-    is the median over the blocks after the first 10 steps. The loss is the step's own output (``_step_loss``), not
+    the device (one small concatenation). Every ``flush_every`` steps (the trainer's
+    ``log_every_n_steps``) the block is closed: its values are copied to pinned host memory
+    behind a CUDA event (``_DeviceMarks``), and its rows are written at the first batch end
+    that finds the device past that event -- no read waits for the device, so the GPU's queue
+    never drains for the log (the host runs ahead of the device: the sync-free step,
+    nemo_ssa.megatron.sync_free, reads nothing either). At each checkpoint save and at the end
+    every open block is closed and waited for. tokens/s is the block's tokens over the device
+    time between its events (less the device time between the marks at validation's start and
+    end) -- a step's own host time is not the rate the device kept. Each row carries its
+    block's rate; the steady rate is the median over the blocks after the first 10 steps. The loss is the step's own output (``_step_loss``), not
     ``trainer.callback_metrics``. n per layer also goes to the trainer's loggers
     (``ssa/n/layer_XX``) at flush steps. At the end, ``summary.json`` records the
     steady-state tokens/s (median over steps after the first 10), MFU (model FLOPs per
@@ -78,9 +118,11 @@ class MetricsCallback(Callback):
         self.flush_every = max(1, int(flush_every))
         self.flops_per_token = flops_per_token
         self._writer: Optional[MetricsWriter] = None
-        self._t_last: Optional[float] = None  # the last flush's read (the device done to there)
-        self._t_val: Optional[float] = None
-        self._excluded = 0.0  # seconds of validation inside the current block
+        self._marks = _DeviceMarks(False)
+        self._start = None  # the mark the open block's time runs from (the last block's end)
+        self._val_start = None
+        self._excluded = []  # (start, end) marks of the validations inside the open block
+        self._closed = []  # blocks closed, not yet written: (rows, host values, start, end, excluded)
         self._rates = []  # (first step of the block, tokens/s of the block)
         self._losses = {}
         self._pending = []  # (step, loss tensor | float, lr, n tensor | None)
@@ -97,15 +139,17 @@ class MetricsCallback(Callback):
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         self._ssa = ssa_modules(_unwrap(pl_module))
-        self._t_last = time.time()
+        self._marks = _DeviceMarks(torch.cuda.is_available())
+        self._start = self._marks.mark()
 
     def on_validation_start(self, trainer, pl_module):
-        self._t_val = time.time()
+        if self._main:
+            self._val_start = self._marks.mark()
 
     def on_validation_end(self, trainer, pl_module):
-        if self._t_val is not None and not getattr(trainer, "sanity_checking", False):
-            self._excluded += time.time() - self._t_val
-        self._t_val = None
+        if self._main and self._val_start is not None and not getattr(trainer, "sanity_checking", False):
+            self._excluded.append((self._val_start, self._marks.mark()))
+        self._val_start = None
         self._validation_end(trainer)
 
     def _validation_end(self, trainer):
@@ -135,34 +179,58 @@ class MetricsCallback(Callback):
         lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else float("nan")
         n_now = torch.cat([m.n.detach().float().reshape(-1)[:1] for _, m in self._ssa]) if self._ssa else None
         self._pending.append((step, loss, float(lr), n_now, _step_grad_norm()))
-        if len(self._pending) >= self.flush_every or step >= trainer.max_steps:
-            self._flush(trainer)
+        if step >= trainer.max_steps:
+            self._flush(trainer)  # the run ends here: its last rows and progress line now
+            return
+        if len(self._pending) >= self.flush_every:
+            self._close()
+        # rows of the blocks the device has passed; a block more than two behind is waited for
+        # (the device is then still busy with the later ones: the wait drains nothing)
+        self._write_closed(trainer, wait_all=False)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         # a run killed after this checkpoint resumes at the step after it: the rows up to it are
-        # written now, or the resumed curve would lack the block that was still pending (with a
+        # written now, or the resumed curve would lack the block that was still open (with a
         # checkpoint cadence that is not a multiple of the flush's); the save itself waits for
-        # the device, so the read adds no wait of its own
+        # the device, so the wait adds none of its own
         if self._main:
             self._flush(trainer)
 
     def _flush(self, trainer=None):
+        """Close the open block and write every closed one, waiting for the device."""
+        self._close()
+        self._write_closed(trainer, wait_all=True)
+
+    def _close(self):
+        """End the open block: its values copied to the host behind a mark, read later."""
         if not self._pending:
             return
-        # one read for the whole block: losses and n values stacked on the device
+        # one copy for the whole block: losses, n values and grad norms stacked on the device
         tensors = [t for row in self._pending for t in (row[1], row[3], row[4]) if isinstance(t, torch.Tensor)]
-        flat = torch.cat([t.reshape(-1).float().to(tensors[0].device) for t in tensors]).tolist() if tensors else []
-        if torch.cuda.is_available() and not tensors:
-            torch.cuda.synchronize()  # nothing read: still time the block to the device's end
-        now = time.time()
-        elapsed = now - self._t_last - self._excluded if self._t_last is not None else float("nan")
-        self._t_last, self._excluded = now, 0.0
-        rate = self.tokens_per_step * len(self._pending) / elapsed if elapsed > 0 else float("nan")
-        self._rates.append((self._pending[0][0], rate))
+        flat = torch.cat([t.reshape(-1).float().to(tensors[0].device) for t in tensors]) if tensors else None
+        host = self._marks.to_host(flat) if flat is not None else None
+        end = self._marks.mark()
+        self._closed.append((self._pending, host, self._start, end, self._excluded))
+        self._pending, self._start, self._excluded = [], end, []
+
+    def _write_closed(self, trainer, wait_all: bool):
+        while self._closed:
+            end = self._closed[0][3]
+            if not (wait_all or len(self._closed) > 2 or self._marks.done(end)):
+                return
+            self._marks.wait(end)
+            self._write_block(trainer, *self._closed.pop(0))
+
+    def _write_block(self, trainer, rows, host, start, end, excluded):
+        flat = host.tolist() if host is not None else []
+        seconds = (self._marks.seconds(start, end) - sum(self._marks.seconds(a, b) for a, b in excluded)
+                   if start is not None else float("nan"))
+        rate = self.tokens_per_step * len(rows) / seconds if seconds > 0 else float("nan")
+        self._rates.append((rows[0][0], rate))
         pos = 0
         layers = [layer for layer, _ in self._ssa]
         last_n = {}
-        for step, loss, lr, n_now, grad_norm in self._pending:
+        for step, loss, lr, n_now, grad_norm in rows:
             if isinstance(loss, torch.Tensor):
                 loss, pos = flat[pos], pos + 1
             n_vals = {}
@@ -176,7 +244,6 @@ class MetricsCallback(Callback):
             if self._writer is not None:
                 self._writer.write(step=step, loss=loss, lr=lr, tokens_per_s=rate, grad_norm=grad_norm,
                                    ssa_n=n_vals)
-        self._pending = []
         if self.progress and trainer is not None:
             n = f" | n {min(last_n.values()):.3f}-{max(last_n.values()):.3f}" if last_n else ""
             g = f" | grad norm {grad_norm:.3f}" if grad_norm == grad_norm else ""

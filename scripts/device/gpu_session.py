@@ -370,6 +370,30 @@ PRESETS = {
               "the layer graphs), 2 rounds alternated, first/last loss per run",
         expect=420, budget=540,
         steps=[("cmd", "pbar-ab-mb32", 535, _keep_drop("pbar-mb32", 2, "train.max_steps=80 train.val_check_interval=80"))]),
+    "metrics-defer-ab": dict(
+        about="issue 43: MetricsCallback reading each block of rows behind a CUDA event (pinned copy, written "
+              "once the device has passed it) against its parent's blocking read every 10 steps (py-spy: the "
+              "mb-8 thread's only wait, 6 ms a step on average; the step 21.0 ms against 19.15 of GPU work, "
+              "2026-12-03-pbar-sync), at micro batch 8 with model.cuda_graphs=full, 2 rounds alternated, "
+              "first/last loss per run; first the GPU test that closing a block does not synchronize; the "
+              "parent tree carried: git archive 95a5fec nemo_ssa recipes scripts | tar -x -C dev/95a5fec, "
+              "carry [\".bundle\", \"dev/95a5fec\"]",
+        expect=470, budget=540,
+        steps=[("pytest", "metrics-gpu-test", 60, ["tests/test_metrics_callback.py"], "gpu", 45, 1),
+               ("cmd", "metrics-defer-ab", 470,
+                "{py} scripts/device/step_ab.py --tree block=dev/95a5fec --tree deferred=. --rounds 2 "
+                "--warmup-steps 10 --out {out}/metrics-defer --timeout 110 -- attention=ssa train=gpu_9min "
+                "train.micro_batch_size=8 train.global_batch_size=8 train.max_steps=60 "
+                "train.val_check_interval=60 model.cuda_graphs=full")]),
+    "metrics-defer-mb32": dict(
+        about="issue 43: metrics-defer-ab on the README's main job as printed (micro batch 32, the layer graphs), "
+              "2 rounds alternated, 60 steps; the parent tree as there: git archive 95a5fec nemo_ssa recipes scripts | "
+              "tar -x -C dev/95a5fec, carry [\".bundle\", \"dev/95a5fec\"]",
+        expect=420, budget=540,
+        steps=[("cmd", "metrics-defer-mb32", 535,
+                "{py} scripts/device/step_ab.py --tree block=dev/95a5fec --tree deferred=. --rounds 2 "
+                "--warmup-steps 10 --out {out}/metrics-defer-mb32 --timeout 110 -- attention=ssa train=gpu_9min "
+                "train.max_steps=60 train.val_check_interval=60")]),
     "attn-pair-mb32": dict(
         about="issue 43: softmax_triton against ssa on the README's main job (micro batch 32, the layer graphs, "
               "train.progress_bar_values=drop by default), one tree, 2 rounds alternated after a 10-step warm-up: "

@@ -52,7 +52,7 @@ def test_presets_fit_the_device_limits():
                                "icl-outlier-a", "icl-outlier-b", "graphs-full-resume", "icl-deterministic",
                                "full-mb8-profile", "param-copy-ab", "host-samples", "pbar-ab",
                                "pbar-parity", "pbar-ab-mb32", "attn-pair-mb32", "attn-pair-mb8",
-                               "attn-sdpa-mb32"}
+                               "attn-sdpa-mb32", "metrics-defer-ab", "metrics-defer-mb32"}
     for name, p in gs.PRESETS.items():
         assert p["budget"] <= 540 and sum(s[2] for s in p["steps"]) <= p["budget"], name
     assert gs.PRESETS["quick"]["budget"] <= 240
@@ -137,6 +137,35 @@ def _check_ab_command(cmd, src_groups, preset):
         assert key in groups or re.search(rf"^\s*{key}:", cfg_text, re.M), (preset, key)
     if compare:
         assert sorted(re.findall(r" ([a-z_]+)=\{out\}", compare)) == sorted(trees)
+
+
+@pytest.mark.parametrize("preset", ["param-copy-ab", "metrics-defer-ab", "metrics-defer-mb32"])
+def test_a_parent_tree_preset_says_how_its_tree_is_built_and_carried(preset):
+    """A preset that A/Bs this checkout against a parent tree under dev/ (the device copy has no
+    git history): the tree is the checkout against a dev/<commit> the preset's text says how to
+    build and carry, a commit of this history, and the job's overrides are config keys."""
+    import re
+    import subprocess
+
+    gs = _load_session()
+    p = gs.PRESETS[preset]
+    for cmd in [s[3] for s in p["steps"] if s[0] == "cmd"]:
+        ab, _, rest = cmd.partition(" -- ")
+        trees = dict(re.findall(r"--tree ([a-z_]+)=(\S+)", ab))
+        parents = {t for t in trees.values() if t.startswith("dev/")}
+        assert len(trees) == 2 and "." in trees.values() and len(parents) == 1, trees
+        sha = parents.pop()[len("dev/"):]
+        assert f"git archive {sha} " in p["about"] and f'"dev/{sha}"' in p["about"], (preset, sha)
+        if os.path.isdir(os.path.join(REPO, ".git")):
+            subprocess.run(["git", "-C", REPO, "cat-file", "-e", f"{sha}^{{commit}}"], check=True)
+        src = open(os.path.join(REPO, "scripts/device/step_ab.py")).read()
+        assert all(f'"{flag}"' in src for flag in re.findall(r" (--[a-z-]+)", ab))
+        conf = os.path.join(REPO, "nemo_ssa", "configs")
+        cfg_text = "".join(open(os.path.join(root, f)).read() for root, _, files in os.walk(conf) for f in files
+                           if f.endswith(".yaml"))
+        groups = {d for d in os.listdir(conf) if os.path.isdir(os.path.join(conf, d))}
+        for key in re.findall(r"(?:^| )(?:[a-z_]+\.)?([a-z_]+)=", rest):
+            assert key in groups or re.search(rf"^\s*{key}:", cfg_text, re.M), (preset, key)
 
 
 def test_memory_heavy_cases_run_alone():
