@@ -76,6 +76,13 @@ def _keep_drop(out: str, rounds: int, job: str) -> str:
             f"--rounds {rounds} --warmup-steps 10 --warmup-per tree --out {{out}}/{out} --timeout 110 -- attention=ssa train=gpu_9min {job}")
 
 
+def _metrics_defer(out: str, job: str) -> str:
+    """A step_ab command: the NeMo main job (ssa) from the parent tree dev/95a5fec (the blocking
+    metrics read) against this checkout, 2 rounds alternated after a 10-step warm-up of each."""
+    return ("{py} scripts/device/step_ab.py --tree block=dev/95a5fec --tree deferred=. --rounds 2 --warmup-steps 10 "
+            f"--out {{out}}/{out} --timeout 110 -- attention=ssa train=gpu_9min {job}")
+
+
 def _attn_pair(out: str, job: str, base: str = "softmax_triton") -> str:
     """A step_ab command: the NeMo main job (gpu_9min) as ``base`` (a softmax attention) against
     ssa, one tree, 2 rounds alternated after a 10-step warm-up of each (the two compile different
@@ -381,19 +388,15 @@ PRESETS = {
         expect=470, budget=540,
         steps=[("pytest", "metrics-gpu-test", 60, ["tests/test_metrics_callback.py"], "gpu", 45, 1),
                ("cmd", "metrics-defer-ab", 470,
-                "{py} scripts/device/step_ab.py --tree block=dev/95a5fec --tree deferred=. --rounds 2 "
-                "--warmup-steps 10 --out {out}/metrics-defer --timeout 110 -- attention=ssa train=gpu_9min "
-                "train.micro_batch_size=8 train.global_batch_size=8 train.max_steps=60 "
-                "train.val_check_interval=60 model.cuda_graphs=full")]),
+                _metrics_defer("metrics-defer", "train.micro_batch_size=8 train.global_batch_size=8 "
+                               "train.max_steps=60 train.val_check_interval=60 model.cuda_graphs=full"))]),
     "metrics-defer-mb32": dict(
         about="issue 43: metrics-defer-ab on the README's main job as printed (micro batch 32, the layer graphs), "
               "2 rounds alternated, 60 steps; the parent tree as there: git archive 95a5fec nemo_ssa recipes scripts | "
               "tar -x -C dev/95a5fec, carry [\".bundle\", \"dev/95a5fec\"]",
         expect=420, budget=540,
         steps=[("cmd", "metrics-defer-mb32", 535,
-                "{py} scripts/device/step_ab.py --tree block=dev/95a5fec --tree deferred=. --rounds 2 "
-                "--warmup-steps 10 --out {out}/metrics-defer-mb32 --timeout 110 -- attention=ssa train=gpu_9min "
-                "train.max_steps=60 train.val_check_interval=60")]),
+                _metrics_defer("metrics-defer-mb32", "train.max_steps=60 train.val_check_interval=60"))]),
     "attn-pair-mb32": dict(
         about="issue 43: softmax_triton against ssa on the README's main job (micro batch 32, the layer graphs, "
               "train.progress_bar_values=drop by default), one tree, 2 rounds alternated after a 10-step warm-up: "
