@@ -96,10 +96,11 @@ def _option_ab(out: str, trees, option: str, rounds: int, timeout: int, job: str
                warmup: int = 0) -> str:
     """A step_ab command: the NeMo main job (ssa, graphs) from this checkout under each label in
     ``trees``, ``option`` set on the last one only; ``compare`` adds the compare tool over the
-    runs' curves (one round); ``warmup`` steps of one uncounted run first (the kernels compiled)."""
+    runs' curves (one round); ``warmup`` steps of one uncounted run first (the kernels compiled; one
+    for the tree: the graph options these presets A/B compile the same Triton kernels)."""
     cmd = ("{py} scripts/device/step_ab.py " + " ".join(f"--tree {t}=." for t in trees) + f" --arm {trees[-1]}={option} "
            f"--rounds {rounds} --out {{out}}/{out} --timeout {timeout} "
-           + (f"--warmup-steps {warmup} " if warmup else "") +
+           + (f"--warmup-steps {warmup} --warmup-per tree " if warmup else "") +
            f"-- attention=ssa train=gpu_9min {job} model.cuda_graphs=local")
     if compare:
         cmd += (" && {py} -m nemo_ssa.tools.compare " + " ".join(f"{t}={{out}}/{out}/{t}-r0" for t in trees) +
