@@ -2,6 +2,7 @@
 
 import csv
 import json
+import time
 import types
 
 import pytest
@@ -435,28 +436,41 @@ def test_the_end_writes_every_block_and_validation_time_is_left_out(tmp_path):
 def test_closing_a_block_on_the_gpu_does_not_synchronize(tmp_path):
     """On a GPU the block's copy is enqueued behind a CUDA event and nothing waits for it: the
     batch end that closes a block runs under torch's sync debug mode 'error', while the device
-    is still busy; the rows come at the next batch end after the device has passed the event."""
+    is still busy; the rows come at the next batch end after the device has passed the event.
+
+    A first block runs (and is waited for) before that: the first launch of each kernel loads its
+    module, which may wait for the device (CUDA's lazy loading), and the first pinned block is
+    allocated; a training run's first block pays both after its warm-up steps, once."""
     trainer = types.SimpleNamespace(global_step=0, max_steps=100, callback_metrics={}, optimizers=[], loggers=[])
     pl_module = types.SimpleNamespace(module=torch.nn.Module())
     cb = MetricsCallback(str(tmp_path), seq_length=4, global_batch_size=2, attention="softmax", flush_every=2)
     cb.on_train_start(trainer, pl_module)
     assert cb._marks.cuda
     loss = torch.zeros(1, device="cuda")
-    torch.cuda.synchronize()
+
+    def step(s):
+        loss.fill_(float(s))
+        trainer.global_step = s
+        cb.on_train_batch_end(trainer, pl_module, {"loss": loss}, None, s)
+
+    for s in (1, 2, 3):  # the first block closed at 2, written at 3 (the device idle by then)
+        step(s)
+        torch.cuda.synchronize()
+    assert [int(r["step"]) for r in csv.DictReader(open(tmp_path / "metrics.csv"))] == [1, 2]
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for s in (1, 2):
-            torch.cuda._sleep(200_000_000)  # the "step": the device stays busy well past the batch end
-            loss.fill_(float(s))
-            trainer.global_step = s
-            cb.on_train_batch_end(trainer, pl_module, {"loss": loss}, None, s)
-        busy = not cb._closed[-1][3].query()
+        t0 = time.perf_counter()
+        torch.cuda._sleep(2_000_000_000)  # the "step": about a second of device work, queued
+        step(4)  # closes the block of 3 and 4 behind the sleep
+        host = time.perf_counter() - t0
+        busy = bool(cb._closed) and not cb._closed[-1][3].query()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert busy and not (tmp_path / "metrics.csv").exists()
+    assert busy, (f"the block closed at step 4 was {'written' if not cb._closed else 'done'} before the batch end "
+                  f"returned ({host:.3f} s on the host): something waited for the device")
+    assert [int(r["step"]) for r in csv.DictReader(open(tmp_path / "metrics.csv"))] == [1, 2]
     torch.cuda.synchronize()
-    trainer.global_step = 3
-    cb.on_train_batch_end(trainer, pl_module, {"loss": torch.full((1,), 3.0, device="cuda")}, None, 3)
+    step(5)
     rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
-    assert [(int(r["step"]), float(r["loss"])) for r in rows] == [(1, 1.0), (2, 2.0)]
-    assert float(rows[0]["tokens_per_s"]) > 0
+    assert [(int(r["step"]), float(r["loss"])) for r in rows] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0)]
+    assert all(float(r["tokens_per_s"]) > 0 for r in rows)

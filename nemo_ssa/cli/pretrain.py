@@ -308,9 +308,20 @@ def run_gpu(cfg, train, recipe, resolved, run_dir) -> None:
               f" x TP{strategy.tensor_model_parallel_size}{'+SP' if strategy.sequence_parallel else ''}"
               f" x CP{strategy.context_parallel_size}, distributed optimizer "
               f"{'on' if recipe.optim.config.use_distributed_optimizer else 'off'}, CUDA graphs "
-              f"{getattr(recipe.model.config, 'cuda_graph_impl', 'none')}", flush=True)
+              f"{_graphs_label(recipe.model.config)}", flush=True)
     run.run(recipe, direct=True)
     _end_process_group()
+
+
+def _graphs_label(config) -> str:
+    """The path line's CUDA graphs: megatron's impl, and its scope where that is the whole
+    iteration (model.cuda_graphs=full is impl 'local' with that scope; 'local' alone read as the
+    layer graphs)."""
+    impl = getattr(config, "cuda_graph_impl", None) or "none"
+    scope = getattr(config, "cuda_graph_scope", None)
+    scopes = [scope] if isinstance(scope, str) else list(scope or [])
+    scopes = [getattr(s, "name", s) for s in scopes]
+    return f"{impl} (full_iteration)" if "full_iteration" in scopes else impl
 
 
 def _end_process_group() -> None:

@@ -78,9 +78,13 @@ def _keep_drop(out: str, rounds: int, job: str) -> str:
 
 def _metrics_defer(out: str, job: str) -> str:
     """A step_ab command: the NeMo main job (ssa) from the parent tree dev/95a5fec (the blocking
-    metrics read) against this checkout, 2 rounds alternated after a 10-step warm-up of each."""
-    return ("{py} scripts/device/step_ab.py --tree block=dev/95a5fec --tree deferred=. --rounds 2 --warmup-steps 10 "
-            f"--out {{out}}/{out} --timeout 110 -- attention=ssa train=gpu_9min {job}")
+    metrics read) against this checkout, 2 rounds alternated after a 10-step warm-up of each.
+
+    The parent tree reads the checkout's corpus (data/ linked): built once, not once per tree (the
+    build is 39 s of a cold machine's first run, which then passed the 110 s a run may take)."""
+    return ("mkdir -p data && ln -sfn \"$PWD/data\" dev/95a5fec/data && "
+            "{py} scripts/device/step_ab.py --tree block=dev/95a5fec --tree deferred=. --rounds 2 --warmup-steps 10 "
+            f"--out {{out}}/{out} --timeout 150 -- attention=ssa train=gpu_9min {job}")
 
 
 def _attn_pair(out: str, job: str, base: str = "softmax_triton") -> str:

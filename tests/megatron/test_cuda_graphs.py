@@ -645,3 +645,17 @@ def test_the_next_batch_does_not_overwrite_the_buffers_a_running_step_reads(rest
         assert run(loader_cls()) > 0  # megatron's own: the next batch was read by the running step
     cg.order_static_buffer_copies()
     assert run(loader_cls()) == 0.0
+
+
+@pytest.mark.parametrize("fields, label", [({}, "none"), ({"cuda_graph_impl": "local"}, "local"),
+                                           ({"cuda_graph_impl": "local", "cuda_graph_scope": "full_iteration"},
+                                            "local (full_iteration)"),
+                                           ({"cuda_graph_impl": "local", "cuda_graph_scope": ["attn", "mlp"]}, "local")])
+def test_the_path_line_names_the_whole_iteration_graph(fields, label):
+    """model.cuda_graphs=full is impl 'local' with scope full_iteration: the launcher's path
+    line printed 'local' for it, read as the layer graphs."""
+    from nemo_ssa.cli.pretrain import _graphs_label
+
+    assert _graphs_label(types.SimpleNamespace(**fields)) == label
+    if "cuda_graph_scope" in fields and isinstance(fields["cuda_graph_scope"], str):
+        assert _graphs_label(types.SimpleNamespace(**cuda_graph_fields("full"))) == label
