@@ -552,11 +552,20 @@ def _device_info() -> dict:
 
 
 def _commit(arg) -> str:
+    """The commit the results file names: ``--commit``, else git's HEAD, marked where the tree
+    differs from it (the device's copy of a checkout can sit on main's landed head with the
+    session's commits as changes: its HEAD alone named a tree that did not run)."""
     if arg:
         return arg
     try:
-        return subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "unknown (pass --commit)"
+        git = ["git", "-C", REPO]
+        head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        if not head:
+            return "unknown (pass --commit)"
+        changed = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                 text=True, timeout=30).stdout.strip()
+        return f"{head} with uncommitted changes (pass --commit)" if changed else head
     except Exception:  # noqa: BLE001
         return "unknown (pass --commit)"
 

@@ -338,3 +338,24 @@ def test_the_icl_training_budget_ends_before_the_step_is_killed():
         budgets = {float(b) for b in re.findall(r"--budget-s (\S+)", preset["steps"][0][3])}
         assert budgets == {gs.ICL_BUDGET_S}, name
         assert gs.ICL_BUDGET_S + 30 + 40 <= preset["budget"] - 41, name
+
+
+def test_the_results_commit_says_when_the_tree_is_not_its_head(tmp_path, monkeypatch):
+    """Without --commit the results file names git's HEAD; a tree with changes to tracked files
+    (the device's copy of a checkout ahead of main) is marked, not named as HEAD."""
+    session = _load_session()
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git[:3] + ["init", "-q"], check=True)
+    (tmp_path / "f.txt").write_text("a\n")
+    subprocess.run(git + ["add", "f.txt"], check=True)
+    subprocess.run(git + ["commit", "-q", "-m", "one"], check=True)
+    head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    monkeypatch.setattr(session, "REPO", str(tmp_path))
+    assert session._commit(None) == head
+    assert session._commit("abc1234") == "abc1234"
+    (tmp_path / "untracked.txt").write_text("b\n")  # the outputs a session writes are not a change
+    assert session._commit(None) == head
+    (tmp_path / "f.txt").write_text("changed\n")
+    assert session._commit(None) == f"{head} with uncommitted changes (pass --commit)"
+    monkeypatch.setattr(session, "REPO", str(tmp_path / "not-a-repo"))
+    assert session._commit(None) == "unknown (pass --commit)"
