@@ -70,23 +70,32 @@ REFERENCE_OF = {"ssa-dp2": "ssa-1gpu", "softmax-dp2": "softmax-1gpu", "ssa-tp2sp
                 "softmax_triton-tp2dp2": "softmax_triton-1gpu-g128-unfused",
                 "ssa-cp2dp2-16k": "ssa-1gpu-16k",
                 "ssa-cp2dp2-32k": "ssa-1gpu-32k", "softmax_triton-cp2dp2-16k": "softmax_triton-1gpu-16k",
-                "ssa-1gpu-g128-mb16": "ssa-1gpu-g128"}
+                "ssa-1gpu-g128-mb16": "ssa-1gpu-g128",
+                # eight GPUs (issue 45): DP8 and the two launchers of four at global batch 256;
+                # TP2 x DP4 / TP4 x DP2 at 128 on TP's own layers; CP2 x DP4 at 4 x 32K
+                "ssa-dp8": "ssa-1gpu-g256", "softmax_triton-dp8": "softmax_triton-1gpu-g256",
+                "ssa-2x4": "ssa-1gpu-g256",
+                "ssa-tp2dp4": "ssa-1gpu-g128-unfused", "ssa-tp4dp2": "ssa-1gpu-g128-unfused",
+                "ssa-cp2dp4-32k": "ssa-1gpu-32k-g4"}
 #: loss differences reported, not gated: a layout against one GPU on the other implementation,
 #: and the two 1-GPU implementations against each other (how far fused vs unfused layers alone
 #: move this schedule's curve)
 IMPLEMENTATION_GAP_OF = {"ssa-tp2dp2": "ssa-1gpu-g128", "ssa-tp2-g128": "ssa-1gpu-g128",
                          "softmax_triton-tp2dp2": "softmax_triton-1gpu-g128",
                          "ssa-1gpu-g128-unfused": "ssa-1gpu-g128",
-                         "softmax_triton-1gpu-g128-unfused": "softmax_triton-1gpu-g128"}
+                         "softmax_triton-1gpu-g128-unfused": "softmax_triton-1gpu-g128",
+                         "ssa-tp2dp4": "ssa-1gpu-g128", "ssa-tp4dp2": "ssa-1gpu-g128"}
 RESUMED = {"ssa-tp2to1": "ssa-1gpu", "ssa-dp2to1": "ssa-1gpu",
-           "ssa-dp4to2": "ssa-1gpu-g128", "ssa-dp4to1": "ssa-1gpu-g128"}
-KILLED = ("ssa-2node", "ssa-dp4-kill")
+           "ssa-dp4to2": "ssa-1gpu-g128", "ssa-dp4to1": "ssa-1gpu-g128", "ssa-2x4to1": "ssa-1gpu-g256"}
+KILLED = ("ssa-2node", "ssa-dp4-kill", "ssa-2x4")
 #: 1-GPU runs at the per-GPU batch of a data-parallel step (one micro batch of 32): the
 #: weak-scaling speed reference of each DP run, and the speed-up it must reach
-SPEED_REF_OF = {"ssa-dp2-speed": "ssa-1gpu-b32", "softmax-dp2": "softmax-1gpu-b32", "ssa-dp4": "ssa-1gpu-b32"}
-SPEEDUP_TARGET = {"ssa-dp2-speed": 1.8, "softmax-dp2": 1.8, "ssa-dp4": 3.7}
+SPEED_REF_OF = {"ssa-dp2-speed": "ssa-1gpu-b32", "softmax-dp2": "softmax-1gpu-b32", "ssa-dp4": "ssa-1gpu-b32",
+                "ssa-dp8": "ssa-1gpu-b32"}
+SPEEDUP_TARGET = {"ssa-dp2-speed": 1.8, "softmax-dp2": 1.8, "ssa-dp4": 3.7, "ssa-dp8": 7.2}
 #: the same run's speed against one GPU at the same global batch (gradient accumulation)
-SAME_GLOBAL_REF_OF = {"ssa-dp4": "ssa-1gpu-g128"}
+SAME_GLOBAL_REF_OF = {"ssa-dp4": "ssa-1gpu-g128", "ssa-dp8": "ssa-1gpu-g256",
+                      "softmax_triton-dp8": "softmax_triton-1gpu-g256"}
 
 
 # ----------------------------------------------------------------------------- plan
@@ -108,13 +117,15 @@ class Job:
 
 def _pretrain(world: int, overrides: List[str], nodes: Optional[Tuple[int, int, str]] = None) -> List[str]:
     """``nodes`` = (node rank, port, rendezvous id): one of two launcher processes of a
-    two-node run (one GPU each), rendezvous over c10d on localhost as on a cluster."""
+    two-node run (``world // 2`` GPUs each), rendezvous over c10d on localhost as on a cluster."""
     script = os.path.join(REPO, "scripts", "pretrain.py")
     if nodes is not None:
         node_rank, port, rdzv_id = nodes
+        per_node = world // 2
         return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node_rank}",
-                "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}",
-                f"--rdzv-id={rdzv_id}", script, "train.num_nodes=2", "train.num_gpus_per_node=1", *overrides]
+                f"--nproc-per-node={per_node}", "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}",
+                f"--rdzv-id={rdzv_id}", script, "train.num_nodes=2", f"train.num_gpus_per_node={per_node}",
+                *overrides]
     if world == 1:
         return [sys.executable, script, *overrides]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", script,
@@ -239,10 +250,67 @@ def plan(part: str, scratch: str, cpu: bool, extra: Sequence[str] = ()) -> List[
             [Job("softmax_triton-1gpu-g128-unfused", [run("softmax_triton-1gpu-g128-unfused", 1, st, *g128,
                                                           *unfused)], "0")],
         ]
+    if part == "dp8":
+        # eight GPUs (issue 45): the 1-GPU references side by side (global batch 256 = DP8's,
+        # and one micro batch of 32 = DP8's per-GPU work), DP8 with the distributed optimizer
+        # for loss and speed; then the multi-node path: two launchers of four GPUs each
+        # (torchrun --nnodes=2, c10d), rank 5 SIGKILLed after the step-`stop` checkpoint, a copy
+        # of its checkpoint resumed on one GPU, then both launchers resumed
+        g256 = [f"train.global_batch_size={16 if cpu else 256}"]
+        ck = [f"train.ckpt_every_n_steps={stop}", "train.distributed_optimizer=true"]
+        b32 = [f"train.global_batch_size={2 if cpu else 32}", f"train.max_steps={stop}"] + \
+            (["train.warmup_steps=1"] if cpu else [])
+        eight = ",".join(str(i) for i in range(8))
+
+        def two_nodes(port, *extra, kill=None):
+            # one launcher per "node", four GPUs each; one run directory (a shared filesystem)
+            return [Job("ssa-2x4", [run("ssa-2x4", 8, ssa, *g256, *ck, *extra, nodes=(0, port, "ssa-2x4"))],
+                        "0,1,2,3", kill=kill, expect_fail=kill is not None),
+                    Job("ssa-2x4.n1", [run("ssa-2x4", 8, ssa, *g256, *ck, *extra, nodes=(1, port, "ssa-2x4"))],
+                        "4,5,6,7", run="ssa-2x4", expect_fail=kill is not None)]
+
+        return [
+            [Job("ssa-1gpu-g256", [run("ssa-1gpu-g256", 1, ssa, *g256)], "0"),
+             Job("softmax_triton-1gpu-g256", [run("softmax_triton-1gpu-g256", 1, st, *g256)], "1"),
+             Job("ssa-1gpu-b32", [run("ssa-1gpu-b32", 1, ssa, *b32)], "2")],
+            [Job("ssa-dp8", [run("ssa-dp8", 8, ssa, *g256, "train.distributed_optimizer=true")], eight)],
+            [Job("softmax_triton-dp8", [run("softmax_triton-dp8", 8, st, *g256, "train.distributed_optimizer=true")],
+                 eight)],
+            two_nodes(29641, kill=(5, kill_at)),
+            # the killed run's checkpoint copied before the run itself resumes (the resume
+            # writes later ones), resharded DP8 -> DP1
+            [Job("ssa-2x4to1", [run("ssa-2x4to1", 1, ssa, *g256, *ck, "resume=true")], "0", copy_from="ssa-2x4")],
+            two_nodes(29642, "resume=true"),
+        ]
+    if part == "layouts8":
+        # eight GPUs (issue 45): TP2 x DP4 and TP4 x DP2 (TP + SP) at global batch 128, CP2 x DP4
+        # at 32K tokens (4 sequences per step: micro batch 1 x DP4); each gated against one GPU
+        # at the same global batch (TP on TP's own layers, as in layouts4)
+        g128 = [f"train.global_batch_size={8 if cpu else 128}"]
+        unfused = ["model.fused_mlp=false", "model.fused_cross_entropy=false"]  # the layers TP runs
+        cp32 = [f"train.seq_length={(32768 // 256) if cpu else 32768}", "train.micro_batch_size=1",
+                "train.global_batch_size=4"]
+        eight = ",".join(str(i) for i in range(8))
+        # TP4 shards the query groups four ways: the CPU smoke's tiny model has two, so every
+        # run of the part (references too) takes four there
+        arch = ["model.cpu_arch.num_query_groups=4"] if cpu else []
+
+        def tp(n):
+            return [f"train.tensor_parallel={n}", "train.sequence_parallel=true", *g128, *arch]
+
+        return [
+            [Job("ssa-1gpu-g128-unfused", [run("ssa-1gpu-g128-unfused", 1, ssa, *g128, *unfused, *arch)], "0"),
+             Job("ssa-1gpu-g128", [run("ssa-1gpu-g128", 1, ssa, *g128, *arch)], "1"),
+             Job("ssa-1gpu-32k-g4", [run("ssa-1gpu-32k-g4", 1, ssa, *cp32, *arch)], "2")],
+            [Job("ssa-tp2dp4", [run("ssa-tp2dp4", 8, ssa, *tp(2))], eight)],
+            [Job("ssa-tp4dp2", [run("ssa-tp4dp2", 8, ssa, *tp(4))], eight)],
+            [Job("ssa-cp2dp4-32k", [run("ssa-cp2dp4-32k", 8, ssa, "train.context_parallel=2", *cp32, *arch)],
+                 eight)],
+        ]
     raise SystemExit(f"unknown part {part!r}: one of {', '.join(PARTS)}")
 
 
-PARTS = ("dp", "tp_cp", "speed", "dp4", "layouts4")
+PARTS = ("dp", "tp_cp", "speed", "dp4", "layouts4", "dp8", "layouts8")
 
 
 # ----------------------------------------------------------------------------- run

@@ -11,6 +11,7 @@ import csv
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -164,7 +165,11 @@ def test_plan_has_every_run_of_the_issue():
                       "ssa-dp4to1", "ssa-1gpu-16k", "ssa-1gpu-32k", "softmax_triton-1gpu-16k", "ssa-tp2dp2",
                       "softmax_triton-tp2dp2", "ssa-cp2dp2-16k", "softmax_triton-cp2dp2-16k", "ssa-cp2dp2-32k",
                       "ssa-tp2-g128", "ssa-1gpu-g128-mb16", "ssa-1gpu-g128-unfused",
-                      "softmax_triton-1gpu-g128-unfused"}
+                      "softmax_triton-1gpu-g128-unfused",
+                      # eight GPUs (issue 45)
+                      "ssa-1gpu-g256", "softmax_triton-1gpu-g256", "ssa-dp8", "softmax_triton-dp8", "ssa-2x4",
+                      "ssa-2x4.n1", "ssa-2x4to1", "ssa-1gpu-32k-g4", "ssa-tp2dp4", "ssa-tp4dp2",
+                      "ssa-cp2dp4-32k"}
     # every gated four-GPU run has its reference in the plan, and every gate label is a planned run
     for run, ref in {**two_gpu.REFERENCE_OF, **two_gpu.RESUMED, **two_gpu.SPEED_REF_OF,
                      **two_gpu.IMPLEMENTATION_GAP_OF}.items():
@@ -188,6 +193,50 @@ def test_plan_has_every_run_of_the_issue():
         assert "train.num_nodes=2" in cmd and "train.num_gpus_per_node=1" in cmd
     assert {j.gpus for j in nodes[:2]} == {"0", "1"} and "resume=true" in " ".join(nodes[2].launches[0])
 
+
+
+def test_the_eight_gpu_parts_are_whole_nodes_with_their_references_first():
+    """dp8 / layouts8 (issue 45): every multi-GPU job takes the node's eight GPUs, the 1-GPU
+    references run first on distinct GPUs, the global batches match their references', the
+    multi-node path is two torchrun launchers of four GPUs each with a rank of the second killed,
+    and the killed run's checkpoint is copied before the run resumes (a later copy would hold
+    the resumed run's own checkpoints)."""
+    for part in ("dp8", "layouts8"):
+        stages = two_gpu.plan(part, "/s", cpu=False)
+        refs = stages[0]
+        assert all(j.label.split("-")[1] == "1gpu" for j in refs) and len({j.gpus for j in refs}) == len(refs)
+        for stage in stages[1:]:
+            for j in stage:
+                cmd = " ".join(j.launches[0])
+                if j.label.endswith("to1"):
+                    assert j.gpus == "0" and "resume=true" in cmd
+                    continue
+                world = len(j.gpus.split(","))
+                assert world * (2 if j.run == "ssa-2x4" else 1) == 8, j.label
+                ref = two_gpu.REFERENCE_OF[j.run]
+                ref_cmd = " ".join(next(r for r in refs if r.label == ref).launches[0])
+                gb = re.findall(r"train.global_batch_size=(\d+)", cmd)[-1]
+                assert re.findall(r"train.global_batch_size=(\d+)", ref_cmd)[-1] == gb, (j.label, ref)
+    dp8 = two_gpu.plan("dp8", "/s", cpu=False)
+    jobs = [j for stage in dp8 for j in stage]
+    nodes = [j for j in jobs if j.run == "ssa-2x4"]
+    assert len(nodes) == 4 and nodes[0].kill == (5, two_gpu.KILL_AT) and all(j.expect_fail for j in nodes[:2])
+    assert [j.gpus for j in nodes] == ["0,1,2,3", "4,5,6,7"] * 2
+    for j in nodes:
+        cmd = " ".join(j.launches[0])
+        assert "--nnodes=2" in cmd and "--nproc-per-node=4" in cmd and "--rdzv-backend=c10d" in cmd
+        assert "train.num_nodes=2" in cmd and "train.num_gpus_per_node=4" in cmd
+        assert "train.distributed_optimizer=true" in cmd
+    order = [stage[0].label for stage in dp8]
+    assert order.index("ssa-2x4to1") == order.index("ssa-2x4") + 1 and order[-1] == "ssa-2x4"
+    assert "resume=true" in " ".join(dp8[-1][0].launches[0])
+    dp = next(j for j in jobs if j.label == "ssa-dp8")
+    assert "--nproc-per-node=8" in " ".join(dp.launches[0]) and "train.distributed_optimizer=true" in " ".join(dp.launches[0])
+    assert two_gpu.SPEEDUP_TARGET["ssa-dp8"] == 7.2 and two_gpu.SPEED_REF_OF["ssa-dp8"] == "ssa-1gpu-b32"
+    lay = {j.label: " ".join(j.launches[0]) for stage in two_gpu.plan("layouts8", "/s", cpu=False) for j in stage}
+    assert "train.tensor_parallel=2" in lay["ssa-tp2dp4"] and "train.tensor_parallel=4" in lay["ssa-tp4dp2"]
+    assert "train.context_parallel=2" in lay["ssa-cp2dp4-32k"] and "train.seq_length=32768" in lay["ssa-cp2dp4-32k"]
+    assert "model.fused_mlp=false" in lay["ssa-1gpu-g128-unfused"]
 
 def _killed_part(tmp_path, name, *, seg2_first=4, kill=True, rc=-9):
     p = _part(tmp_path, name)
